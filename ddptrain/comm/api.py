@@ -1,0 +1,302 @@
+"""The functional API: ``torch.distributed``'s names and argument order over ddptrain groups.
+
+``import ddptrain.comm as dist`` runs the tutorial's code unchanged. Ranks given as ``src``/``dst``
+are global ranks, as in torch; ``group=None`` means the default (world) group. Every call with
+``async_op=True`` (and ``isend``/``irecv``) returns a :class:`Work`; otherwise it blocks, bounded
+by the group's timeout.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from datetime import timedelta
+from typing import Optional, Sequence
+
+import torch
+
+from .backends import create_backend
+from .backends.torch_c10d import to_reduce_op
+from .process_group import ProcessGroup
+from .ring import ring_all_reduce as _ring_all_reduce
+from .store import DEFAULT_INIT_TIMEOUT, Store, rendezvous, wait_for_all_ranks
+from .types import GroupError, ReduceOp, Work, as_timedelta
+
+
+class _NonMember:
+    """What ``new_group`` returns on ranks outside the new group; any use is refused."""
+
+    def __init__(self, ranks: Sequence[int], rank: int):
+        self.ranks = list(ranks)
+        self.rank = rank
+
+    def __repr__(self):
+        return f"<not a member: rank {self.rank} is outside group {self.ranks}>"
+
+
+class GroupMember:
+    NON_GROUP_MEMBER = _NonMember
+
+
+class _State:
+    world: Optional[ProcessGroup] = None
+    store: Optional[Store] = None
+    groups_created = 0
+    check_collectives = True
+
+
+_state = _State()
+
+
+def is_initialized() -> bool:
+    return _state.world is not None
+
+
+def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
+                       timeout=None, world_size: int = -1, rank: int = -1,
+                       store: Optional[Store] = None, group_name: str = "world",
+                       check_collectives: Optional[bool] = None) -> ProcessGroup:
+    """Join the job: rendezvous with every rank, then build the default group.
+
+    Args:
+        backend: ``"gloo"`` (default), ``"nccl"`` or ``"mpi"``.
+        init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``. Ignored with
+            a warning by ``mpi``, whose ranks come from ``mpirun``.
+        timeout: seconds or timedelta for rendezvous and every later collective (default 30 min).
+        world_size, rank: ``-1`` reads ``WORLD_SIZE``/``RANK`` from the environment.
+        store: an existing :class:`Store` instead of ``init_method`` (needs rank and world_size).
+        check_collectives: before each collective of this functional API, agree across ranks on
+            the operation, shape and dtype, so a mismatch raises a ValueError that lists every
+            rank's tensor instead of crashing the backend. Costs one tiny all-reduce per call
+            (about 1 ms on loopback gloo); default on, off with ``DDPTRAIN_CHECK_COLLECTIVES=0``.
+            The DDP module talks to its ProcessGroup directly and never pays for it.
+
+    Returns:
+        The default :class:`ProcessGroup` (also reachable as ``get_process_group()``).
+    """
+    if _state.world is not None:
+        raise GroupError("init_process_group called twice: the default group already exists "
+                         f"({_state.world!r}); call destroy_process_group() first.")
+    backend = (backend or "gloo").lower()
+    if check_collectives is None:
+        check_collectives = os.environ.get("DDPTRAIN_CHECK_COLLECTIVES", "1") not in ("0", "false", "no")
+    _state.check_collectives = check_collectives
+    timeout_td = as_timedelta(timeout, DEFAULT_INIT_TIMEOUT)
+    if backend == "mpi":
+        if init_method is not None or store is not None:
+            warnings.warn("backend 'mpi' takes rank and world size from the MPI launcher; "
+                          f"init_method={init_method!r} / store are ignored", stacklevel=2)
+        pg = create_backend("mpi", None, rank, world_size, timeout_td)
+        _state.world, _state.store = pg, None
+        return pg
+    if store is not None:
+        if init_method is not None:
+            raise ValueError("pass either init_method or store to init_process_group, not both")
+        if rank < 0 or world_size < 1:
+            raise ValueError(f"init_process_group(store=...) needs rank and world_size, got rank={rank}, "
+                             f"world_size={world_size}")
+        wait_for_all_ranks(store, rank, world_size, timeout_td, "an explicit store")
+        master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    else:
+        info = rendezvous(init_method, rank, world_size, timeout_td)
+        store, rank, world_size, master_addr = info.store, info.rank, info.world_size, info.master_addr
+    pg = create_backend(backend, store.prefixed("world"), rank, world_size, timeout_td, master_addr)
+    pg.name = group_name
+    _state.world, _state.store = pg, store
+    return pg
+
+
+def destroy_process_group(group=None) -> None:
+    """Destroy ``group`` (default: the world group and with it the functional API's state)."""
+    if group is None or group is _state.world:
+        if _state.world is not None:
+            _state.world.destroy()
+        _state.world, _state.store, _state.groups_created = None, None, 0
+    elif isinstance(group, ProcessGroup):
+        group.destroy()
+
+
+def get_process_group() -> ProcessGroup:
+    """The default group; :class:`GroupError` if ``init_process_group`` has not run."""
+    return _resolve(None, "get_process_group")
+
+
+def get_store() -> Store:
+    _resolve(None, "get_store")
+    if _state.store is None:
+        raise GroupError(f"the default group's backend ({_state.world.backend}) uses no key-value store")
+    return _state.store
+
+
+def _resolve(group, op: str) -> ProcessGroup:
+    if isinstance(group, _NonMember):
+        raise GroupError(f"{op}: rank {group.rank} is not a member of group {group.ranks}; only its "
+                         "members may use it (new_group returned a non-member marker on this rank)")
+    if group is None:
+        if _state.world is None:
+            raise GroupError(f"{op}: the default process group is not initialised; call "
+                             "ddptrain.comm.init_process_group(...) first.")
+        group = _state.world
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"{op}: group must be a ddptrain ProcessGroup or None, got {type(group).__name__}")
+    group.check_alive(op)
+    return group
+
+
+def get_rank(group=None) -> int:
+    if group is None and _state.world is None:
+        return -1  # torch.distributed warns and returns -1 outside a job; scripts test for it
+    return _resolve(group, "get_rank").rank()
+
+
+def get_world_size(group=None) -> int:
+    if group is None and _state.world is None:
+        return -1
+    return _resolve(group, "get_world_size").size()
+
+
+def get_backend(group=None) -> str:
+    return _resolve(group, "get_backend").backend
+
+
+def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None):
+    """Create a group of the given global ranks. Every rank of the world must call it, in the
+    same order, as in torch; non-members get a marker that refuses any use."""
+    world = _resolve(None, "new_group")
+    size = world.size()
+    ranks = list(range(size)) if ranks is None else sorted(int(r) for r in ranks)
+    if len(set(ranks)) != len(ranks) or any(not 0 <= r < size for r in ranks) or not ranks:
+        raise ValueError(f"new_group: ranks {ranks} must be distinct global ranks in [0, {size})")
+    if backend is not None and backend.lower() != world.backend:
+        raise ValueError(f"new_group: backend {backend!r} differs from the world's {world.backend!r}; "
+                         "subgroups use the world's backend")
+    _state.groups_created += 1
+    name = f"group{_state.groups_created}"
+    sub = world.new_subgroup(ranks, name, as_timedelta(timeout, world.timeout))
+    return sub if sub is not None else _NonMember(ranks, world.rank())
+
+
+_OP_CODES = {name: i for i, name in enumerate(
+    ["broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter"])}
+# A fixed table: codes must mean the same dtype on every rank, whatever each rank used first.
+_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate([
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128])}
+
+
+def _check_uniform(pg: ProcessGroup, op_name: str, tensor: torch.Tensor, detail: int = 0) -> None:
+    """Agree across ranks on (operation, numel, dtype, detail); raise naming every rank's view.
+
+    One all-reduce of MAX over ``[x, -x]`` gives each field's maximum and minimum at once: equal
+    means every rank agrees. Only on disagreement do we all-gather the full picture (all ranks
+    disagree together, so all take that path and none is left waiting).
+    """
+    if not _state.check_collectives or pg.size() == 1:
+        return
+    dtype_code = _DTYPE_CODES.get(tensor.dtype, 99)
+    fields = torch.tensor([_OP_CODES[op_name], tensor.numel(), dtype_code, detail], dtype=torch.int64)
+    both = torch.cat([fields, -fields])
+    if tensor.is_cuda:
+        both = both.to(tensor.device)
+    pg.all_reduce(both, ReduceOp.MAX).wait()
+    both = both.cpu()
+    if torch.equal(both[:4], -both[4:]):
+        return
+    views = [torch.zeros(4, dtype=torch.int64, device=both.device if not tensor.is_cuda else tensor.device)
+             for _ in range(pg.size())]
+    pg.all_gather(views, fields.to(views[0].device)).wait()
+    names = {v: k for k, v in _OP_CODES.items()}
+    dtypes = {v: k for k, v in _DTYPE_CODES.items()}
+    lines = [f"  rank {pg.global_ranks[i]}: {names.get(int(v[0]), '?')} of {int(v[1])} elements, "
+             f"dtype {dtypes.get(int(v[2]), 'unknown to this rank')}, op/root {int(v[3])}"
+             for i, v in enumerate(views)]
+    raise ValueError(
+        f"{op_name}: the ranks of group {pg.name!r} called mismatched collectives; every rank must "
+        "call the same operation with tensors of the same size and dtype (and the same op/root):\n"
+        + "\n".join(lines) + "\nFix the call so all ranks agree (e.g. pad to a common size), or "
+        "all_gather the sizes first.")
+
+
+def _finish(work: Work, async_op: bool):
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+# -- point to point -------------------------------------------------------------------------
+def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Work:
+    pg = _resolve(group, "isend")
+    return pg.send(tensor, pg.group_rank(dst, "dst"), tag)
+
+
+def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0) -> Work:
+    pg = _resolve(group, "irecv")
+    if src is None:
+        raise ValueError("irecv/recv need src: receiving from any source is not supported")
+    return pg.recv(tensor, pg.group_rank(src, "src"), tag)
+
+
+def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
+    isend(tensor, dst, group, tag).wait()
+
+
+def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0) -> int:
+    irecv(tensor, src, group, tag).wait()
+    return src
+
+
+# -- collectives ----------------------------------------------------------------------------
+def broadcast(tensor, src, group=None, async_op=False):
+    pg = _resolve(group, "broadcast")
+    _check_uniform(pg, "broadcast", tensor, src)
+    return _finish(pg.broadcast(tensor, pg.group_rank(src, "src")), async_op)
+
+
+def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
+    pg = _resolve(group, "all_reduce")
+    _check_uniform(pg, "all_reduce", tensor, list(ReduceOp).index(to_reduce_op(op)))
+    return _finish(pg.all_reduce(tensor, op), async_op)
+
+
+def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
+    pg = _resolve(group, "reduce")
+    _check_uniform(pg, "reduce", tensor, dst * 8 + list(ReduceOp).index(to_reduce_op(op)))
+    return _finish(pg.reduce(tensor, pg.group_rank(dst, "dst"), op), async_op)
+
+
+def all_gather(tensor_list, tensor, group=None, async_op=False):
+    pg = _resolve(group, "all_gather")
+    _check_uniform(pg, "all_gather", tensor)
+    return _finish(pg.all_gather(tensor_list, tensor), async_op)
+
+
+def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
+    pg = _resolve(group, "gather")
+    _check_uniform(pg, "gather", tensor, dst)
+    return _finish(pg.gather(tensor, gather_list, pg.group_rank(dst, "dst")), async_op)
+
+
+def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
+    pg = _resolve(group, "scatter")
+    _check_uniform(pg, "scatter", tensor, src)
+    return _finish(pg.scatter(tensor, scatter_list, pg.group_rank(src, "src")), async_op)
+
+
+def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
+    pg = _resolve(group, "reduce_scatter")
+    _check_uniform(pg, "reduce_scatter", output, list(ReduceOp).index(to_reduce_op(op)))
+    return _finish(pg.reduce_scatter(output, input_list, op), async_op)
+
+
+def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op=False):
+    pg = _resolve(group, "all_to_all")
+    return _finish(pg.all_to_all(output_tensor_list, input_tensor_list), async_op)
+
+
+def barrier(group=None, async_op=False, device_ids=None):
+    return _finish(_resolve(group, "barrier").barrier(), async_op)
+
+
+def ring_all_reduce(tensor, op=ReduceOp.SUM, group=None):
+    """All-reduce in place with ddptrain's ring algorithm over ``isend/irecv`` (see ``comm.ring``)."""
+    return _ring_all_reduce(_resolve(group, "ring_all_reduce"), tensor, op)

@@ -1,0 +1,170 @@
+"""Shared vocabulary of the communication layer: reduce ops, work handles, errors.
+
+Every backend returns a :class:`Work` from every operation, so that callers (the DDP
+reducer, the functional API, the ring all-reduce) never care whether the bytes move on a
+torch/gloo thread, on NCCL streams or on an MPI communication thread.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+from datetime import timedelta
+from typing import Any, Callable, Optional
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    """Reduction applied by ``reduce``, ``all_reduce`` and ``reduce_scatter``."""
+
+    SUM = "sum"
+    PRODUCT = "product"
+    MAX = "max"
+    MIN = "min"
+    AVG = "avg"
+
+    def __repr__(self) -> str:  # reads as the user wrote it: ReduceOp.SUM
+        return f"ReduceOp.{self.name}"
+
+
+class CommError(RuntimeError):
+    """Base class of every error the communication layer raises on purpose."""
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A rendezvous or a collective did not complete within its timeout."""
+
+
+class RendezvousError(CommError):
+    """The processes could not meet: bad init method, port in use, missing variables."""
+
+
+class GroupError(CommError, ValueError):
+    """A group was used wrongly: destroyed, not initialised, or by a rank outside it."""
+
+
+def as_timedelta(timeout: Any, default: Optional[timedelta] = None) -> Optional[timedelta]:
+    """Accept seconds (int/float) or a timedelta; ``None`` gives ``default``."""
+    if timeout is None:
+        return default
+    if isinstance(timeout, timedelta):
+        return timeout
+    if isinstance(timeout, (int, float)):
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout!r} seconds")
+        return timedelta(seconds=float(timeout))
+    raise TypeError(f"timeout must be seconds or a datetime.timedelta, got {type(timeout).__name__}")
+
+
+class Work:
+    """Handle of an asynchronous operation, as returned by ``async_op=True`` calls.
+
+    ``wait()`` blocks until the operation finished (re-raising its error), ``is_completed()``
+    polls, and ``get_future()`` gives a ``torch.futures.Future`` whose value is the output
+    tensor list, for chaining (the DDP communication hooks build on it).
+
+    Subclasses provide ``_wait``; ``result_hook`` runs once after completion (e.g. the
+    division that turns a SUM into an AVG on backends without a native AVG).
+    """
+
+    def __init__(self, op_name: str, outputs: list[torch.Tensor]):
+        self.op_name = op_name
+        self.outputs = outputs
+        self._finalized = False
+        self._lock = threading.Lock()
+        self._post: list[Callable[[], None]] = []
+
+    def add_post_processing(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once, in the waiting thread, right after the operation completes."""
+        self._post.append(fn)
+
+    def _finalize(self) -> None:
+        with self._lock:
+            if self._finalized:
+                return
+            self._finalized = True
+            for fn in self._post:
+                fn()
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until done; raise :class:`CommTimeoutError` after ``timeout`` (seconds or timedelta)."""
+        self._wait(as_timedelta(timeout))
+        self._finalize()
+        return True
+
+    def _wait(self, timeout: Optional[timedelta]) -> None:
+        raise NotImplementedError
+
+    def is_completed(self) -> bool:
+        raise NotImplementedError
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with ``self.outputs`` once the operation (and its post-processing) is done."""
+        raise NotImplementedError
+
+    def exception(self) -> Optional[BaseException]:
+        return None
+
+
+class CompletedWork(Work):
+    """A work that finished synchronously (world size 1, empty ops, local fallbacks)."""
+
+    def __init__(self, op_name: str, outputs: list[torch.Tensor]):
+        super().__init__(op_name, outputs)
+
+    def _wait(self, timeout):
+        pass
+
+    def is_completed(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        self._finalize()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(self.outputs)
+        return fut
+
+
+class FutureWork(Work):
+    """A work backed by a ``torch.futures.Future`` that another thread completes.
+
+    Used by backends that run operations on their own communication thread (the MPI
+    backend) and by composite operations such as the ring all-reduce.
+    """
+
+    def __init__(self, op_name: str, outputs: list[torch.Tensor], future: torch.futures.Future,
+                 default_timeout: Optional[timedelta] = None, describe: str = ""):
+        super().__init__(op_name, outputs)
+        self._future = future
+        self._default_timeout = default_timeout
+        self._describe = describe
+        self._done = threading.Event()
+        future.add_done_callback(lambda _f: self._done.set())
+
+    def _wait(self, timeout):
+        timeout = timeout or self._default_timeout
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise CommTimeoutError(
+                f"{self.op_name} {self._describe}did not complete within {timeout.total_seconds():g} s; "
+                "a peer rank may have died or never called the same operation. "
+                "Raise the timeout (init_process_group(timeout=...)) if the step is just slow.")
+        self._future.wait()  # re-raises the operation's error
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def exception(self):
+        if not self._future.done():
+            return None
+        try:
+            self._future.wait()
+        except BaseException as exc:  # noqa: BLE001 - report whatever the backend raised
+            return exc
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        def finish(fut):
+            fut.wait()
+            self._finalize()
+            return self.outputs
+        return self._future.then(finish)
