@@ -1,0 +1,292 @@
+"""``DistributedDataParallel``: ddptrain's own data-parallel wrapper (not torch's).
+
+Synchronisation points, each a collective that every rank must reach:
+
+* construction — a check that every rank holds the same parameters, then a broadcast of
+  parameters and buffers from rank 0 (``init_sync=True``);
+* every forward with gradients enabled — a broadcast of buffers from rank 0
+  (``broadcast_buffers=True`` and the module has buffers), and once, at the second iteration,
+  a broadcast of rank 0's gradient order to rebuild the buckets;
+* every backward of such a forward — one all-reduce per bucket, launched while backward is still
+  running; with ``find_unused_parameters=True`` also a small all-reduce of which parameters were
+  used. Under ``no_sync()`` backward communicates nothing.
+
+So a forward that only one rank runs (e.g. validation on rank 0) must run under
+``torch.no_grad()``, or on ``ddp.module``.
+"""
+from __future__ import annotations
+
+import contextlib
+import zlib
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from ..comm import api as comm_api
+from ..comm.objects import all_gather_object
+from ..comm.process_group import ProcessGroup
+from ..comm.types import ReduceOp
+from .buckets import DEFAULT_BUCKET_CAP_MB, MB
+from .reducer import IterationStats, Reducer
+
+_IGNORED_TORCH_KWARGS = {"check_reduction"}  # deprecated in torch too; accepted for drop-in use
+
+
+def resolve_process_group(process_group=None) -> ProcessGroup:
+    """Our group if given or initialised; else torch.distributed's default group, adapted."""
+    if isinstance(process_group, ProcessGroup):
+        return process_group
+    if process_group is not None:  # a torch.distributed group object
+        from ..comm.backends.torch_c10d import TorchProcessGroup
+        return TorchProcessGroup.from_torch(process_group)
+    if comm_api.is_initialized():
+        return comm_api.get_process_group()
+    import torch.distributed as tdist
+    if tdist.is_available() and tdist.is_initialized():
+        from ..comm.backends.torch_c10d import TorchProcessGroup
+        return TorchProcessGroup.from_torch(None)
+    raise RuntimeError(
+        "DistributedDataParallel needs a process group: call ddptrain.comm.init_process_group(...) "
+        "(or torch.distributed.init_process_group) first, or pass process_group=.")
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel training: each rank runs its own batch, gradients are averaged in backward.
+
+    Takes ``torch.nn.parallel.DistributedDataParallel``'s keyword names, so swapping the class
+    in an existing script works. Keywords: ``device_ids`` (at most one device, the module's),
+    ``output_device``, ``dim`` (0), ``broadcast_buffers``, ``init_sync``, ``process_group`` (a
+    ddptrain ProcessGroup or a torch.distributed group), ``bucket_cap_mb`` (default 25),
+    ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph`` (accepted: the
+    graph is treated as dynamic, which is always correct), ``check_reduction`` (ignored, as in
+    torch). Any other keyword raises ``TypeError`` naming it.
+
+    After construction, ``last_iteration_stats`` describes the latest synchronised backward
+    (buckets, launch times, time spent waiting for communication).
+    """
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, **kwargs):
+        super().__init__()
+        unsupported = sorted(set(kwargs) - _IGNORED_TORCH_KWARGS)
+        if unsupported:
+            raise TypeError(
+                f"DistributedDataParallel got keyword(s) {unsupported} that ddptrain does not support; "
+                "supported: device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, "
+                "bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, static_graph. "
+                "Remove the keyword or use torch.nn.parallel.DistributedDataParallel for it.")
+        if dim != 0:
+            raise ValueError(f"dim={dim}: ddptrain's DistributedDataParallel does not scatter inputs; "
+                             "each rank feeds its own batch. Leave dim=0.")
+        self.module = module
+        self.process_group = resolve_process_group(process_group)
+        self._check_devices(device_ids, output_device)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.bucket_cap_mb = DEFAULT_BUCKET_CAP_MB if bucket_cap_mb is None else float(bucket_cap_mb)
+        if self.bucket_cap_mb < 0:
+            raise ValueError(f"bucket_cap_mb must be >= 0, got {bucket_cap_mb}")
+        self.require_backward_grad_sync = True
+        self._join_depth = 0
+        self._join_iterations = 0
+
+        named = _unique_named_parameters(module)
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                f"DistributedDataParallel was given a module with no parameter that requires a gradient "
+                f"({len(named)} parameter(s), all frozen or none at all): there is nothing to train or "
+                "synchronise. Unfreeze some parameters, or don't wrap this module in DDP.")
+        self._param_names = [n for n, _ in trainable]
+        self._buffers_to_sync = [b for b in module.buffers()]
+        self._verify_same_model(named)
+        if init_sync:
+            self._broadcast_coalesced([p.detach() for _, p in named] + self._buffers_to_sync)
+        self.reducer = Reducer([p for _, p in trainable], self._param_names, self.process_group,
+                               int(self.bucket_cap_mb * MB), gradient_as_bucket_view,
+                               find_unused_parameters)
+
+    # -- construction checks ----------------------------------------------------------------
+    def _check_devices(self, device_ids, output_device) -> None:
+        devices = {p.device for p in self.module.parameters()}
+        if len(devices) > 1:
+            raise ValueError(f"the module's parameters live on several devices {sorted(map(str, devices))}; "
+                             "DistributedDataParallel needs one device per process (move the module first).")
+        if device_ids is not None:
+            ids = list(device_ids)
+            if len(ids) > 1:
+                raise ValueError(f"device_ids={ids}: one device per process, as in torch DDP; "
+                                 "start one process per GPU instead.")
+            if ids and devices:
+                want = torch.device(ids[0]) if not isinstance(ids[0], int) else torch.device("cuda", ids[0])
+                have = next(iter(devices))
+                if want != have:
+                    raise ValueError(f"device_ids={ids} but the module is on {have}; call "
+                                     f"module.to({str(want)!r}) before wrapping it.")
+
+    def _verify_same_model(self, named) -> None:
+        """Fail with the first parameter that differs, naming it and the ranks that disagree."""
+        pg = self.process_group
+        if pg.size() == 1:
+            return
+        meta = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
+        digest = zlib.crc32(repr(meta).encode())
+        t = torch.tensor([digest, -digest], dtype=torch.int64)
+        if pg.backend == "nccl":
+            t = t.cuda()
+        pg.all_reduce(t, ReduceOp.MAX).wait()
+        if int(t[0]) == -int(t[1]):
+            return
+        metas = all_gather_object(pg, meta)
+        ref = metas[0]
+        for rank, other in enumerate(metas[1:], start=1):
+            if other == ref:
+                continue
+            if len(other) != len(ref):
+                detail = f"rank 0 has {len(ref)} parameters, rank {pg.global_ranks[rank]} has {len(other)}"
+            else:
+                i = next(i for i, (a, b) in enumerate(zip(ref, other)) if a != b)
+                detail = (f"parameter #{i}: rank 0 has {ref[i][0]} shape {ref[i][1]} {ref[i][2]} "
+                          f"requires_grad={ref[i][3]}, rank {pg.global_ranks[rank]} has {other[i][0]} "
+                          f"shape {other[i][1]} {other[i][2]} requires_grad={other[i][3]}")
+            raise ValueError(
+                "DistributedDataParallel needs the same model on every rank, and ranks disagree: "
+                f"{detail}. Build the model identically on every rank (same config, same code path).")
+
+    def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast tensors from group rank ``src`` with one collective per dtype."""
+        pg = self.process_group
+        if pg.size() == 1 or not tensors:
+            return
+        by_dtype: dict[tuple, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+        with torch.no_grad():
+            for group in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in group])
+                pg.broadcast(flat, src).wait()
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    # -- forward ----------------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            if self._join_depth:
+                self._join_vote(active=True)
+            self._pre_forward()
+        output = self.module(*inputs, **kwargs)
+        if grad_enabled:
+            self.reducer.prepare_for_backward(output, sync=self.require_backward_grad_sync)
+        return output
+
+    def _pre_forward(self) -> None:
+        self.reducer.prepare_for_forward()
+        if self.broadcast_buffers and self._buffers_to_sync:
+            self._broadcast_coalesced(self._buffers_to_sync)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the next synchronised backward averages their sum."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # -- hooks and stats --------------------------------------------------------------------
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Replace the bucket all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
+
+        Register before the first backward, once (as in torch). ``state=None`` lets the built-in
+        hooks use this module's process group.
+        """
+        if self.reducer.comm_hook is not None:
+            raise RuntimeError("register_comm_hook may be called only once per DDP module")
+        if self.reducer.iteration > 0:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        if state is not None and getattr(state, "process_group", "absent") is None:
+            state.process_group = self.process_group
+        self.reducer.comm_hook = hook
+        self.reducer.comm_hook_state = state
+
+    def set_all_reduce(self, fn: Callable[[torch.Tensor], object]) -> None:
+        """Use ``fn(flat_bucket) -> Work`` (SUM, in place) for buckets, e.g. the ring all-reduce."""
+        self.reducer.all_reduce_fn = fn
+
+    @property
+    def last_iteration_stats(self) -> Optional[IterationStats]:
+        return self.reducer.last_stats
+
+    @property
+    def bucket_assignment(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[self._param_names[i] for i in b] for b in self.reducer.assignment]
+
+    # -- uneven inputs ----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def join(self, enable: bool = True):
+        """Let ranks run different numbers of iterations without hanging.
+
+        Inside the context every forward first agrees on how many ranks are still training (one
+        small all-reduce). A rank that leaves the context early shadows the others' collectives
+        with zero gradients until every rank is done; then all ranks take the parameters and
+        buffers of a rank that ran the most iterations, so they end identical. Gradients are
+        averaged over the full world size, as torch DDP's default.
+        """
+        if not enable:
+            yield
+            return
+        self._join_depth += 1
+        self._join_iterations = 0
+        ok = False
+        try:
+            yield
+            ok = True
+        finally:
+            self._join_depth -= 1
+            if ok:
+                self._shadow_until_all_joined()
+
+    def _join_vote(self, active: bool) -> int:
+        flag = torch.tensor([1 if active else 0], dtype=torch.int64)
+        if self.process_group.backend == "nccl":
+            flag = flag.cuda()
+        self.process_group.all_reduce(flag, ReduceOp.SUM).wait()
+        if active:
+            self._join_iterations += 1
+        return int(flag.item())
+
+    def _shadow_until_all_joined(self) -> None:
+        while self._join_vote(active=False) > 0:
+            self._pre_forward()
+            self.reducer.shadow_iteration()
+        pg = self.process_group
+        # Pick the rank that ran the most iterations (lowest rank on ties) as the reference.
+        score = torch.tensor([self._join_iterations * pg.size() + (pg.size() - 1 - pg.rank())], dtype=torch.int64)
+        if pg.backend == "nccl":
+            score = score.cuda()
+        pg.all_reduce(score, ReduceOp.MAX).wait()
+        src = pg.size() - 1 - int(score.item()) % pg.size()
+        self._broadcast_coalesced([p.detach() for p in self.module.parameters()] + self._buffers_to_sync, src)
+
+
+def _unique_named_parameters(module: nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """Named parameters with tied (shared) ones listed once, in registration order."""
+    seen, out = set(), []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        out.append((name, p))
+    return out

@@ -1,0 +1,111 @@
+"""Small models shared by the tests (importable by spawned workers)."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(nn.Module):
+    """The tutorial's MNIST network."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, 20, kernel_size=5)
+        self.conv2_drop = nn.Dropout2d(p=0.0)  # p=0 keeps DDP and the reference deterministic
+        self.fc1 = nn.Linear(320, 50)
+        self.fc2 = nn.Linear(50, 10)
+
+    def forward(self, x):
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2_drop(self.conv2(x)), 2))
+        x = x.view(-1, 320)
+        x = F.relu(self.fc1(x))
+        x = self.fc2(x)
+        return F.log_softmax(x, dim=1)
+
+
+class BNNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 32)
+        self.bn = nn.BatchNorm1d(32)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc2(F.relu(self.bn(self.fc1(x.view(len(x), -1))))), dim=1)
+
+
+class TiedNet(nn.Module):
+    """Input and output projections share one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(784, 64, bias=False)
+        self.mid = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 784, bias=False)
+        self.head.weight = self.proj.weight  # tied (transposed use below is via the same tensor)
+        self.cls = nn.Linear(784, 10)
+
+    def forward(self, x):
+        h = torch.tanh(self.mid(self.proj(x.view(len(x), -1))))
+        return F.log_softmax(self.cls(torch.tanh(self.head(h))), dim=1)
+
+
+class FrozenNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 32)
+        self.fc1.weight.requires_grad_(False)
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc2(F.relu(self.fc1(x.view(len(x), -1)))), dim=1)
+
+
+class MixedNet(nn.Module):
+    """float32 and float64 parameters in one model."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 32)
+        self.fc2 = nn.Linear(32, 10).double()
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x.view(len(x), -1)))
+        return F.log_softmax(self.fc2(h.double()), dim=1).float()
+
+
+class BranchNet(nn.Module):
+    """A branch used only when ``use_branch`` is set (on some ranks), and a never-used head."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 32)
+        self.branch = nn.Linear(32, 32)
+        self.never = nn.Linear(32, 10)
+        self.fc2 = nn.Linear(32, 10)
+        self.use_branch = False
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x.view(len(x), -1)))
+        if self.use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return F.log_softmax(self.fc2(h), dim=1)
+
+
+class MLP(nn.Module):
+    def __init__(self, width=2048, depth=5):
+        super().__init__()
+        layers, d = [], 784
+        for _ in range(depth):
+            layers += [nn.Linear(d, width), nn.ReLU()]
+            d = width
+        layers.append(nn.Linear(d, 10))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x):
+        return F.log_softmax(self.net(x.view(len(x), -1)), dim=1)
+
+
+MODELS = {"net": Net, "bn": BNNet, "tied": TiedNet, "frozen": FrozenNet, "mixed": MixedNet,
+          "branch": BranchNet, "mlp": MLP}

@@ -1,0 +1,236 @@
+"""Datasets: finding MNIST-style files offline, validating them, and the synthetic task."""
+
+import ast
+import dataclasses
+import gzip
+import os
+import urllib.error
+from pathlib import Path
+
+import pytest
+import torch
+
+import ddptrain.data.datasets as ds
+from ddptrain.data import (
+    DATASET_NAMES,
+    DatasetCorruptError,
+    DatasetNotFoundError,
+    SyntheticClassification,
+    build_dataset,
+    fashion_mnist,
+    mnist,
+    resolve_data_root,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_MNIST_RAW = REPO.parent / "shared" / "data" / "MNIST" / "raw"
+DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")
+GZ_NAMES = [
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+]
+MNIST_TRAIN_LABEL_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
+
+needs_mnist = pytest.mark.skipif(
+    not all((SHARED_MNIST_RAW / n).is_file() for n in GZ_NAMES),
+    reason=f"the shared MNIST files are not in {SHARED_MNIST_RAW}",
+)
+
+
+def snapshot(directory):
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(directory).iterdir())
+
+
+@pytest.fixture
+def no_sources(monkeypatch, tmp_path):
+    """Hide every built-in source so that only what a test provides is found."""
+    monkeypatch.delenv(ds.DATA_SOURCES_ENV, raising=False)
+    monkeypatch.delenv(ds.DATA_ROOT_ENV, raising=False)
+    monkeypatch.setattr(ds, "_REPO_SHARED_DATA", tmp_path / "no-shared-data")
+    monkeypatch.setattr(ds, "_FASHION_MNIST", dataclasses.replace(ds._FASHION_MNIST, system_dirs=()))
+
+
+@pytest.fixture(scope="module")
+def mnist_loaded(tmp_path_factory):
+    """Load both MNIST splits once, from the shared files found via DDPTRAIN_DATA_SOURCES."""
+    if not all((SHARED_MNIST_RAW / n).is_file() for n in GZ_NAMES):
+        pytest.skip(f"the shared MNIST files are not in {SHARED_MNIST_RAW}")
+    root = tmp_path_factory.mktemp("data")
+    before = snapshot(SHARED_MNIST_RAW)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(ds.DATA_SOURCES_ENV, os.pathsep.join(["/nonexistent", str(SHARED_MNIST_RAW)]))
+        mp.setattr(ds, "_REPO_SHARED_DATA", root / "no-shared-data")
+        train = mnist(root, train=True)
+        test = mnist(root, train=False)
+    return root, train, test, before
+
+
+def test_mnist_lengths_labels_and_transform(mnist_loaded):
+    root, train, test, _ = mnist_loaded
+    assert (len(train), len(test)) == (60000, 10000)
+    assert torch.bincount(train.targets, minlength=10).tolist() == MNIST_TRAIN_LABEL_COUNTS
+    image, label = train[0]
+    assert image.shape == (1, 28, 28) and image.dtype == torch.float32
+    assert label == 5  # the well-known first training digit
+    # Normalize((0.1307,), (0.3081,)): background pixels map to -0.1307 / 0.3081.
+    assert image.min().item() == pytest.approx(-0.1307 / 0.3081, abs=1e-4)
+
+
+def test_mnist_source_untouched_and_cache_written(mnist_loaded):
+    root, _, _, before = mnist_loaded
+    assert snapshot(SHARED_MNIST_RAW) == before
+    raw = root / "MNIST" / "raw"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(n[:-3] for n in GZ_NAMES)  # no temp files left
+
+
+def test_mnist_cache_is_used_without_sources(mnist_loaded, no_sources):
+    root = mnist_loaded[0]
+    assert len(mnist(root, train=False)) == 10000
+
+
+def test_data_root_resolution(monkeypatch, tmp_path):
+    monkeypatch.delenv(ds.DATA_ROOT_ENV, raising=False)
+    assert resolve_data_root() == Path("data")
+    monkeypatch.setenv(ds.DATA_ROOT_ENV, str(tmp_path))
+    assert resolve_data_root() == tmp_path
+    assert resolve_data_root(tmp_path / "x") == tmp_path / "x"
+
+
+def test_missing_offline_error_says_what_to_do(no_sources, tmp_path):
+    with pytest.raises(DatasetNotFoundError) as info:
+        mnist(tmp_path / "root", train=True)
+    message = str(info.value)
+    assert isinstance(info.value, FileNotFoundError)
+    for name in GZ_NAMES + [str(tmp_path / "root" / "MNIST" / "raw"), "DDPTRAIN_DATA_SOURCES", "DDPTRAIN_DATA"]:
+        assert name in message
+    assert not (tmp_path / "root").exists()  # nothing created on failure
+
+
+def test_failed_download_is_reported(no_sources, monkeypatch, tmp_path):
+    def offline(*args, **kwargs):
+        raise urllib.error.URLError("no network")
+
+    monkeypatch.setattr(ds, "_torchvision_download", offline)
+    with pytest.raises(DatasetNotFoundError, match=r"(?s)train-images-idx3-ubyte\.gz.*download.*failed.*no network"):
+        mnist(tmp_path, train=True, download=True)
+
+
+def test_fashion_missing_error_names_apt_package(no_sources, tmp_path):
+    with pytest.raises(DatasetNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        fashion_mnist(tmp_path)
+
+
+def source_with(tmp_path, replace):
+    """A source folder linking to the shared MNIST files, with some replaced by bytes."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in GZ_NAMES:
+        if name in replace:
+            (src / name).write_bytes(replace[name])
+        else:
+            (src / name).symlink_to(SHARED_MNIST_RAW / name)
+    return src
+
+
+@needs_mnist
+def test_truncated_gz_gives_clear_error(no_sources, monkeypatch, tmp_path):
+    good = (SHARED_MNIST_RAW / "t10k-images-idx3-ubyte.gz").read_bytes()
+    src = source_with(tmp_path, {"t10k-images-idx3-ubyte.gz": good[: len(good) // 2]})
+    monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(src))
+    with pytest.raises(DatasetCorruptError, match=r"t10k-images-idx3-ubyte\.gz is truncated or corrupt"):
+        mnist(tmp_path / "root", train=True)
+    left = sorted(p.name for p in (tmp_path / "root" / "MNIST" / "raw").iterdir())
+    assert "t10k-images-idx3-ubyte" not in left and not any(n.endswith(".tmp") for n in left)
+
+
+@needs_mnist
+def test_wrong_item_count_gives_clear_error(no_sources, monkeypatch, tmp_path):
+    labels = gzip.decompress((SHARED_MNIST_RAW / "t10k-labels-idx1-ubyte.gz").read_bytes())
+    short = labels[:4] + (9999).to_bytes(4, "big") + labels[8:-1]
+    src = source_with(tmp_path, {"t10k-labels-idx1-ubyte.gz": gzip.compress(short)})
+    monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(src))
+    with pytest.raises(DatasetCorruptError, match="declares 9999 labels, expected 10000"):
+        mnist(tmp_path / "root", train=False)
+
+
+@needs_mnist
+def test_garbage_gz_gives_clear_error(no_sources, monkeypatch, tmp_path):
+    src = source_with(tmp_path, {"train-labels-idx1-ubyte.gz": b"not a gzip file at all"})
+    monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(src))
+    with pytest.raises(DatasetCorruptError, match="train-labels-idx1-ubyte.gz is truncated or corrupt"):
+        mnist(tmp_path / "root")
+
+
+@needs_mnist
+def test_mnist_files_are_not_taken_for_fashion(no_sources, monkeypatch, tmp_path):
+    monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(SHARED_MNIST_RAW))
+    with pytest.raises(DatasetNotFoundError, match=r"(?s)Skipped, another dataset: .*not Fashion-MNIST's"):
+        fashion_mnist(tmp_path, train=False)
+
+
+@pytest.mark.skipif(
+    not all((DEBIAN_FASHION / n).is_file() for n in GZ_NAMES),
+    reason=f"Fashion-MNIST is not installed (apt-get install dataset-fashion-mnist puts it in {DEBIAN_FASHION})",
+)
+def test_fashion_mnist_from_debian_package(monkeypatch, tmp_path):
+    monkeypatch.delenv(ds.DATA_SOURCES_ENV, raising=False)
+    test = fashion_mnist(tmp_path, train=False)
+    assert len(test) == 10000
+    assert torch.bincount(test.targets, minlength=10).tolist() == [1000] * 10
+    assert test[0][0].shape == (1, 28, 28)
+    assert (tmp_path / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte").is_file()
+
+
+def test_synthetic_is_deterministic_and_split():
+    a = SyntheticClassification(256, seed=3)
+    b = SyntheticClassification(256, seed=3)
+    c = SyntheticClassification(256, seed=3, train=False)
+    assert torch.equal(a.data, b.data) and torch.equal(a.targets, b.targets)
+    assert not torch.equal(a.data, c.data)
+    x, y = a[7]
+    assert x.shape == (1, 28, 28) and isinstance(y, int) and 0 <= y < 10
+    assert len(set(a.targets.tolist())) == 10
+
+
+def test_synthetic_is_learnable():
+    torch.manual_seed(0)
+    train = SyntheticClassification(512, input_shape=(16,), num_classes=4, seed=1)
+    test = SyntheticClassification(512, input_shape=(16,), num_classes=4, seed=1, train=False)
+    model = torch.nn.Linear(16, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    first = loss_fn(model(train.data), train.targets).item()
+    for _ in range(100):
+        optimizer.zero_grad()
+        loss = loss_fn(model(train.data), train.targets)
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < first / 2
+    accuracy = (model(test.data).argmax(1) == test.targets).float().mean().item()
+    assert accuracy > 0.8  # the same rule holds on the test split
+
+
+def test_build_dataset_dispatch(mnist_loaded):
+    synthetic = build_dataset("synthetic", train=False, num_samples=32, input_shape=(3,), num_classes=2)
+    assert len(synthetic) == 32 and synthetic[0][0].shape == (3,)
+    assert len(build_dataset("synthetic")) == 10000
+    assert len(build_dataset("mnist", mnist_loaded[0], train=False)) == 10000
+    with pytest.raises(ValueError, match="mnist, fashion_mnist, synthetic"):
+        build_dataset("cifar10")
+    assert DATASET_NAMES == ("mnist", "fashion_mnist", "synthetic")
+
+
+def test_data_package_does_not_import_comm_or_torch_distributed():
+    # The data package needs only (rank, world_size) integers.
+    for path in (REPO / "ddptrain" / "data").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert not name.startswith(("ddptrain.comm", "torch.distributed")), f"{path.name} imports {name}"
