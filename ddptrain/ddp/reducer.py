@@ -115,6 +115,7 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._ready_order: list[int] = []
         self._expect_hooks = False
+        self._finalized = False
         self._callback_queued = False
         self._next_bucket = 0
         self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
@@ -176,6 +177,7 @@ class Reducer:
     def prepare_for_backward(self, outputs, sync: bool) -> None:
         self._expect_hooks = sync
         self._callback_queued = False
+        self._finalized = False
         if not sync:
             return
         for b in self.buckets:
@@ -198,6 +200,8 @@ class Reducer:
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             if not self._expect_hooks:
+                if self._finalized:  # a gradient arrived after this iteration was already reduced
+                    self._raise_ready_twice(index)
                 return  # inside no_sync(), or a forward whose backward is not synchronised
             if not self._callback_queued:
                 self._callback_queued = True
@@ -206,14 +210,17 @@ class Reducer:
             self._mark_ready(index, used=True)
         return hook
 
-    def _mark_ready(self, i: int, used: bool) -> None:
-        if self._ready[i]:
-            raise RuntimeError(
+    def _raise_ready_twice(self, i: int) -> None:
+        raise RuntimeError(
                 f"parameter {self.names[i]!r} was marked ready twice in one backward pass: its "
                 "gradient hook fired again after its bucket was already counted. This happens with "
                 "reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) "
                 "or when a parameter takes part in two backward passes of one forward. Use "
                 "use_reentrant=False, or run the extra backward inside no_sync().")
+
+    def _mark_ready(self, i: int, used: bool) -> None:
+        if self._ready[i]:
+            self._raise_ready_twice(i)
         self._ready[i] = True
         self._ready_order.append(i)
         b_idx, pos = self._locate[i]
@@ -253,6 +260,7 @@ class Reducer:
         stats = self._stats
         stats.backward_end = time.perf_counter()
         self._expect_hooks = False
+        self._finalized = True
         if self._next_bucket < len(self.buckets):
             for b in self.buckets[: self._next_bucket]:
                 _wait(b.work)
