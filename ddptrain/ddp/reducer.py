@@ -229,12 +229,20 @@ class Reducer:
         grad = self.params[i].grad
         if used:
             self._locally_used[i] = 1
+        # Without a comm hook the average is taken here, fused with the copy (one pass over the
+        # gradient, as torch's reducer does); hooks get the raw sum and divide themselves.
+        scale = 1.0 / self.world_size if self.comm_hook is None else None
         if grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
-            view.copy_(grad)
+            if scale is None:
+                view.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=view)
             if self.as_view:
                 self.params[i].grad = view
+        elif scale is not None:
+            view.mul_(scale)  # gradient_as_bucket_view: the gradient already lives in the bucket
         bucket.pending -= 1
         if bucket.pending == 0:
             self._launch_ready_buckets()
@@ -247,8 +255,7 @@ class Reducer:
             if self._stats is not None:
                 self._stats.launch_times[bucket.index] = bucket.launched_at
             if self.comm_hook is None:
-                bucket.buffer.div_(self.world_size)
-                bucket.work = self.all_reduce_fn(bucket.buffer)
+                bucket.work = self.all_reduce_fn(bucket.buffer)  # already divided in _mark_ready
             else:
                 is_last = self._next_bucket == len(self.buckets) - 1
                 bucket.work = self.comm_hook(self.comm_hook_state,
