@@ -1,0 +1,285 @@
+"""The ``mpi`` backend, through mpi4py (PyTorch's wheels ship without their own MPI backend).
+
+As in PyTorch's ProcessGroupMPI, every MPI call runs on one communication thread fed by a queue:
+callers get a :class:`FutureWork` at once and the thread completes it. Collectives run in the
+order they were queued — the same order on every rank, which MPI requires. Point-to-point
+messages are posted as non-blocking ``Isend``/``Irecv`` and completed while the thread polls, so a
+rank may send and receive at once (the ring all-reduce does) without deadlock.
+
+CPU tensors are handed to MPI as zero-copy NumPy views. CUDA tensors, and half-precision tensors
+for reductions (MPI has no float16/bfloat16 arithmetic), are staged through a float32/host copy.
+Ranks and size come from the MPI launcher (``mpirun``/``mpiexec``); a configured world size that
+differs is refused.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+from mpi4py import MPI
+
+from ..process_group import ProcessGroup, check_list_len, check_same_shape
+from ..types import CommError, FutureWork, ReduceOp, RendezvousError, Work
+
+_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
+            ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
+
+
+class _CommThread:
+    """One thread that owns every MPI call of this process."""
+
+    def __init__(self):
+        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._pending: list[tuple] = []  # (request, future, on_done)
+        self._thread = threading.Thread(target=self._loop, name="ddptrain-mpi", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object], outputs) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        self._queue.put((fn, fut, outputs))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                item = self._queue.get(timeout=0.0002 if self._pending else None)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                fn, fut, outputs = item
+                try:
+                    result = fn()
+                    if isinstance(result, tuple) and result and isinstance(result[0], MPI.Request):
+                        self._pending.append((result[0], fut, result[1], outputs))
+                    else:
+                        fut.set_result(outputs)
+                except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
+                    fut.set_exception(exc)
+            self._poll()
+
+    def _poll(self) -> None:
+        still = []
+        for req, fut, on_done, outputs in self._pending:
+            try:
+                if req.Test():
+                    if on_done is not None:
+                        on_done()
+                    fut.set_result(outputs)
+                else:
+                    still.append((req, fut, on_done, outputs))
+            except BaseException as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+        self._pending = still
+
+
+_thread: Optional[_CommThread] = None
+
+
+def _comm_thread() -> _CommThread:
+    global _thread
+    if _thread is None:
+        _thread = _CommThread()
+    return _thread
+
+
+def _staged(t: torch.Tensor, for_reduce: bool):
+    """(buffer MPI can use, function copying the result back into ``t``)."""
+    needs_float = for_reduce and t.dtype in (torch.float16, torch.bfloat16)
+    if not t.is_cuda and t.is_contiguous() and not needs_float and t.dtype != torch.bfloat16:
+        return t.detach().numpy(), None
+    host = t.detach().to("cpu", torch.float32 if (needs_float or t.dtype == torch.bfloat16) else t.dtype).contiguous()
+    return host.numpy(), (lambda: t.copy_(host))
+
+
+class MPIProcessGroup(ProcessGroup):
+    """A ddptrain group over an MPI communicator."""
+
+    backend = "mpi"
+
+    def __init__(self, comm, global_ranks, timeout: timedelta, name: str = "world"):
+        super().__init__(comm.Get_rank(), comm.Get_size(), global_ranks, timeout, name)
+        self.comm = comm
+        self._thread = _comm_thread()
+
+    def _run(self, op_name: str, outputs, fn) -> Work:
+        self.check_alive(op_name)
+        fut = self._thread.submit(fn, outputs)
+        return FutureWork(op_name, outputs, fut, self.timeout,
+                          describe=f"on group {self.name!r} (mpi, rank {self._rank} of {self._size}) ")
+
+    # -- point to point ---------------------------------------------------------------------
+    def send(self, tensor, dst, tag=0):
+        self._check_peer(dst, "send", "dst")
+        buf, _ = _staged(tensor, False)
+        return self._run("send", [tensor], lambda: (self.comm.Isend(buf, dest=dst, tag=tag), None))
+
+    def recv(self, tensor, src, tag=0):
+        self._check_peer(src, "recv", "src")
+        buf, back = _staged(tensor, False)
+        return self._run("recv", [tensor], lambda: (self.comm.Irecv(buf, source=src, tag=tag), back))
+
+    # -- collectives ------------------------------------------------------------------------
+    def broadcast(self, tensor, src):
+        self._check_peer(src, "broadcast", "src")
+        buf, back = _staged(tensor, False)
+
+        def run():
+            self.comm.Bcast(buf, root=src)
+            if back:
+                back()
+        return self._run("broadcast", [tensor], run)
+
+    def _reduce_op(self, op, tensor, name):
+        from .torch_c10d import _check_avg_dtype, to_reduce_op
+        op = to_reduce_op(op)
+        _check_avg_dtype(op, tensor, name)
+        return op
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM):
+        op = self._reduce_op(op, tensor, "all_reduce")
+        buf, back = _staged(tensor, True)
+
+        def run():
+            self.comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+            if op is ReduceOp.AVG:
+                buf[...] /= self._size
+            if back:
+                back()
+        return self._run("all_reduce", [tensor], run)
+
+    def reduce(self, tensor, dst, op=ReduceOp.SUM):
+        self._check_peer(dst, "reduce", "dst")
+        op = self._reduce_op(op, tensor, "reduce")
+        buf, back = _staged(tensor, True)
+
+        def run():
+            if self._rank == dst:
+                self.comm.Reduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op], root=dst)
+                if op is ReduceOp.AVG:
+                    buf[...] /= self._size
+                if back:
+                    back()
+            else:
+                self.comm.Reduce(buf, None, op=_MPI_OPS[op], root=dst)
+        return self._run("reduce", [tensor], run)
+
+    def all_gather(self, tensor_list, tensor):
+        check_list_len("all_gather", "tensor_list", tensor_list, self._size)
+        check_same_shape("all_gather", "tensor_list", tensor, tensor_list)
+        send, _ = _staged(tensor, False)
+        flat = torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype)
+
+        def run():
+            self.comm.Allgather(send, flat.numpy())
+            for out, row in zip(tensor_list, flat):
+                out.copy_(row.view_as(out))
+        return self._run("all_gather", tensor_list, run)
+
+    def gather(self, tensor, gather_list, dst):
+        self._check_peer(dst, "gather", "dst")
+        send, _ = _staged(tensor, False)
+        is_root = self._rank == dst
+        if is_root:
+            check_list_len("gather", "gather_list", gather_list, self._size)
+            check_same_shape("gather", "gather_list", tensor, gather_list)
+        flat = torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype) if is_root else None
+
+        def run():
+            self.comm.Gather(send, flat.numpy() if is_root else None, root=dst)
+            if is_root:
+                for out, row in zip(gather_list, flat):
+                    out.copy_(row.view_as(out))
+        return self._run("gather", gather_list or [], run)
+
+    def scatter(self, tensor, scatter_list, src):
+        self._check_peer(src, "scatter", "src")
+        recv, back = _staged(tensor, False)
+        is_root = self._rank == src
+        if is_root:
+            check_list_len("scatter", "scatter_list", scatter_list, self._size)
+            check_same_shape("scatter", "scatter_list", tensor, scatter_list)
+            flat = torch.stack([t.detach().cpu().reshape(recv.shape) for t in scatter_list]).contiguous()
+            if tensor.dtype == torch.bfloat16:
+                flat = flat.float()
+
+        def run():
+            self.comm.Scatter(flat.numpy() if is_root else None, recv, root=src)
+            if back:
+                back()
+        return self._run("scatter", [tensor], run)
+
+    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
+        check_list_len("reduce_scatter", "input_list", input_list, self._size)
+        check_same_shape("reduce_scatter", "input_list", output, input_list)
+        op = self._reduce_op(op, output, "reduce_scatter")
+        recv, back = _staged(output, True)
+        send = torch.stack([t.detach().cpu() for t in input_list]).to(torch.from_numpy(recv[:0]).dtype).contiguous()
+
+        def run():
+            self.comm.Reduce_scatter_block(send.numpy(), recv, op=_MPI_OPS[op])
+            if op is ReduceOp.AVG:
+                recv[...] /= self._size
+            if back:
+                back()
+        return self._run("reduce_scatter", [output], run)
+
+    def all_to_all(self, output_list, input_list):
+        check_list_len("all_to_all", "output_list", output_list, self._size)
+        check_list_len("all_to_all", "input_list", input_list, self._size)
+        send = torch.cat([t.detach().cpu().reshape(-1) for t in input_list])
+        recv = torch.empty(sum(t.numel() for t in output_list), dtype=send.dtype)
+        if send.dtype == torch.bfloat16:
+            send, recv = send.view(torch.int16), recv.view(torch.int16)  # bytes move unchanged
+        s_counts = [t.numel() for t in input_list]
+        r_counts = [t.numel() for t in output_list]
+
+        def run():
+            self.comm.Alltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts])
+            for out, chunk in zip(output_list, torch.split(recv.view(output_list[0].dtype), r_counts)):
+                out.copy_(chunk.view_as(out))
+        return self._run("all_to_all", output_list, run)
+
+    def barrier(self):
+        return self._run("barrier", [], lambda: self.comm.Barrier())
+
+    def new_subgroup(self, ranks, name, timeout):
+        member = self._rank in ranks
+        box = {}
+
+        def run():
+            box["comm"] = self.comm.Split(0 if member else MPI.UNDEFINED, key=list(ranks).index(self._rank) if member else 0)
+        self._run("new_group", [], run).wait()
+        if not member:
+            return None
+        return MPIProcessGroup(box["comm"], [self.global_ranks[r] for r in ranks], timeout, name)
+
+    def destroy(self):
+        if not self._destroyed and self.comm is not MPI.COMM_WORLD:
+            comm = self.comm
+            try:
+                self._run("destroy", [], lambda: comm.Free()).wait(5)
+            except Exception:  # noqa: BLE001 - freeing a communicator is best effort at teardown
+                pass
+        super().destroy()
+
+
+def make_mpi_group(rank: int, size: int, timeout: timedelta) -> MPIProcessGroup:
+    """The world group; ``rank``/``size`` of -1 mean "whatever mpirun says"."""
+    comm = MPI.COMM_WORLD
+    mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
+    if size not in (-1, None) and size != mpi_size:
+        raise RendezvousError(
+            f"backend 'mpi': the job was configured for world_size={size} but mpirun started "
+            f"{mpi_size} rank(s). Run `mpirun -n {size} ...`, or set the world size to {mpi_size}.")
+    if rank not in (-1, None) and rank != mpi_rank:
+        raise RendezvousError(f"backend 'mpi': rank={rank} was given but MPI says this process is "
+                              f"rank {mpi_rank}; let MPI assign ranks (pass rank=-1).")
+    if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
+        raise CommError("backend 'mpi' needs an MPI library initialised with at least "
+                        "MPI_THREAD_SERIALIZED (ddptrain calls MPI from a communication thread)")
+    return MPIProcessGroup(comm, list(range(mpi_size)), timeout)

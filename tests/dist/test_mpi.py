@@ -1,0 +1,42 @@
+"""The mpi backend under a real `mpiexec` (Open MPI from the `mpi` extra)."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+
+
+def _mpiexec(n, *args, timeout=240):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found: install the mpi extra (pip install 'ddptrain[mpi]')")
+    env = dict(os.environ, PYTHONPATH=ROOT, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMP_NUM_THREADS="1")
+    cmd = [MPIEXEC, "-n", str(n), "--oversubscribe", sys.executable, os.path.join(ROOT, "tests", "mpi_worker.py"), *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_and_ddp_on_mpi(world_size):
+    proc = _mpiexec(world_size)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for r in range(world_size):
+        assert f"rank {r} ok" in proc.stdout
+
+
+def test_world_size_that_differs_from_mpirun_is_refused():
+    proc = _mpiexec(2, "wrong-size", timeout=60)
+    assert "configured for world_size=5 but mpirun started 2 rank(s)" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_missing_mpi4py_gives_the_install_command(monkeypatch):
+    import ddptrain.comm.backends as backends
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    monkeypatch.delitem(sys.modules, "ddptrain.comm.backends.mpi", raising=False)
+    with pytest.raises(Exception, match=r"pip install 'ddptrain\[mpi\]'"):
+        backends.create_backend("mpi", None, -1, -1, None)
