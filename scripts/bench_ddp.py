@@ -28,7 +28,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _bench(rank, world_size, model_names, steps, rounds, bucket_cap_mb):
+def _bench(rank, world_size, model_names, steps, rounds, bucket_cap_mb, gloo_group=None):
     import torch.distributed as tdist
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -36,8 +36,14 @@ def _bench(rank, world_size, model_names, steps, rounds, bucket_cap_mb):
     from ddptrain.ddp import DistributedDataParallel as OurDDP
     from tests.models import MODELS
 
-    tdist.init_process_group("gloo", store=tdist.PrefixStore("torch", dist.get_store().c10d),
-                             rank=rank, world_size=world_size)
+    if dist.get_backend() == "mpi":  # torch's gloo needs a store: rank 0 picks a port, MPI shares it
+        from mpi4py import MPI
+        from ddptrain.launch import find_free_port
+        port = MPI.COMM_WORLD.bcast(find_free_port() if rank == 0 else None, root=0)
+        tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    else:
+        tdist.init_process_group("gloo", store=tdist.PrefixStore("torch", dist.get_store().c10d),
+                                 rank=rank, world_size=world_size)
 
     def average_gradients(model):
         for p in model.parameters():
@@ -74,6 +80,32 @@ def _bench(rank, world_size, model_names, steps, rounds, bucket_cap_mb):
     return results
 
 
+def _mpi_main(args) -> None:
+    """Runs on every rank under mpiexec: ddptrain's DDP on mpi, torch's on gloo."""
+    import ddptrain.comm as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("mpi", timeout=600)
+    res = _bench(dist.get_rank(), dist.get_world_size(), args.models.split(","), args.steps, args.rounds,
+                 args.bucket_cap_mb)
+    from ddptrain.comm.objects import all_gather_object
+    per_rank = all_gather_object(dist.get_process_group(), res)
+    if dist.get_rank() == 0:
+        _print(per_rank, args, "ddptrain DDP on mpi (torch DDP and average_gradients on gloo)")
+
+
+def _print(per_rank, args, title) -> None:
+    models = args.models.split(",")
+    print(f"DDP step time, {args.world_size} processes x 1 thread, batch 64/rank, {title}; "
+          f"median over {args.rounds}x{args.steps} steps (rank 0; rank 1 in brackets)\n")
+    print("| model | no sync ms | average_gradients ms | torch DDP ms | ddptrain DDP ms | ddptrain/torch |")
+    print("|---|---|---|---|---|---|")
+    for name in models:
+        r0, r1 = per_rank[0][name], per_rank[1][name]
+        cells = [f"{r0[k]:.1f} [{r1[k]:.1f}]" for k in ("no sync", "average_gradients", "torch DDP", "ddptrain DDP")]
+        ratio = r0["ddptrain DDP"] / r0["torch DDP"]
+        print(f"| {name} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+
+
 def main() -> None:
     from ddptrain.testing import run_distributed
 
@@ -83,19 +115,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--backend", choices=["gloo", "mpi"], default="gloo",
+                    help="backend of ddptrain's DDP (torch DDP always runs on gloo)")
+    ap.add_argument("--mpi-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    models = args.models.split(",")
-    per_rank = run_distributed(_bench, args.world_size, models, args.steps, args.rounds, args.bucket_cap_mb,
-                               timeout_s=3600, comm_timeout_s=600, threads_per_worker=1)
-    print(f"DDP step time, {args.world_size} gloo processes x 1 thread, batch 64/rank, "
-          f"median over {args.rounds}x{args.steps} steps (rank 0; rank 1 in brackets)\n")
-    print("| model | no sync ms | average_gradients ms | torch DDP ms | ddptrain DDP ms | ddptrain/torch |")
-    print("|---|---|---|---|---|---|")
-    for name in models:
-        r0, r1 = per_rank[0][name], per_rank[1][name]
-        cells = [f"{r0[k]:.1f} [{r1[k]:.1f}]" for k in ("no sync", "average_gradients", "torch DDP", "ddptrain DDP")]
-        ratio = r0["ddptrain DDP"] / r0["torch DDP"]
-        print(f"| {name} | " + " | ".join(cells) + f" | {ratio:.3f} |")
+    if args.mpi_child:
+        return _mpi_main(args)
+    if args.backend == "mpi":
+        import shutil
+        import subprocess
+        mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+        cmd = [mpiexec, "-n", str(args.world_size), "--oversubscribe", sys.executable, __file__, "--mpi-child",
+               "--models", args.models, "--steps", str(args.steps), "--rounds", str(args.rounds),
+               "--bucket-cap-mb", str(args.bucket_cap_mb), "--world-size", str(args.world_size)]
+        raise SystemExit(subprocess.call(cmd, env=env))
+    per_rank = run_distributed(_bench, args.world_size, args.models.split(","), args.steps, args.rounds,
+                               args.bucket_cap_mb, timeout_s=3600, comm_timeout_s=600, threads_per_worker=1)
+    _print(per_rank, args, "all on gloo")
 
 
 if __name__ == "__main__":

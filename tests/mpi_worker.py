@@ -36,6 +36,8 @@ for name, cap, view in (("net", 0.001, False), ("mixed", 1, True), ("bn", 1, Fal
     from ddptrain.comm.objects import all_gather_object
     digests = all_gather_object(pg, res["digest"])
     assert len(set(digests)) == 1, (name, digests)
+ring = _equivalence_case(r, n, "net", 0.001, False, ring=True)
+assert ring["diff"] <= 1e-6, ring
 ov = _overlap_body(r, n)
 assert ov["n"] >= 2 and ov["first_launch"] < ov["end"], ov
 print("rank", r, "ok")

@@ -78,3 +78,33 @@ def ring_all_reduce(group: ProcessGroup, tensor: torch.Tensor, op: ReduceOp = Re
     if work_tensor is not tensor:
         tensor.copy_(work_tensor)
     return tensor
+
+
+class RingAllReducer:
+    """``ring_all_reduce`` as an asynchronous SUM all-reduce: ``reducer(tensor) -> Work``.
+
+    Calls run one after another on a worker thread of their own (so buckets keep their order on
+    every rank), leaving the caller — the DDP reducer inside backward — free to go on. Plug into
+    DDP with ``ddp.set_all_reduce(RingAllReducer(group))`` (config: ``ddp.algorithm=ring``).
+    """
+
+    def __init__(self, group: ProcessGroup):
+        import concurrent.futures
+
+        self.group = group
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-ring")
+
+    def __call__(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM):
+        from .types import FutureWork
+
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def run():
+            try:
+                ring_all_reduce(self.group, tensor, op)
+                fut.set_result([tensor])
+            except BaseException as exc:  # noqa: BLE001 - surface in the waiter
+                fut.set_exception(exc)
+        self._pool.submit(run)
+        return FutureWork("ring_all_reduce", [tensor], fut, self.group.timeout,
+                          describe=f"on group {self.group.name!r} ")

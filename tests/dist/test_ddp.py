@@ -39,19 +39,21 @@ def _max_diff(a, b) -> float:
     return max((x.double() - y.double()).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
-def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused=False, branch_ranks=()):
+def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused=False, branch_ranks=(),
+                      ring=False):
     torch.manual_seed(0)
     model = MODELS[name]()
     ref = copy.deepcopy(model)
     if name == "branch":
         model.use_branch = rank in branch_ranks
     ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
+    if ring:
+        from ddptrain.comm.ring import RingAllReducer
+        ddp.set_all_reduce(RingAllReducer(ddp.process_group))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     micro = no_sync_steps + 1
     diffs = []
-    for x, y in _batches(ws, STEPS * micro):
-        pass
     batches = _batches(ws, STEPS * micro)
     for step in range(STEPS):
         opt.zero_grad()
@@ -105,6 +107,7 @@ def _equivalence_body(rank, ws):
         out[f"{name}/cap{cap}/view{view}"] = _equivalence_case(rank, ws, name, cap, view)
     for view in (False, True):
         out[f"net/no_sync3/view{view}"] = _equivalence_case(rank, ws, "net", 0.001, view, no_sync_steps=3)
+    out["net/ring"] = _equivalence_case(rank, ws, "net", 0.001, False, ring=True)
     out["branch/find_unused"] = _equivalence_case(rank, ws, "branch", 0.001, False, find_unused=True,
                                                   branch_ranks=(0,))
     out["branch/find_unused/view"] = _equivalence_case(rank, ws, "branch", 1, True, find_unused=True,
