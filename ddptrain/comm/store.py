@@ -119,10 +119,38 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _listen_socket(host: str, port: int, init_method: str) -> socket.socket:
+    """Rank 0's listening socket, bound to ``host``'s address only (not every interface).
+
+    torch's TCPStore alone listens on all interfaces; handing it a socket bound here keeps a
+    local job's store on loopback. ``DDPTRAIN_STORE_BIND_ALL=1`` listens everywhere on purpose.
+    """
+    bind_host = "" if os.environ.get("DDPTRAIN_STORE_BIND_ALL") == "1" else host
+    family = socket.AF_INET6 if ":" in host and bind_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((bind_host, port))
+    except OSError as exc:
+        sock.close()
+        if exc.errno == 98:  # EADDRINUSE
+            raise RendezvousError(
+                f"rank 0 cannot listen on {host}:{port} for init_method={init_method!r}: the port is "
+                f"already in use (another job, or a previous run still alive). Pick a free port "
+                f"(MASTER_PORT) or stop the process using it (`ss -ltnp | grep {port}`).") from exc
+        raise RendezvousError(
+            f"rank 0 cannot listen on {host}:{port} for init_method={init_method!r}: {exc}. "
+            "MASTER_ADDR must be an address of the machine running rank 0.") from exc
+    sock.listen(1024)
+    return sock
+
+
 def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
                init_method: str) -> Store:
+    listener = _listen_socket(host, port, init_method) if rank == 0 else None
     try:
-        c10d = tdist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
+        c10d = tdist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False,
+                              master_listen_fd=None if listener is None else listener.fileno())
     except Exception as exc:  # DistNetworkError / RuntimeError: translate what users can act on
         text = str(exc)
         if rank == 0 and ("address already in use" in text.lower() or "EADDRINUSE" in text):
@@ -138,7 +166,9 @@ def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timede
                 "MASTER_ADDR/MASTER_PORT agree on every rank.") from exc
         raise RendezvousError(
             f"could not open the TCP store at {host}:{port} (init_method={init_method!r}, rank {rank}): {text}") from exc
-    return Store(c10d, f"tcp store {host}:{port}")
+    store = Store(c10d, f"tcp store {host}:{port}")
+    store._listener = listener  # the C++ server uses this socket; keep it open as long as the store
+    return store
 
 
 def _file_store(path: str, world_size: int, init_method: str) -> Store:
