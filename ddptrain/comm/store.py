@@ -146,10 +146,11 @@ def _listen_socket(host: str, port: int, init_method: str) -> socket.socket:
 
 
 def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
-               init_method: str) -> Store:
-    listener = _listen_socket(host, port, init_method) if rank == 0 else None
+               init_method: str, serve: bool = True) -> Store:
+    is_server = serve and rank == 0
+    listener = _listen_socket(host, port, init_method) if is_server else None
     try:
-        c10d = tdist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False,
+        c10d = tdist.TCPStore(host, port, world_size, is_server, timeout, wait_for_workers=False,
                               master_listen_fd=None if listener is None else listener.fileno())
     except Exception as exc:  # DistNetworkError / RuntimeError: translate what users can act on
         text = str(exc)
@@ -221,7 +222,13 @@ def rendezvous(init_method: Optional[str], rank: int = -1, world_size: int = -1,
             port_num = int(port)
         except ValueError:
             raise RendezvousError(f"MASTER_PORT={port!r} is not a port number") from None
-        store = _tcp_store(master_addr, port_num, rank, world_size, timeout, init_method)
+        # Under torchrun the agent already serves a store at MASTER_ADDR:MASTER_PORT: every rank
+        # joins it as a client, in a namespace of its own per run and restart.
+        agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+        store = _tcp_store(master_addr, port_num, rank, world_size, timeout, init_method, serve=not agent_store)
+        if agent_store:
+            run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+            store = store.prefixed(f"ddptrain/{run}/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
     elif url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise RendezvousError(f"init_method={init_method!r} must look like tcp://HOST:PORT")

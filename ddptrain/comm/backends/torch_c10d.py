@@ -282,6 +282,16 @@ def _gloo_device(master_addr: Optional[str]):
     if master_addr and is_loopback(master_addr):
         # Everyone is on this machine: talk over loopback, whatever the hostname resolves to.
         return c10d.ProcessGroupGloo.create_device(hostname="127.0.0.1")
+    if master_addr:
+        # Use the local address that routes to rank 0: the machine's hostname may resolve to an
+        # address the peers cannot reach (containers, network namespaces, several NICs).
+        import socket
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master_addr, 9))  # UDP connect sends nothing; it only picks a route
+                return c10d.ProcessGroupGloo.create_device(hostname=probe.getsockname()[0])
+        except OSError:
+            pass
     return c10d.ProcessGroupGloo.create_default_device()
 
 
