@@ -224,6 +224,33 @@ class DistributedDataParallel(nn.Module):
         """Use ``fn(flat_bucket) -> Work`` (SUM, in place) for buckets, e.g. the ring all-reduce."""
         self.reducer.all_reduce_fn = fn
 
+    def check_parameters_in_sync(self) -> None:
+        """Raise ``RuntimeError`` naming the ranks whose parameters or buffers differ from the rest.
+
+        A cheap desynchronisation guard: one CRC32 of every parameter and buffer per rank, all
+        gathered (one small collective). Call it every N steps (the trainer's
+        ``check_sync_every_n_steps``); every rank must call it at the same step.
+        """
+        pg = self.process_group
+        crc = 0
+        for t in list(self.module.parameters()) + self._buffers_to_sync:
+            crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        mine = torch.tensor([crc], dtype=torch.int64)
+        every = [torch.zeros(1, dtype=torch.int64) for _ in range(pg.size())]
+        if pg.backend == "nccl":
+            mine, every = mine.cuda(), [e.cuda() for e in every]
+        pg.all_gather(every, mine).wait()
+        sums = [int(e.item()) for e in every]
+        if len(set(sums)) == 1:
+            return
+        majority = max(set(sums), key=sums.count)
+        diverged = [pg.global_ranks[r] for r, v in enumerate(sums) if v != majority]
+        raise RuntimeError(
+            f"parameters are no longer identical on every rank: rank(s) {diverged} diverged from the "
+            f"others (checksums {sums}). Something changed a replica outside DDP's control (an "
+            "optimizer step on one rank only, rank-dependent code that writes parameters, a "
+            "non-deterministic buffer update). Resume from the last checkpoint and fix that code path.")
+
     @property
     def last_iteration_stats(self) -> Optional[IterationStats]:
         return self.reducer.last_stats

@@ -55,10 +55,11 @@ def _check_avg_dtype(op: ReduceOp, tensor: torch.Tensor, op_name: str) -> None:
 class TorchWork(Work):
     """Wraps a c10d ``Work`` and turns its failures into errors that name the operation."""
 
-    def __init__(self, op_name: str, outputs, c10d_work, group: "TorchProcessGroup"):
+    def __init__(self, op_name: str, outputs, c10d_work, group: "TorchProcessGroup", seq: int = 0):
         super().__init__(op_name, outputs)
         self._work = c10d_work
         self._group = group
+        self._seq = seq
 
     def _wait(self, timeout: Optional[timedelta]) -> None:
         try:
@@ -67,7 +68,7 @@ class TorchWork(Work):
             else:
                 self._work.wait(timeout)
         except RuntimeError as exc:
-            raise self._group.translate_error(self.op_name, exc) from exc
+            raise self._group.translate_error(self.op_name, exc, self._seq) from exc
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -96,6 +97,7 @@ class TorchProcessGroup(ProcessGroup):
         self.master_addr = master_addr
         self._native_avg = native_avg
         self._torch_group = None  # set when adapting a torch.distributed group
+        self._collective_seq = 0  # same count on every rank: collectives are called in one order
 
     @classmethod
     def from_torch(cls, group=None) -> "TorchProcessGroup":
@@ -109,7 +111,31 @@ class TorchProcessGroup(ProcessGroup):
         return pg
 
     # -- plumbing ---------------------------------------------------------------------------
-    def translate_error(self, op: str, exc: BaseException) -> CommError:
+    def _missing_ranks(self, op: str, seq: int) -> str:
+        """Ask the store which ranks reached collective #seq too; '' if the store can't tell.
+
+        Every rank whose collective times out checks in under the same key; after a short grace
+        period the ranks that did not are the ones that never arrived (stuck elsewhere or dead).
+        """
+        if self.store is None or not seq:
+            return ""
+        import time
+        try:
+            key = f"timeout/{seq}"
+            self.store.set(f"{key}/rank{self._rank}", op)
+            deadline = time.monotonic() + min(5.0, self.timeout.total_seconds())
+            while time.monotonic() < deadline:
+                if self.store.check([f"{key}/rank{r}" for r in range(self._size)]):
+                    break
+                time.sleep(0.05)
+            missing = [self.global_ranks[r] for r in range(self._size) if not self.store.check([f"{key}/rank{r}"])]
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0; then we cannot tell
+            return ""
+        if not missing:
+            return " Every rank reached this collective; it may have called it with different arguments."
+        return f" Rank(s) {missing} never arrived at this {op} (collective #{seq} of the group)."
+
+    def translate_error(self, op: str, exc: BaseException, seq: int = 0) -> CommError:
         text = str(exc)
         where = f"{op} on group {self.name!r} ({self.backend}, rank {self._rank} of {self._size})"
         low = text.lower()
@@ -117,7 +143,7 @@ class TorchProcessGroup(ProcessGroup):
             return CommTimeoutError(
                 f"{where} timed out after {self.timeout.total_seconds():g} s: some rank of "
                 f"{self.global_ranks} did not join the operation (it may be stuck, dead, or calling "
-                f"a different collective). Backend said: {text.splitlines()[0]}")
+                f"a different collective).{self._missing_ranks(op, seq)} Backend said: {text.splitlines()[0]}")
         if "connection closed by peer" in low or "connection reset" in low or "broken pipe" in low:
             return CommError(
                 f"{where} failed: a peer closed its connection — a rank of {self.global_ranks} "
@@ -130,11 +156,15 @@ class TorchProcessGroup(ProcessGroup):
 
     def _run(self, op_name: str, outputs, launch) -> Work:
         self.check_alive(op_name)
+        seq = 0
+        if op_name not in ("send", "recv"):
+            self._collective_seq += 1
+            seq = self._collective_seq
         try:
             work = launch()
         except RuntimeError as exc:
-            raise self.translate_error(op_name, exc) from exc
-        return TorchWork(op_name, outputs, work, self)
+            raise self.translate_error(op_name, exc, seq) from exc
+        return TorchWork(op_name, outputs, work, self, seq)
 
     def _reduce_op(self, op, tensor: torch.Tensor, op_name: str):
         """c10d op to run, plus whether a division by size must follow (AVG without native AVG)."""
