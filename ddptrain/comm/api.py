@@ -19,7 +19,7 @@ from .backends.torch_c10d import to_reduce_op
 from .process_group import ProcessGroup
 from .ring import ring_all_reduce as _ring_all_reduce
 from .store import DEFAULT_INIT_TIMEOUT, Store, rendezvous, wait_for_all_ranks
-from .types import GroupError, ReduceOp, Work, as_timedelta
+from .types import CommTimeoutError, GroupError, ReduceOp, Work, as_timedelta
 
 
 class _NonMember:
@@ -68,6 +68,7 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
             the operation, shape and dtype, so a mismatch raises a ValueError that lists every
             rank's tensor instead of crashing the backend. Costs one tiny all-reduce per call
             (about 1 ms on loopback gloo); default on, off with ``DDPTRAIN_CHECK_COLLECTIVES=0``.
+            With the check on, ``async_op=True`` calls return once every rank has called them.
             The DDP module talks to its ProcessGroup directly and never pays for it.
 
     Returns:
@@ -77,6 +78,11 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         raise GroupError("init_process_group called twice: the default group already exists "
                          f"({_state.world!r}); call destroy_process_group() first.")
     backend = (backend or "gloo").lower()
+    from .backends import BACKENDS
+    if backend not in BACKENDS:  # before the rendezvous: a typo must not wait out the init timeout
+        raise ValueError(
+            f"unknown backend {backend!r}; available backends: {', '.join(sorted(BACKENDS))} "
+            "(gloo for CPU tensors, nccl for CUDA tensors, mpi through mpi4py)")
     if check_collectives is None:
         check_collectives = os.environ.get("DDPTRAIN_CHECK_COLLECTIVES", "1") not in ("0", "false", "no")
     _state.check_collectives = check_collectives
@@ -183,12 +189,18 @@ _DTYPE_CODES = {dt: i + 1 for i, dt in enumerate([
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128])}
 
 
-def _check_uniform(pg: ProcessGroup, op_name: str, tensor: torch.Tensor, detail: int = 0) -> None:
+def _check_uniform(pg: ProcessGroup, op_name: str, tensor: torch.Tensor, detail: int = 0,
+                   async_op: bool = False) -> None:
     """Agree across ranks on (operation, numel, dtype, detail); raise naming every rank's view.
 
     One all-reduce of MAX over ``[x, -x]`` gives each field's maximum and minimum at once: equal
     means every rank agrees. Only on disagreement do we all-gather the full picture (all ranks
     disagree together, so all take that path and none is left waiting).
+
+    ``async_op=True`` calls are checked too: a rank may call a collective synchronously while its
+    peer calls it asynchronously, so every call must pay the same check. The price is that an
+    asynchronous call returns only once every rank has called it (switch the check off for code
+    that overlaps an asynchronous collective with point-to-point traffic its peers do first).
     """
     if not _state.check_collectives or pg.size() == 1:
         return
@@ -197,7 +209,11 @@ def _check_uniform(pg: ProcessGroup, op_name: str, tensor: torch.Tensor, detail:
     both = torch.cat([fields, -fields])
     if tensor.is_cuda:
         both = both.to(tensor.device)
-    pg.all_reduce(both, ReduceOp.MAX).wait()
+    try:
+        pg.all_reduce(both, ReduceOp.MAX).wait()
+    except CommTimeoutError as exc:  # name the user's collective, not the check's all-reduce
+        raise CommTimeoutError(f"{op_name}: not every rank of group {pg.name!r} called it in time "
+                               f"(timed out agreeing on its arguments). {exc}") from exc
     both = both.cpu()
     if torch.equal(both[:4], -both[4:]):
         return
@@ -248,43 +264,43 @@ def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int =
 # -- collectives ----------------------------------------------------------------------------
 def broadcast(tensor, src, group=None, async_op=False):
     pg = _resolve(group, "broadcast")
-    _check_uniform(pg, "broadcast", tensor, src)
+    _check_uniform(pg, "broadcast", tensor, src, async_op)
     return _finish(pg.broadcast(tensor, pg.group_rank(src, "src")), async_op)
 
 
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op=False):
     pg = _resolve(group, "all_reduce")
-    _check_uniform(pg, "all_reduce", tensor, list(ReduceOp).index(to_reduce_op(op)))
+    _check_uniform(pg, "all_reduce", tensor, list(ReduceOp).index(to_reduce_op(op)), async_op)
     return _finish(pg.all_reduce(tensor, op), async_op)
 
 
 def reduce(tensor, dst, op=ReduceOp.SUM, group=None, async_op=False):
     pg = _resolve(group, "reduce")
-    _check_uniform(pg, "reduce", tensor, dst * 8 + list(ReduceOp).index(to_reduce_op(op)))
+    _check_uniform(pg, "reduce", tensor, dst * 8 + list(ReduceOp).index(to_reduce_op(op)), async_op)
     return _finish(pg.reduce(tensor, pg.group_rank(dst, "dst"), op), async_op)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
     pg = _resolve(group, "all_gather")
-    _check_uniform(pg, "all_gather", tensor)
+    _check_uniform(pg, "all_gather", tensor, 0, async_op)
     return _finish(pg.all_gather(tensor_list, tensor), async_op)
 
 
 def gather(tensor, gather_list=None, dst=0, group=None, async_op=False):
     pg = _resolve(group, "gather")
-    _check_uniform(pg, "gather", tensor, dst)
+    _check_uniform(pg, "gather", tensor, dst, async_op)
     return _finish(pg.gather(tensor, gather_list, pg.group_rank(dst, "dst")), async_op)
 
 
 def scatter(tensor, scatter_list=None, src=0, group=None, async_op=False):
     pg = _resolve(group, "scatter")
-    _check_uniform(pg, "scatter", tensor, src)
+    _check_uniform(pg, "scatter", tensor, src, async_op)
     return _finish(pg.scatter(tensor, scatter_list, pg.group_rank(src, "src")), async_op)
 
 
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op=False):
     pg = _resolve(group, "reduce_scatter")
-    _check_uniform(pg, "reduce_scatter", output, list(ReduceOp).index(to_reduce_op(op)))
+    _check_uniform(pg, "reduce_scatter", output, list(ReduceOp).index(to_reduce_op(op)), async_op)
     return _finish(pg.reduce_scatter(output, input_list, op), async_op)
 
 

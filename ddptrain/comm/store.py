@@ -182,6 +182,12 @@ def _file_store(path: str, world_size: int, init_method: str) -> Store:
         raise RendezvousError(
             f"init_method={init_method!r}: {path!r} is not writable by this process; every rank "
             "must be able to create and lock that file. Choose a writable path.")
+    try:  # os.access trusts root; only creating the file proves torch's FileStore can (else it retries 300 s)
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+    except OSError as exc:
+        raise RendezvousError(
+            f"init_method={init_method!r}: cannot create {path!r} ({exc.strerror}); every rank must be "
+            "able to create and lock that file. Choose a path on a writable filesystem.") from exc
     try:
         return Store(tdist.FileStore(path, world_size), f"file store {path}")
     except Exception as exc:

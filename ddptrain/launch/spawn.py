@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import time
@@ -82,13 +83,30 @@ def _worker_main(spec: _WorkerSpec, fn: Callable, args: Sequence, kwargs: dict, 
         status = ("ok", result)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
         status = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+    # Plain pickle, not the connection's ForkingPickler: that one passes tensors as shared-memory
+    # handles, which vanish when this worker exits before the parent reads them.
     try:
-        conn.send(status)
+        payload = pickle.dumps(status)
     except Exception as exc:  # an unpicklable result must not look like success
-        conn.send(("error", f"the result of rank {spec.rank} could not be sent to the parent: {exc}", ""))
+        status = ("error", f"the result of rank {spec.rank} could not be sent to the parent: {exc}", "")
+        payload = pickle.dumps(status)
+    conn.send_bytes(payload)
     conn.close()
     if status[0] == "error":
         os._exit(1)  # skip atexit handlers that could block on dead peers
+
+
+# After the first failure, how long the other workers may still report theirs: a rank that
+# raises usually breaks its peers' connections, and the launcher must blame the cause, not them.
+_FAILURE_GRACE_S = 1.0
+_SECONDARY = ("closed its connection", "connection closed", "connection reset", "broken pipe",
+              "timed out", "CommTimeoutError", "peer")
+
+
+def _root_cause(failures: dict) -> "WorkerFailedError":
+    """The failure that started it: one that is not a broken connection or a timeout, if any."""
+    primary = [f for f in failures.values() if not any(k.lower() in str(f).lower() for k in _SECONDARY)]
+    return (primary or list(failures.values()))[0]
 
 
 def _stop(procs: Sequence[mp.Process], grace_s: float = 3.0) -> None:
@@ -150,49 +168,56 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
         procs.append(p)
         readers[reader] = rank
     results: dict[int, Any] = {}
+    failures: dict[int, WorkerFailedError] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    first_failure_at: Optional[float] = None
     try:
         pending = dict(readers)
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
-        while len(results) < world_size:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                running = [r for r, p in enumerate(procs) if r not in results]
+        while len(results) + len(failures) < world_size:
+            now = time.monotonic()
+            if first_failure_at is not None and now - first_failure_at >= _FAILURE_GRACE_S:
+                break  # the others had their moment to report; stop them now
+            if deadline is not None and now >= deadline:
+                running = [r for r in range(world_size) if r not in results and r not in failures]
                 raise LaunchTimeoutError(
                     f"the job did not finish within {timeout_s:g} s; rank(s) {running} still running "
                     "were killed. A rank may be stuck in a collective its peers never call.")
-            ready = wait_any(list(pending) + list(sentinels), timeout=remaining)
+            limits = [t for t in (None if deadline is None else deadline - now,
+                                  None if first_failure_at is None else first_failure_at + _FAILURE_GRACE_S - now)
+                      if t is not None]
+            ready = wait_any(list(pending) + list(sentinels), timeout=min(limits) if limits else None)
             for obj in ready:
                 if obj in pending:
                     rank = pending.pop(obj)
                     try:
-                        msg = obj.recv()
+                        msg = pickle.loads(obj.recv_bytes())
                     except EOFError:
                         continue  # died before reporting: its sentinel tells how
                     if msg[0] == "error":
-                        raise WorkerFailedError(
+                        failures.setdefault(rank, WorkerFailedError(
                             rank, f"rank {rank} failed: {msg[1]}\n--- traceback of rank {rank} ---\n{msg[2]}",
-                            worker_traceback=msg[2])
-                    results[rank] = msg[1]
+                            worker_traceback=msg[2]))
+                    else:
+                        results[rank] = msg[1]
                 elif obj in sentinels:
                     rank = sentinels.pop(obj)
                     p = procs[rank]
                     p.join()
-                    if rank not in results and p.exitcode != 0:
-                        # the error message may still be in its pipe: prefer it when present
-                        for reader, r in list(pending.items()):
-                            if r == rank and reader.poll(0.5):
-                                try:
-                                    msg = reader.recv()
-                                except EOFError:
-                                    break
-                                if msg[0] == "error":
-                                    raise WorkerFailedError(
-                                        rank, f"rank {rank} failed: {msg[1]}\n--- traceback of rank "
-                                              f"{rank} ---\n{msg[2]}", p.exitcode, msg[2])
-                        raise WorkerFailedError(
-                            rank, f"rank {rank} (pid {p.pid}) {describe_exitcode(p.exitcode)} without "
-                                  "reporting a result; the other ranks were stopped.", p.exitcode)
+                    if rank in results or rank in failures:
+                        continue
+                    reader = next((rd for rd, r in pending.items() if r == rank), None)
+                    if reader is not None and reader.poll(0.5):
+                        continue  # its report is still in the pipe: read it on the next pass
+                    if reader is not None:
+                        pending.pop(reader)
+                    failures[rank] = WorkerFailedError(
+                        rank, f"rank {rank} (pid {p.pid}) {describe_exitcode(p.exitcode)} without "
+                              "reporting a result; the other ranks were stopped.", p.exitcode)
+                if failures and first_failure_at is None:
+                    first_failure_at = time.monotonic()
+        if failures:
+            raise _root_cause(failures)
         return [results[r] for r in range(world_size)]
     finally:
         _stop(procs)

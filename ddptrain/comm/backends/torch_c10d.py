@@ -8,6 +8,7 @@ also adapts a group that user code created through ``torch.distributed`` (``from
 """
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Optional, Sequence
 
@@ -60,18 +61,27 @@ class TorchWork(Work):
         self._work = c10d_work
         self._group = group
         self._seq = seq
+        self._waited = False
+        self._wait_lock = threading.Lock()
 
     def _wait(self, timeout: Optional[timedelta]) -> None:
-        try:
-            if timeout is None:
-                self._work.wait()
-            else:
-                self._work.wait(timeout)
-        except RuntimeError as exc:
-            raise self._group.translate_error(self.op_name, exc, self._seq) from exc
+        # gloo's send/recv works count completions: a second wait() on the same work would block
+        # for a message that never comes. Wait on the backend once; later calls return at once.
+        with self._wait_lock:
+            if self._waited:
+                return
+            try:
+                if timeout is None:
+                    self._work.wait()
+                else:
+                    self._work.wait(timeout)
+            except RuntimeError as exc:
+                raise self._group.translate_error(self.op_name, exc, self._seq, wait_timeout=timeout) from exc
+            self._waited = True
 
     def is_completed(self) -> bool:
-        return self._work.is_completed()
+        # gloo leaves some works (reduce_scatter) "not completed" after a successful wait()
+        return self._waited or self._work.is_completed()
 
     def exception(self):
         return self._work.exception() if self._work.is_completed() else None
@@ -81,7 +91,20 @@ class TorchWork(Work):
             fut.wait()
             self._finalize()
             return self.outputs
-        return self._work.get_future().then(finish)
+        try:
+            return self._work.get_future().then(finish)
+        except RuntimeError:
+            # gloo has no future for some operations (send, recv, reduce_scatter): wait on a thread.
+            fut: torch.futures.Future = torch.futures.Future()
+
+            def waiter():
+                try:
+                    self.wait()
+                    fut.set_result(self.outputs)
+                except BaseException as exc:  # noqa: BLE001 - deliver the failure to the future
+                    fut.set_exception(exc)
+            threading.Thread(target=waiter, daemon=True, name=f"ddptrain-{self.op_name}-future").start()
+            return fut
 
 
 class TorchProcessGroup(ProcessGroup):
@@ -135,10 +158,16 @@ class TorchProcessGroup(ProcessGroup):
             return " Every rank reached this collective; it may have called it with different arguments."
         return f" Rank(s) {missing} never arrived at this {op} (collective #{seq} of the group)."
 
-    def translate_error(self, op: str, exc: BaseException, seq: int = 0) -> CommError:
+    def translate_error(self, op: str, exc: BaseException, seq: int = 0,
+                        wait_timeout: Optional[timedelta] = None) -> CommError:
         text = str(exc)
         where = f"{op} on group {self.name!r} ({self.backend}, rank {self._rank} of {self._size})"
         low = text.lower()
+        if wait_timeout is not None and ("timed out" in low or "timeout" in low):
+            # the caller's own, shorter wait: peers may just be slower, so no store probe
+            return CommTimeoutError(
+                f"{where} did not complete within the {wait_timeout.total_seconds():g} s given to "
+                f"wait(); the operation may still finish. Backend said: {text.splitlines()[0]}")
         if "timed out" in low or "timeout" in low:
             return CommTimeoutError(
                 f"{where} timed out after {self.timeout.total_seconds():g} s: some rank of "
@@ -153,6 +182,14 @@ class TorchProcessGroup(ProcessGroup):
                 f"{where} failed because ranks passed tensors of different sizes or dtypes; every "
                 f"rank must pass the same shape and dtype. Backend said: {text.splitlines()[0]}")
         return CommError(f"{where} failed: {text}")
+
+    def _contiguous(self, tensor: torch.Tensor):
+        """(tensor the backend may use, copy-back or None): backends read raw storage, so a
+        non-contiguous view goes through a contiguous copy instead of corrupting its neighbours."""
+        if tensor.is_contiguous():
+            return tensor, None
+        staged = tensor.contiguous()
+        return staged, (lambda: tensor.copy_(staged))
 
     def _run(self, op_name: str, outputs, launch) -> Work:
         self.check_alive(op_name)
@@ -177,26 +214,38 @@ class TorchProcessGroup(ProcessGroup):
     # -- point to point ---------------------------------------------------------------------
     def send(self, tensor, dst, tag=0):
         self._check_peer(dst, "send", "dst")
-        return self._run("send", [tensor], lambda: self.pg.send([tensor], dst, tag))
+        buf, _ = self._contiguous(tensor)
+        return self._run("send", [tensor], lambda: self.pg.send([buf], dst, tag))
 
     def recv(self, tensor, src, tag=0):
         self._check_peer(src, "recv", "src")
-        return self._run("recv", [tensor], lambda: self.pg.recv([tensor], src, tag))
+        buf, back = self._contiguous(tensor)
+        work = self._run("recv", [tensor], lambda: self.pg.recv([buf], src, tag))
+        if back:
+            work.add_post_processing(back)
+        return work
 
     # -- collectives ------------------------------------------------------------------------
     def broadcast(self, tensor, src):
         self._check_peer(src, "broadcast", "src")
         opts = c10d.BroadcastOptions()
         opts.rootRank = src
-        return self._run("broadcast", [tensor], lambda: self.pg.broadcast([tensor], opts))
+        buf, back = self._contiguous(tensor)
+        work = self._run("broadcast", [tensor], lambda: self.pg.broadcast([buf], opts))
+        if back:
+            work.add_post_processing(back)
+        return work
 
     def all_reduce(self, tensor, op=ReduceOp.SUM):
         c_op, divide = self._reduce_op(op, tensor, "all_reduce")
         opts = c10d.AllreduceOptions()
         opts.reduceOp = c_op
-        work = self._run("all_reduce", [tensor], lambda: self.pg.allreduce([tensor], opts))
+        buf, back = self._contiguous(tensor)
+        work = self._run("all_reduce", [tensor], lambda: self.pg.allreduce([buf], opts))
         if divide:
-            work.add_post_processing(lambda: tensor.div_(self._size))
+            work.add_post_processing(lambda: buf.div_(self._size))
+        if back:
+            work.add_post_processing(back)
         return work
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM):
@@ -205,9 +254,12 @@ class TorchProcessGroup(ProcessGroup):
         opts = c10d.ReduceOptions()
         opts.reduceOp = c_op
         opts.rootRank = dst
-        work = self._run("reduce", [tensor], lambda: self.pg.reduce([tensor], opts))
+        buf, back = self._contiguous(tensor)
+        work = self._run("reduce", [tensor], lambda: self.pg.reduce([buf], opts))
         if divide and self._rank == dst:
-            work.add_post_processing(lambda: tensor.div_(self._size))
+            work.add_post_processing(lambda: buf.div_(self._size))
+        if back and self._rank == dst:
+            work.add_post_processing(back)
         return work
 
     def all_gather(self, tensor_list, tensor):

@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""All-reduce latency and bandwidth: ddptrain's gloo paths against torch.distributed's gloo.
+
+Methods, all in the same worker processes (ddptrain's groups and torch.distributed's default group
+coexist), float32 tensors, SUM:
+
+  torch          torch.distributed.all_reduce(t) on torch's own gloo group (the baseline)
+  ddp-pg         dist.get_process_group().all_reduce(t).wait()   (the ProcessGroup interface, as DDP uses it)
+  ddp-api        dist.all_reduce(t)                              (functional API, with its shape-agreement check)
+  ddp-api-nochk  dist.all_reduce(t) with the check off            (= DDPTRAIN_CHECK_COLLECTIVES=0)
+  ddp-ring       dist.ring_all_reduce(t)                         (ddptrain's ring over gloo send/recv)
+
+For each size the methods are interleaved round by round (the order rotates every round), so slow
+drifts of a shared machine hit all methods alike. A round syncs the ranks with a barrier, then
+times ``--reps`` back-to-back operations on rank 0; the table reports the median over rounds of the
+per-operation time. algbw = bytes / time; busbw = algbw * 2(p-1)/p (what each link carries).
+
+Usage::
+
+    .venv/bin/python scripts/bench_comm.py                 # 4 KiB .. 64 MiB, 2 processes
+    .venv/bin/python scripts/bench_comm.py --quick         # a fast sanity run
+    .venv/bin/python scripts/bench_comm.py --sizes 1M,4M --iters 30 --world-size 3
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import ddptrain.comm as dist  # noqa: E402
+from ddptrain.comm import api as _api  # noqa: E402  (to toggle the shape check in place)
+from ddptrain.launch import find_free_port, launch  # noqa: E402
+
+METHODS = ["torch", "ddp-pg", "ddp-api", "ddp-api-nochk", "ddp-ring"]
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+QUICK_SIZES = "4K,1M,4M"
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if text[-1:] in "KMG" else text) * mult)
+
+
+def human(nbytes: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= div and nbytes % div == 0:
+            return f"{nbytes // div} {unit}"
+    return f"{nbytes} B"
+
+
+def _op(method: str):
+    pg = dist.get_process_group()
+    if method == "torch":
+        return lambda t: torch.distributed.all_reduce(t)
+    if method == "ddp-pg":
+        return lambda t: pg.all_reduce(t).wait()
+    if method in ("ddp-api", "ddp-api-nochk"):
+        return lambda t: dist.all_reduce(t)
+    if method == "ddp-ring":
+        return lambda t: dist.ring_all_reduce(t)
+    raise ValueError(method)
+
+
+def _set_check(method: str) -> None:
+    # Same flag init_process_group sets from DDPTRAIN_CHECK_COLLECTIVES; flipped here so that the
+    # checked and unchecked API calls interleave in one job.
+    _api._state.check_collectives = method != "ddp-api-nochk"
+
+
+def _reps_for(nbytes: int, reps: int | None) -> int:
+    if reps:
+        return reps
+    return max(1, min(20, (1 << 20) // max(nbytes, 1)))  # ~1 MiB of traffic per timed block, at least 1 op
+
+
+def _worker(rank: int, ws: int, torch_port: int, sizes: list[int], iters: int, warmup: int,
+            reps_opt: int | None, methods: list[str]) -> dict:
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank,
+                                         world_size=ws, timeout=timedelta(seconds=300))
+    try:
+        ops = {m: _op(m) for m in methods}
+        # correctness first: every method must compute the same sum
+        for m in methods:
+            _set_check(m)
+            t = torch.full((1000,), float(rank + 1))
+            ops[m](t)
+            want = ws * (ws + 1) / 2
+            if not torch.all(t == want):
+                raise AssertionError(f"{m}: all-reduce gave {t[:3].tolist()}, expected {want}")
+        results: dict = {}
+        for nbytes in sizes:
+            t = torch.zeros(nbytes // 4, dtype=torch.float32)  # zeros stay zeros under SUM
+            reps = _reps_for(nbytes, reps_opt)
+            for m in methods:
+                _set_check(m)
+                for _ in range(warmup):
+                    ops[m](t)
+            times = {m: [] for m in methods}
+            for it in range(iters):
+                order = methods[it % len(methods):] + methods[:it % len(methods)]
+                for m in order:
+                    _set_check(m)
+                    torch.distributed.barrier()
+                    start = time.perf_counter()
+                    for _ in range(reps):
+                        ops[m](t)
+                    times[m].append((time.perf_counter() - start) / reps)
+            results[nbytes] = times
+        return results
+    finally:
+        _set_check("ddp-api")
+        torch.distributed.destroy_process_group()
+
+
+def run(sizes, iters, warmup, reps, world_size, methods, timeout_s):
+    torch_port = find_free_port()
+    # Each library picks its gloo device as it would for a user (ddptrain: 127.0.0.1 for a local job;
+    # torch: the hostname's address); set GLOO_SOCKET_IFNAME to force one interface for both.
+    results = launch(_worker, world_size, (torch_port, sizes, iters, warmup, reps, methods),
+                     backend="gloo", timeout_s=timeout_s, comm_timeout_s=300)
+    return results[0]  # rank 0's clock
+
+
+def table(results, world_size, methods) -> str:
+    factor = 2 * (world_size - 1) / world_size
+    lines = ["| size | method | median ms | algbw GB/s | busbw GB/s | vs torch |",
+             "|---:|:---|---:|---:|---:|---:|"]
+    for nbytes, times in results.items():
+        base = statistics.median(times["torch"]) if "torch" in times else None
+        for m in methods:
+            med = statistics.median(times[m])
+            algbw = nbytes / med / 1e9
+            ratio = f"{med / base:.2f}x" if base else "-"
+            lines.append(f"| {human(nbytes)} | {m} | {med * 1e3:.3f} | {algbw:.3f} | {algbw * factor:.3f} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default=None, help=f"comma-separated sizes (default {DEFAULT_SIZES})")
+    ap.add_argument("--iters", type=int, default=None, help="timed rounds per method and size (default 25)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed operations per method and size")
+    ap.add_argument("--reps", type=int, default=None,
+                    help="operations per timed round (default: about 1 MiB of traffic, 1..20)")
+    ap.add_argument("--world-size", type=int, default=2)
+    ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
+    ap.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 5 rounds: a sanity run")
+    ap.add_argument("--timeout", type=float, default=1800, help="overall limit in seconds")
+    args = ap.parse_args(argv)
+
+    sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")]
+    for s in sizes:
+        if s % 4:
+            ap.error(f"size {s} bytes is not a whole number of float32 elements")
+    iters = args.iters or (5 if args.quick else 25)
+    warmup = 1 if args.quick and args.warmup == 3 else args.warmup
+    methods = [m.strip() for m in args.methods.split(",")]
+    unknown = set(methods) - set(METHODS)
+    if unknown:
+        ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+
+    t0 = time.monotonic()
+    results = run(sizes, iters, warmup, args.reps, args.world_size, methods, args.timeout)
+    load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
+    print(f"all_reduce float32 SUM, {args.world_size} processes on one machine over loopback gloo; torch "
+          f"{torch.__version__}; {os.cpu_count()} CPUs; median of {iters} rounds; "
+          f"load average {load[0]:.2f}; took {time.monotonic() - t0:.0f} s\n")
+    print(table(results, args.world_size, methods))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
