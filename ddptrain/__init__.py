@@ -1,2 +1,29 @@
 """ddptrain: distributed data-parallel training with its own DDP, process groups and trainer."""
 __version__ = "0.1.0"
+
+import importlib
+from typing import Any
+
+# Public names, imported on first use: `python -m ddptrain --help` and config errors then answer
+# without paying for `import torch` (seconds on a busy machine).
+_EXPORTS = {
+    "DistributedDataParallel": "ddptrain.ddp",
+    "Trainer": "ddptrain.trainer", "TrainState": "ddptrain.trainer", "Callback": "ddptrain.trainer",
+    "Config": "ddptrain.trainer", "TrainerConfig": "ddptrain.trainer", "DataConfig": "ddptrain.trainer",
+    "DistConfig": "ddptrain.trainer", "OptimizerConfig": "ddptrain.trainer", "SchedulerConfig": "ddptrain.trainer",
+    "RecipeConfig": "ddptrain.trainer", "LauncherConfig": "ddptrain.trainer", "ConfigError": "ddptrain.trainer",
+    "CheckpointError": "ddptrain.trainer", "SmokeCheckError": "ddptrain.trainer", "run": "ddptrain.trainer",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ddptrain' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,0 +1,86 @@
+"""Console progress on rank 0: a tqdm bar per epoch on a terminal, one log line per epoch always."""
+from __future__ import annotations
+
+import logging
+import sys
+from typing import TYPE_CHECKING, Any, Optional
+
+from .base import Callback
+
+if TYPE_CHECKING:
+    from ..trainer import Trainer
+
+log = logging.getLogger("ddptrain.progress")
+
+
+def _fmt(metrics: dict[str, Any]) -> str:
+    parts = []
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            parts.append(f"{key}={value:.4g}")
+        elif isinstance(value, int) and not isinstance(value, bool):
+            parts.append(f"{key}={value}")
+    return " ".join(parts)
+
+
+class ProgressCallback(Callback):
+    """tqdm bars when stdout is a terminal (quiet in CI logs); epoch summaries through logging.
+
+    Args:
+        bar: ``None`` decides by ``sys.stdout.isatty()``; ``True``/``False`` forces it.
+    """
+
+    def __init__(self, bar: Optional[bool] = None):
+        self.bar_enabled = bar
+        self.bar = None
+
+    def _use_bar(self) -> bool:
+        if self.bar_enabled is not None:
+            return self.bar_enabled
+        try:
+            return sys.stdout.isatty()
+        except (AttributeError, ValueError):  # replaced or closed stdout
+            return False
+
+    def on_fit_start(self, trainer: "Trainer") -> None:
+        if trainer.is_main:
+            state = trainer.state
+            where = f" (resumed at step {state.step}, epoch {state.epoch + 1})" if state.step else ""
+            log.info("training %s on %d rank(s), %s per rank, %d step(s) per epoch, %d epoch(s)%s; output: %s",
+                     type(trainer).__name__, trainer.world_size, trainer.device, trainer.steps_per_epoch,
+                     trainer.config.trainer.epochs, where, trainer.output_dir)
+
+    def on_epoch_start(self, trainer: "Trainer", epoch: int) -> None:
+        if not trainer.is_main or not self._use_bar():
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=trainer.steps_per_epoch, initial=trainer.steps_done_in_epoch,
+                        desc=f"epoch {epoch + 1}/{trainer.config.trainer.epochs}", unit="step",
+                        file=sys.stdout, dynamic_ncols=True, leave=True)
+
+    def on_train_batch_end(self, trainer: "Trainer", loss: float) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def on_log(self, trainer: "Trainer", scalars: dict[str, float]) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", refresh=False)
+
+    def on_epoch_end(self, trainer: "Trainer", epoch: int, metrics: dict[str, Any]) -> None:
+        self._close()
+        if trainer.is_main:
+            log.info("epoch %d/%d: %s", epoch + 1, trainer.config.trainer.epochs, _fmt(metrics))
+
+    def on_fit_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
+        self._close()
+        if trainer.is_main:
+            log.info("done: %s", _fmt(metrics))
+
+    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,205 @@
+"""Checkpoint files: atomic writes, integrity checks, safe loading, and finding the newest good one.
+
+A checkpoint is ``step_<step>.pt`` (``torch.save`` of plain types and tensors, so it loads with
+``torch.load(weights_only=True)``) plus ``step_<step>.pt.sha256`` in ``sha256sum`` format
+(``sha256sum -c`` verifies it by hand). Both are written to temporary files and renamed, the
+digest first: a crash leaves either the previous state or a complete pair, never a half file
+under the final name. ``torch.load`` alone notices truncation but not a flipped byte inside a
+tensor; the digest catches both.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+
+__all__ = ["CheckpointError", "CheckpointWarning", "FORMAT_VERSION", "save_checkpoint", "load_checkpoint",
+           "list_checkpoints", "latest_valid_checkpoint", "resolve_resume_path", "prune_checkpoints",
+           "checkpoint_name"]
+
+FORMAT_VERSION = 1
+"""Version of the dictionary layout written by ``Trainer.checkpoint_state``."""
+REQUIRED_KEYS = ("format_version", "step", "epoch", "world_size", "model", "optimizer", "sampler", "rng")
+_NAME = re.compile(r"^step_(\d+)\.pt$")
+PathLike = Union[str, os.PathLike]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated, corrupt, or does not fit this run."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (e.g. corrupt) and an older one used instead."""
+
+
+def checkpoint_name(step: int) -> str:
+    """File name of the checkpoint written after ``step`` optimizer steps."""
+    return f"step_{step:09d}.pt"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def save_checkpoint(path: PathLike, state: dict[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically, with its SHA-256 digest beside it.
+
+    Returns:
+        The path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    data = buffer.getvalue()
+    digest = hashlib.sha256(data).hexdigest()
+    # Digest first: a checkpoint under its final name always has its digest.
+    _write_atomic(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
+    _write_atomic(path, data)
+    return path
+
+
+def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]:
+    """Load and verify a checkpoint written by :func:`save_checkpoint`.
+
+    Loads with ``torch.load(weights_only=True)``: no code from the file runs.
+
+    Raises:
+        CheckpointError: missing, truncated or corrupt file (digest mismatch, unreadable archive),
+            or not a ddptrain checkpoint; the message lists other checkpoints next to it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {path} does not exist{_others(path)}")
+    data = path.read_bytes()
+    sidecar = path.with_name(path.name + ".sha256")
+    if sidecar.is_file():
+        expected = sidecar.read_text().split()[0] if sidecar.read_text().strip() else ""
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected:
+            raise CheckpointError(
+                f"checkpoint {path} is corrupt or truncated: its SHA-256 is {actual[:16]}..., but "
+                f"{sidecar.name} records {expected[:16] or 'nothing'}... ({len(data)} bytes on disk). "
+                f"It was not loaded and nothing was deleted.{_others(path)}")
+    else:
+        warnings.warn(f"checkpoint {path} has no {sidecar.name}: its integrity cannot be verified "
+                      "beyond what torch.load checks", CheckpointWarning, stacklevel=2)
+    try:
+        state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError... for bad files
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(exc).__name__}: {detail}): "
+            f"it is truncated, corrupt, or not a torch checkpoint. It was not loaded and nothing was "
+            f"deleted.{_others(path)}") from exc
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
+        missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+        raise CheckpointError(f"{path} is not a ddptrain checkpoint: keys {missing} are missing.{_others(path)}")
+    if state["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"{path} has checkpoint format {state['format_version']!r}; this ddptrain "
+                              f"reads format {FORMAT_VERSION}")
+    return state
+
+
+def _others(path: Path) -> str:
+    others = [p for p in list_checkpoints(path.parent) if p != path] if path.parent.is_dir() else []
+    if not others:
+        return ""
+    names = ", ".join(p.name for p in reversed(others[-3:]))
+    return (f" Other checkpoints in {path.parent}: {names}; resume from one with "
+            f"trainer.resume=<path>, or trainer.resume=latest to take the newest valid one.")
+
+
+def list_checkpoints(directory: PathLike) -> list[Path]:
+    """Checkpoints in ``directory``, oldest (fewest steps) first."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_valid_checkpoint(directory: PathLike) -> Optional[Path]:
+    """The newest checkpoint in ``directory`` that loads and verifies; ``None`` if there is none.
+
+    Corrupt newer ones are skipped with a :class:`CheckpointWarning` naming each and why.
+
+    Raises:
+        CheckpointError: checkpoints exist but none of them is valid.
+    """
+    candidates = list_checkpoints(directory)
+    problems = []
+    for path in reversed(candidates):
+        try:
+            load_checkpoint(path)
+        except CheckpointError as exc:
+            problems.append(f"{path.name}: {exc}")
+            warnings.warn(f"skipping checkpoint {path}: {exc}", CheckpointWarning, stacklevel=2)
+            continue
+        if problems:
+            warnings.warn(f"resuming from {path.name}, the newest valid checkpoint in {directory}",
+                          CheckpointWarning, stacklevel=2)
+        return path
+    if candidates:
+        raise CheckpointError(f"none of the {len(candidates)} checkpoint(s) in {directory} is valid:\n  "
+                              + "\n  ".join(problems))
+    return None
+
+
+def resolve_resume_path(resume: str, checkpoint_dir: PathLike) -> Optional[Path]:
+    """Turn ``trainer.resume`` into a checkpoint file.
+
+    Args:
+        resume: ``latest`` (newest valid in ``checkpoint_dir``), a directory (newest valid in it or
+            in its ``checkpoints/``), or a file.
+        checkpoint_dir: this run's checkpoint directory.
+
+    Returns:
+        The file, or ``None`` for ``latest`` when ``checkpoint_dir`` holds no checkpoint at all.
+
+    Raises:
+        CheckpointError: a path that does not exist, or a directory without a valid checkpoint.
+    """
+    if resume == "latest":
+        return latest_valid_checkpoint(checkpoint_dir)
+    path = Path(resume).expanduser()
+    if path.is_dir():
+        for directory in (path, path / "checkpoints"):
+            if list_checkpoints(directory):
+                return latest_valid_checkpoint(directory)
+        raise CheckpointError(f"trainer.resume={resume}: the directory holds no checkpoint (step_*.pt), "
+                              "nor does its checkpoints/ folder")
+    if not path.is_file():
+        raise CheckpointError(f"trainer.resume={resume}: no such file or directory. Pass a checkpoint "
+                              "file, a run directory, or 'latest'")
+    return path
+
+
+def prune_checkpoints(directory: PathLike, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` checkpoints (and their digests); return the deleted."""
+    deleted = []
+    for path in list_checkpoints(directory)[:-keep_last] if keep_last > 0 else []:
+        for p in (path, path.with_name(path.name + ".sha256")):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+        deleted.append(path)
+    return deleted

@@ -1,0 +1,57 @@
+"""Capture and restore every random number generator a training step may draw from.
+
+States are stored as tensors and plain Python types only, so a checkpoint holding them loads
+with ``torch.load(weights_only=True)``: Python's ``random`` state becomes an int64 tensor, numpy's
+its key tensor plus integers.
+"""
+from __future__ import annotations
+
+import random
+from typing import Any, Optional
+
+import torch
+
+try:  # numpy is optional: torch runs without it
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with torchvision
+    np = None
+
+__all__ = ["seed_everything", "capture_rng_state", "restore_rng_state"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and CUDA), Python's ``random`` and numpy with ``seed``."""
+    torch.manual_seed(seed)  # also seeds every CUDA device
+    random.seed(seed)
+    if np is not None:
+        np.random.seed(seed % 2**32)
+
+
+def capture_rng_state(device: Optional[torch.device] = None) -> dict[str, Any]:
+    """This process's generator states, as tensors and plain types."""
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "numpy": None,
+        "cuda": None,
+    }
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")),
+                          "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def restore_rng_state(state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+    """Put back what :func:`capture_rng_state` returned."""
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    if np is not None and state.get("numpy") is not None:
+        n = state["numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
+    if device is not None and device.type == "cuda" and state.get("cuda") is not None:
+        torch.cuda.set_rng_state(state["cuda"], device)

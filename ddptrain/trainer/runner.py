@@ -1,0 +1,121 @@
+"""Running a whole job from a :class:`Config`: spawn local ranks, or be one rank of an external launch.
+
+``run(config)`` is what ``python -m ddptrain`` calls after composing the config; Python users can
+call it too. Before any worker starts it checks everything it can in this one process (config,
+device, data, the checkpoint to resume from), so a mistake costs a second and prints one error
+instead of one traceback per rank.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+from ..launch.env import ClusterEnvironment, detect_environment
+from ..launch.spawn import launch
+from .checkpoint_io import load_checkpoint, resolve_resume_path
+from .config import Config, ConfigError, check_device, locate, validate
+
+__all__ = ["run", "load_trainer_class"]
+
+_EXPECTED_ENV = {"torchrun": ("torchrun", "torchrun --nproc-per-node=2 -m ddptrain recipe=mnist launcher=torchrun"),
+                 "mpirun": ("mpi", "mpirun -n 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 "
+                                   ".venv/bin/python -m ddptrain recipe=mnist launcher=mpirun")}
+
+
+def load_trainer_class(config: Config) -> type:
+    """The ``Trainer`` subclass named by ``recipe.trainer_class``."""
+    from .trainer import Trainer
+
+    cls = locate(config.recipe.trainer_class, "recipe.trainer_class")
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise ConfigError(f"recipe.trainer_class={config.recipe.trainer_class} is {cls!r}, not a subclass of "
+                          "ddptrain.Trainer")
+    return cls
+
+
+def run(config: Config) -> dict[str, Any]:
+    """Run the job described by ``config``; rank 0's final metrics.
+
+    Under torchrun, mpirun or srun this process is one rank: it trains in place. Otherwise
+    (``launcher=local``) it starts ``dist.world_size`` worker processes on this machine and waits.
+
+    Raises:
+        ConfigError: bad configuration, wrong launcher, missing device.
+        DatasetNotFoundError, CheckpointError: found before any worker starts.
+        ddptrain.launch.WorkerFailedError: a rank failed (its message and traceback included).
+    """
+    env = detect_environment()
+    cls = load_trainer_class(config)
+    if env.is_launched_externally():
+        _check_launcher(config, env)
+        validate(config, env.world_size)
+        check_device(config, env.local_world_size)
+        cls.prepare_data(config)  # every rank: safe, dataset caches are written atomically
+        return _run_rank(env.rank, env.world_size, config)
+    if config.launcher.name != "local":
+        name = config.launcher.name
+        raise ConfigError(f"launcher={name}, but this process was not started by {name} (no {_EXPECTED_ENV[name][0]} "
+                          f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
+                          "to spawn the workers here.")
+    world_size = config.dist.world_size
+    validate(config, world_size)
+    check_device(config, world_size)
+    if config.model.get("_target_"):
+        locate(config.model["_target_"], "model._target_")  # a typo fails here, not once per rank
+    preflight_resume(config, world_size)
+    cls.prepare_data(config)  # once, here: decompression and missing files surface before spawning
+    results = launch(_run_rank, world_size, args=(config,), timeout_s=config.dist.job_timeout_s,
+                     threads_per_worker=config.dist.threads_per_worker or None)
+    return results[0]
+
+
+def preflight_resume(config: Config, world_size: int) -> None:
+    """Refuse a missing, corrupt or wrong-world-size checkpoint before any worker starts."""
+    from .trainer import check_world_size
+
+    resume = config.trainer.resume
+    if not resume:
+        return
+    output_dir = Path(config.trainer.output_dir or ".")
+    with warnings.catch_warnings():  # rank 0 repeats any warning when it resumes for real
+        warnings.simplefilter("ignore")
+        path = resolve_resume_path(resume, output_dir / "checkpoints")
+        if path is None:
+            return
+        ckpt = load_checkpoint(path)
+    check_world_size(ckpt["world_size"], world_size, config.trainer.allow_world_size_change, path)
+
+
+def _check_launcher(config: Config, env: ClusterEnvironment) -> None:
+    name = config.launcher.name
+    if name != "local" and env.name != _EXPECTED_ENV[name][0]:
+        raise ConfigError(f"launcher={name}, but this process was started by {env.name}; use launcher={env.name} "
+                          "or launcher=local (which accepts any external launcher)")
+    if config.dist.world_size != env.world_size and env.rank == 0:
+        logging.getLogger("ddptrain.runner").info(
+            "%s started %d rank(s); dist.world_size=%d is ignored", env.name, env.world_size, config.dist.world_size)
+
+
+def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
+    """One rank's whole job (also the local workers' entry point)."""
+    _setup_logging(rank, config)
+    return load_trainer_class(config)(config).fit()
+
+
+def _setup_logging(rank: int, config: Config) -> None:
+    """Console logging for ranks that have none (spawned workers, ranks > 0 of an external launch)."""
+    logger = logging.getLogger("ddptrain")
+    if logging.getLogger().handlers or logger.handlers:
+        return  # e.g. rank 0 under Hydra: its handlers (console and file) already do the job
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s", "%H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    if rank == 0 and config.trainer.output_dir:
+        Path(config.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+        file_handler = logging.FileHandler(Path(config.trainer.output_dir) / "train.log")
+        file_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+        logger.addHandler(file_handler)

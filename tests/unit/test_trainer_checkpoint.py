@@ -1,0 +1,120 @@
+"""Checkpoint files: atomic, verified, loadable with weights_only, corrupt ones refused and kept."""
+import random
+import warnings
+
+import pytest
+import torch
+
+from ddptrain.trainer.checkpoint_io import (FORMAT_VERSION, CheckpointError, CheckpointWarning, checkpoint_name,
+                                            latest_valid_checkpoint, list_checkpoints, load_checkpoint,
+                                            prune_checkpoints, resolve_resume_path, save_checkpoint)
+from ddptrain.trainer.rng import capture_rng_state, restore_rng_state
+
+
+def _state(step, **extra):
+    state = {"format_version": FORMAT_VERSION, "step": step, "epoch": 0, "world_size": 2,
+             "model": {"w": torch.full((100,), float(step))}, "optimizer": {}, "sampler": {}, "rng": []}
+    state.update(extra)
+    return state
+
+
+def _write(directory, step):
+    return save_checkpoint(directory / checkpoint_name(step), _state(step))
+
+
+def test_round_trip_and_digest_file(tmp_path):
+    path = _write(tmp_path, 5)
+    assert path.name == "step_000000005.pt"
+    digest_line = (tmp_path / "step_000000005.pt.sha256").read_text()
+    assert digest_line.endswith("  step_000000005.pt\n") and len(digest_line.split()[0]) == 64
+    loaded = load_checkpoint(path)
+    assert torch.equal(loaded["model"]["w"], torch.full((100,), 5.0))
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no temporary left behind
+
+
+def test_rng_states_survive_weights_only(tmp_path):
+    torch.manual_seed(3)
+    random.seed(4)
+    state = capture_rng_state()
+    expected = (torch.rand(3), random.random())
+    path = save_checkpoint(tmp_path / checkpoint_name(1), _state(1, rng=[state]))
+    torch.manual_seed(99)
+    random.seed(99)
+    restore_rng_state(load_checkpoint(path)["rng"][0])
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
+def test_corrupt_checkpoint_refused_and_kept(tmp_path, damage):
+    _write(tmp_path, 1)
+    path = _write(tmp_path, 2)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(path)
+    msg = str(info.value)
+    assert "corrupt" in msg and "nothing was deleted" in msg and "step_000000001.pt" in msg and "trainer.resume=latest" in msg
+    assert path.is_file() and (tmp_path / "step_000000001.pt").is_file()
+
+
+def test_corrupt_without_digest_file_still_refused(tmp_path):
+    path = _write(tmp_path, 1)
+    (tmp_path / "step_000000001.pt.sha256").unlink()
+    path.write_bytes(path.read_bytes()[:100])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        with pytest.raises(CheckpointError, match="truncated, corrupt, or not a torch checkpoint"):
+            load_checkpoint(path)
+
+
+def test_not_a_ddptrain_checkpoint(tmp_path):
+    path = save_checkpoint(tmp_path / checkpoint_name(1), {"weights": torch.zeros(2)})
+    with pytest.raises(CheckpointError, match="not a ddptrain checkpoint"):
+        load_checkpoint(path)
+
+
+def test_latest_falls_back_to_newest_valid_with_a_warning(tmp_path):
+    for step in (1, 2, 3):
+        _write(tmp_path, step)
+    newest = tmp_path / checkpoint_name(3)
+    newest.write_bytes(newest.read_bytes()[:50])
+    with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step_000000003.pt"), \
+            pytest.warns(CheckpointWarning, match="resuming from step_000000002.pt"):
+        assert latest_valid_checkpoint(tmp_path) == tmp_path / checkpoint_name(2)
+    assert newest.is_file()  # kept for inspection
+    for step in (1, 2):
+        (tmp_path / checkpoint_name(step)).write_bytes(b"garbage")
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match="none of the 3 checkpoint"):
+        latest_valid_checkpoint(tmp_path)
+
+
+def test_resolve_resume_path(tmp_path):
+    run_dir = tmp_path / "run"
+    assert resolve_resume_path("latest", run_dir / "checkpoints") is None  # nothing yet: start fresh
+    _write(run_dir / "checkpoints", 4)
+    _write(run_dir / "checkpoints", 8)
+    assert resolve_resume_path("latest", run_dir / "checkpoints").name == checkpoint_name(8)
+    assert resolve_resume_path(str(run_dir), tmp_path / "elsewhere").name == checkpoint_name(8)
+    explicit = run_dir / "checkpoints" / checkpoint_name(4)
+    assert resolve_resume_path(str(explicit), tmp_path) == explicit
+    with pytest.raises(CheckpointError, match="no such file or directory"):
+        resolve_resume_path(str(tmp_path / "missing.pt"), tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        resolve_resume_path(str(tmp_path / "empty"), tmp_path)
+
+
+def test_prune_keeps_the_newest(tmp_path):
+    for step in (1, 10, 2, 30):
+        _write(tmp_path, step)
+    deleted = prune_checkpoints(tmp_path, 2)
+    assert [p.name for p in deleted] == [checkpoint_name(1), checkpoint_name(2)]
+    assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(10), checkpoint_name(30)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [checkpoint_name(10), checkpoint_name(10) + ".sha256", checkpoint_name(30), checkpoint_name(30) + ".sha256"])
