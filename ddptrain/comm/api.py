@@ -54,14 +54,17 @@ def is_initialized() -> bool:
 def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
                        timeout=None, world_size: int = -1, rank: int = -1,
                        store: Optional[Store] = None, group_name: str = "world",
-                       check_collectives: Optional[bool] = None) -> ProcessGroup:
+                       check_collectives: Optional[bool] = None, init_timeout=None) -> ProcessGroup:
     """Join the job: rendezvous with every rank, then build the default group.
 
     Args:
         backend: ``"gloo"`` (default), ``"nccl"`` or ``"mpi"``.
         init_method: ``env://`` (default), ``tcp://host:port`` or ``file:///path``. Ignored with
             a warning by ``mpi``, whose ranks come from ``mpirun``.
-        timeout: seconds or timedelta for rendezvous and every later collective (default 30 min).
+        timeout: seconds or timedelta for every collective (default 30 min); also for the
+            rendezvous unless ``init_timeout`` is given.
+        init_timeout: how long to wait for every rank to arrive (e.g. long, for slow schedulers,
+            while ``timeout`` stays short so a stuck training collective fails fast).
         world_size, rank: ``-1`` reads ``WORLD_SIZE``/``RANK`` from the environment.
         store: an existing :class:`Store` instead of ``init_method`` (needs rank and world_size).
         check_collectives: before each collective of this functional API, agree across ranks on
@@ -100,10 +103,10 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         if rank < 0 or world_size < 1:
             raise ValueError(f"init_process_group(store=...) needs rank and world_size, got rank={rank}, "
                              f"world_size={world_size}")
-        wait_for_all_ranks(store, rank, world_size, timeout_td, "an explicit store")
+        wait_for_all_ranks(store, rank, world_size, as_timedelta(init_timeout, timeout_td), "an explicit store")
         master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     else:
-        info = rendezvous(init_method, rank, world_size, timeout_td)
+        info = rendezvous(init_method, rank, world_size, as_timedelta(init_timeout, timeout_td))
         store, rank, world_size, master_addr = info.store, info.rank, info.world_size, info.master_addr
     pg = create_backend(backend, store.prefixed("world"), rank, world_size, timeout_td, master_addr)
     pg.name = group_name

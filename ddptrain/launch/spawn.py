@@ -103,6 +103,31 @@ _SECONDARY = ("closed its connection", "connection closed", "connection reset", 
               "timed out", "CommTimeoutError", "peer")
 
 
+def _read_report(reader) -> Optional[tuple]:
+    """A worker's pickled report, or None if it died without one (EOF)."""
+    try:
+        return pickle.loads(reader.recv_bytes())
+    except (EOFError, OSError):
+        return None
+
+
+def _record(rank: int, msg: Optional[tuple], proc, results: dict, failures: dict) -> None:
+    """File a worker's outcome: its result, its reported error, or how it died."""
+    if rank in results or rank in failures:
+        return
+    if msg is not None and msg[0] == "ok":
+        results[rank] = msg[1]
+    elif msg is not None:
+        failures[rank] = WorkerFailedError(
+            rank, f"rank {rank} failed: {msg[1]}\n--- traceback of rank {rank} ---\n{msg[2]}",
+            worker_traceback=msg[2])
+    else:
+        proc.join(5)
+        failures[rank] = WorkerFailedError(
+            rank, f"rank {rank} (pid {proc.pid}) {describe_exitcode(proc.exitcode)} without reporting a "
+                  "result; the other ranks were stopped.", proc.exitcode)
+
+
 def _root_cause(failures: dict) -> "WorkerFailedError":
     """The failure that started it: one that is not a broken connection or a timeout, if any."""
     primary = [f for f in failures.values() if not any(k.lower() in str(f).lower() for k in _SECONDARY)]
@@ -190,30 +215,16 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
             for obj in ready:
                 if obj in pending:
                     rank = pending.pop(obj)
-                    try:
-                        msg = pickle.loads(obj.recv_bytes())
-                    except EOFError:
-                        continue  # died before reporting: its sentinel tells how
-                    if msg[0] == "error":
-                        failures.setdefault(rank, WorkerFailedError(
-                            rank, f"rank {rank} failed: {msg[1]}\n--- traceback of rank {rank} ---\n{msg[2]}",
-                            worker_traceback=msg[2]))
-                    else:
-                        results[rank] = msg[1]
+                    _record(rank, _read_report(obj), procs[rank], results, failures)
                 elif obj in sentinels:
                     rank = sentinels.pop(obj)
-                    p = procs[rank]
-                    p.join()
-                    if rank in results or rank in failures:
-                        continue
+                    procs[rank].join()
                     reader = next((rd for rd, r in pending.items() if r == rank), None)
-                    if reader is not None and reader.poll(0.5):
-                        continue  # its report is still in the pipe: read it on the next pass
+                    msg = None
                     if reader is not None:
                         pending.pop(reader)
-                    failures[rank] = WorkerFailedError(
-                        rank, f"rank {rank} (pid {p.pid}) {describe_exitcode(p.exitcode)} without "
-                              "reporting a result; the other ranks were stopped.", p.exitcode)
+                        msg = _read_report(reader) if reader.poll(0.5) else None
+                    _record(rank, msg, procs[rank], results, failures)
                 if failures and first_failure_at is None:
                     first_failure_at = time.monotonic()
         if failures:

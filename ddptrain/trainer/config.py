@@ -55,8 +55,14 @@ class DistConfig:
     """``gloo`` (CPU), ``nccl`` (CUDA), ``mpi``, or ``auto``: nccl when ``trainer.device`` is
     cuda, mpi under mpirun without ``MASTER_ADDR``, else gloo."""
     timeout_s: float = 300.0
-    """Timeout of the rendezvous and of every collective: a rank stuck longer fails the job
-    instead of hanging it."""
+    """Timeout of every training collective: a rank stuck longer fails the job (naming the
+    operation and the ranks that never arrived) instead of hanging it."""
+    init_timeout_s: float = 1800.0
+    """Timeout of the rendezvous: how long ranks wait for each other at start (schedulers and
+    cold nodes can be slow, so this is longer than ``timeout_s``)."""
+    algorithm: str = "native"
+    """How DDP all-reduces its buckets: ``native`` (the backend's own all-reduce) or ``ring``
+    (ddptrain's ring over point-to-point messages, on any backend)."""
     job_timeout_s: Optional[float] = None
     """Local launcher only: kill the whole job after this many seconds (``None``: no limit)."""
     threads_per_worker: int = 0
@@ -76,9 +82,14 @@ class LauncherConfig:
     """How the ranks start."""
 
     name: str = "local"
-    """``local``: spawn ``dist.world_size`` workers here, unless an external launcher already
-    started this process (then this process is one rank). ``torchrun`` / ``mpirun``: require that
-    launcher's environment and fail with the command to use otherwise."""
+    """``local``: spawn ``dist.world_size`` workers here (through ``mpiexec`` when the backend is
+    ``mpi``), unless an external launcher already started this process (then this process is one
+    rank). ``torchrun`` / ``mpirun``: require that launcher's environment and fail with the
+    command to use otherwise."""
+    max_restarts: int = 0
+    """Local launcher: when a worker dies, restart the whole job up to this many times, resuming
+    from the last checkpoint (``trainer.resume=latest`` in the same output directory). Under
+    torchrun use ``torchrun --max-restarts=N``: the job resumes the same way."""
 
 
 @dataclass
@@ -190,6 +201,9 @@ class TrainerConfig:
     """Write TensorBoard event files under ``<output_dir>/tensorboard`` (rank 0)."""
     progress: bool = True
     """Show tqdm progress bars on rank 0 when stdout is a terminal."""
+    check_sync_every_n_steps: int = 0
+    """Desynchronisation guard: every N optimizer steps, check (one checksum per rank, gathered)
+    that parameters are identical on every rank; stop with the diverged ranks named. 0: off."""
     smoke_check: bool = False
     """After training, fail unless the training loss fell and the parameters are identical on
     every rank (for CI smoke runs)."""
@@ -334,6 +348,10 @@ def validate(config: Config, world_size: int) -> None:
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("dist.world_size", world_size)
     _positive("dist.timeout_s", config.dist.timeout_s)
+    _positive("dist.init_timeout_s", config.dist.init_timeout_s)
+    _one_of("dist.algorithm", config.dist.algorithm, ("native", "ring"))
+    if config.launcher.max_restarts < 0:
+        raise ConfigError(f"launcher.max_restarts={config.launcher.max_restarts} must be >= 0")
     for key, value in (("trainer.max_steps", t.max_steps), ("trainer.stop_after_steps", t.stop_after_steps)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1, or null for no limit")
@@ -341,7 +359,8 @@ def validate(config: Config, world_size: int) -> None:
                        ("trainer.checkpoint_every_epochs", t.checkpoint_every_epochs),
                        ("trainer.checkpoint_every_steps", t.checkpoint_every_steps),
                        ("data.num_workers", d.num_workers),
-                       ("dist.threads_per_worker", config.dist.threads_per_worker)):
+                       ("dist.threads_per_worker", config.dist.threads_per_worker),
+                       ("trainer.check_sync_every_n_steps", t.check_sync_every_n_steps)):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off / picks the default)")
     if t.keep_last_checkpoints < 1:

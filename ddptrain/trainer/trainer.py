@@ -34,6 +34,7 @@ from torch.utils.data import Dataset
 
 from .. import comm as dist
 from ..comm.objects import all_gather_object, broadcast_object
+from ..comm.ring import RingAllReducer
 from ..comm.types import ReduceOp
 from ..data import DistributedSampler, build_dataset
 from ..ddp import DistributedDataParallel
@@ -209,6 +210,8 @@ class Trainer:
                 bucket_cap_mb=cfg.dist.bucket_cap_mb, broadcast_buffers=cfg.dist.broadcast_buffers,
                 find_unused_parameters=cfg.dist.find_unused_parameters,
                 gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view)
+            if cfg.dist.algorithm == "ring":
+                self.model.set_all_reduce(RingAllReducer(self.process_group))
             self._setup_data()                                 # datasets, samplers, batch sizes, step counts
             self.optimizer, self.scheduler = self._optimizers()
             self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
@@ -275,6 +278,9 @@ class Trainer:
             epoch_loss, epoch_steps = epoch_loss + step_loss, epoch_steps + 1
             self._record_step(step_loss, step_samples)
             step_loss, step_samples = 0.0, 0
+            every = self.config.trainer.check_sync_every_n_steps
+            if every and self.state.step % every == 0:
+                self.model.check_parameters_in_sync()  # collective: every rank reaches this step
             if self.should_stop():
                 break
         self._times["train_s"] += time.perf_counter() - started
@@ -442,23 +448,24 @@ class Trainer:
         owns = not dist.is_initialized()
         if owns:
             backend = resolve_backend(cfg, env.name, env.master_addr)
-            timeout = cfg.dist.timeout_s
+            timeout, init_timeout = cfg.dist.timeout_s, cfg.dist.init_timeout_s
             if not env.is_launched_externally():
                 # A plain `python script.py`: a job of one, so the same code runs unchanged.
-                dist.init_process_group(backend, f"tcp://127.0.0.1:{find_free_port()}", timeout, 1, 0)
+                dist.init_process_group(backend, f"tcp://127.0.0.1:{find_free_port()}", timeout, 1, 0,
+                                        init_timeout=init_timeout)
             elif backend == "mpi":
                 dist.init_process_group("mpi", timeout=timeout)
             elif env.name == "torchrun":
                 # env://, not tcp://: under torchrun the agent already serves the store on
                 # MASTER_PORT and the comm layer joins it as a client (TORCHELASTIC_USE_AGENT_STORE).
-                dist.init_process_group(backend, "env://", timeout)
+                dist.init_process_group(backend, "env://", timeout, init_timeout=init_timeout)
             elif env.master_addr is None or env.master_port is None:
                 raise ConfigError(f"the {env.name} launcher gave no rendezvous address: set MASTER_ADDR and "
                                   "MASTER_PORT for every rank (mpirun -x MASTER_ADDR=<host of rank 0> -x "
                                   "MASTER_PORT=29500), or use dist.backend=mpi")
             else:
                 dist.init_process_group(backend, f"tcp://{env.master_addr}:{env.master_port}", timeout,
-                                        env.world_size, env.rank)
+                                        env.world_size, env.rank, init_timeout=init_timeout)
         self.process_group = dist.get_process_group()
         self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
         return owns

@@ -1,0 +1,91 @@
+"""Faults in a real CLI job: `kill -9` of rank 1 ends the job promptly; with restarts it finishes.
+
+The job runs `python -m ddptrain` as a subprocess; rank 1 is the second worker the launcher
+spawned (workers start in rank order) and is killed with SIGKILL once the first checkpoint exists.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _workers(pid):
+    """The launcher's spawned workers, oldest first (= rank order); not its resource tracker."""
+    found = []
+    for child in _children(pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            started = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append((started, child))
+    return [child for _, child in sorted(found)]
+
+
+def _start(run_dir, *overrides):
+    cmd = [sys.executable, "-m", "ddptrain", "recipe=synthetic", "trainer.epochs=6", "data.num_train_samples=6000",
+           "trainer.checkpoint_every_steps=10", "trainer.progress=false", "trainer.tensorboard=false",
+           "dist.timeout_s=30", f"hydra.run.dir={run_dir}", *overrides]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _kill_rank_1_after_first_checkpoint(proc, run_dir, timeout_s=120):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if list((run_dir / "checkpoints").glob("step_*.pt")):
+            workers = _workers(proc.pid)
+            if len(workers) == 2:
+                os.kill(workers[1], signal.SIGKILL)
+                return time.monotonic()
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    out = proc.stdout.read() if proc.poll() is not None else ""
+    proc.kill()
+    pytest.fail(f"no checkpoint / rank 1 to kill within {timeout_s} s: {out[-3000:]}")
+
+
+def test_kill_9_of_rank_1_ends_the_job_naming_it(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir)
+    killed_at = _kill_rank_1_after_first_checkpoint(proc, run_dir)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - killed_at < 30
+    assert proc.returncode != 0
+    assert "rank 1" in out and "SIGKILL" in out, out[-3000:]
+    time.sleep(0.5)
+    assert _children(proc.pid) == []
+    leftovers = subprocess.run(["pgrep", "-f", f"hydra.run.dir={run_dir}"], capture_output=True, text=True).stdout
+    assert leftovers.strip() == "", leftovers
+
+
+def test_max_restarts_resumes_from_the_last_checkpoint_and_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _start(run_dir, "launcher.max_restarts=1")
+    _kill_rank_1_after_first_checkpoint(proc, run_dir)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"rank 1 failed .*restart 1 of 1, resuming from latest", out), out[-4000:]
+    resumed = re.search(r"resumed from \S+step_0*(\d+)\.pt: step (\d+)", out)
+    assert resumed and int(resumed.group(2)) >= 10, out[-4000:]
+    assert "finished on 2 rank(s)" in out
