@@ -143,6 +143,24 @@ def table(results, world_size, methods) -> str:
     return "\n".join(lines)
 
 
+def _mpi_child(args, sizes, iters, warmup, methods) -> int:
+    """One rank under mpiexec: ddptrain on mpi, torch.distributed on gloo, same processes."""
+    from mpi4py import MPI
+    torch.set_num_threads(1)
+    dist.init_process_group("mpi", timeout=600)
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    port = MPI.COMM_WORLD.bcast(find_free_port() if rank == 0 else None, root=0)
+    t0 = time.monotonic()
+    results = _worker(rank, ws, port, sizes, iters, warmup, args.reps, methods)
+    if rank == 0:
+        print(f"all_reduce float32 SUM, {ws} processes on one machine: ddptrain on mpi (Open MPI through "
+              f"mpi4py), torch.distributed on gloo; {os.cpu_count()} CPUs; median of {iters} rounds; "
+              f"took {time.monotonic() - t0:.0f} s\n")
+        print(table(results, ws, methods))
+    dist.destroy_process_group()
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default=None, help=f"comma-separated sizes (default {DEFAULT_SIZES})")
@@ -154,7 +172,12 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 5 rounds: a sanity run")
     ap.add_argument("--timeout", type=float, default=1800, help="overall limit in seconds")
+    ap.add_argument("--backend", choices=["gloo", "mpi"], default="gloo",
+                    help="ddptrain's backend (mpi: the script re-runs itself under mpiexec; torch stays on gloo)")
+    ap.add_argument("--mpi-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.backend == "mpi" and args.methods == ",".join(METHODS):
+        args.methods = "torch,ddp-pg,ddp-ring"
 
     sizes = [parse_size(s) for s in (args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)).split(",")]
     for s in sizes:
@@ -166,6 +189,17 @@ def main(argv=None) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+
+    if args.mpi_child:
+        return _mpi_child(args, sizes, iters, warmup, methods)
+    if args.backend == "mpi":
+        import shutil
+        import subprocess
+        mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        child = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--mpi-child", "--methods", args.methods]
+        return subprocess.call([mpiexec, "-n", str(args.world_size), "--oversubscribe", sys.executable,
+                                os.path.abspath(__file__), *child], env=env, timeout=args.timeout)
 
     t0 = time.monotonic()
     results = run(sizes, iters, warmup, args.reps, args.world_size, methods, args.timeout)

@@ -9,7 +9,8 @@ so that offline machines and read-only shared copies work:
 3. Otherwise the four files (``.gz`` or uncompressed) are looked for in that folder,
    then in each directory of ``$DDPTRAIN_DATA_SOURCES`` (``os.pathsep``-separated), then
    in ``<repo>/../shared/data``, then in system locations (Debian's
-   ``/usr/share/datasets/fashion-mnist``). A source directory may hold the files
+   ``/usr/share/datasets/fashion-mnist``); ``DDPTRAIN_DATA_SOURCES_ONLY=1`` skips these last
+   two. A source directory may hold the files
    directly or in ``<Folder>/raw/`` or ``<Folder>/``. The first complete set is
    decompressed into ``<root>/<Folder>/raw/``; sources are never written to.
 4. Otherwise ``download=True`` lets torchvision download them, and failing that a
@@ -254,9 +255,14 @@ def _torchvision_download(spec: _Spec, data_root: Path, train: bool) -> None:
 
 def _candidate_dirs(spec: _Spec, raw: Path) -> list[Path]:
     bases = [Path(p).expanduser() for p in os.environ.get(DATA_SOURCES_ENV, "").split(os.pathsep) if p]
-    bases.append(_REPO_SHARED_DATA)
+    # DDPTRAIN_DATA_SOURCES_ONLY=1: search nothing but the root and $DDPTRAIN_DATA_SOURCES (to
+    # reproduce an offline machine, or to be sure which copy is used).
+    only_listed = os.environ.get("DDPTRAIN_DATA_SOURCES_ONLY") == "1"
+    if not only_listed:
+        bases.append(_REPO_SHARED_DATA)
     dirs = [raw] + [base / layout for base in bases for layout in spec.layouts()]
-    dirs += [Path(d) for d in spec.system_dirs]
+    if not only_listed:
+        dirs += [Path(d) for d in spec.system_dirs]
     unique: list[Path] = []
     for d in dirs:
         d = Path(os.path.normpath(d))

@@ -105,6 +105,12 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError... for bad files
         detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+        if "weights only load failed" in str(exc).lower():
+            raise CheckpointError(
+                f"checkpoint {path} carries pickled Python objects (code) beyond tensors and plain "
+                f"values, and ddptrain never runs code from a checkpoint (torch.load(weights_only=True) "
+                f"refused it: {_unsafe_global(str(exc))}). Load it yourself only if you trust its author, "
+                "and re-save the state dicts as plain tensors.") from exc
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {detail}): "
             f"it is truncated, corrupt, or not a torch checkpoint. It was not loaded and nothing was "
@@ -116,6 +122,14 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]
         raise CheckpointError(f"{path} has checkpoint format {state['format_version']!r}; this ddptrain "
                               f"reads format {FORMAT_VERSION}")
     return state
+
+
+def _unsafe_global(text: str) -> str:
+    """The line of torch's message that names the refused global, else its first line."""
+    for line in text.splitlines():
+        if "GLOBAL" in line or "Unsupported global" in line:
+            return line.strip()
+    return text.splitlines()[0]
 
 
 def _others(path: Path) -> str:

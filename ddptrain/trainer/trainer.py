@@ -215,8 +215,9 @@ class Trainer:
             self._setup_data()                                 # datasets, samplers, batch sizes, step counts
             self.optimizer, self.scheduler = self._optimizers()
             self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
-            if cfg.trainer.resume:
-                self.resume(cfg.trainer.resume)                # weights, optimizer, sampler, step, RNG
+            resume = cfg.trainer.resume or self._elastic_restart_resume()
+            if resume:
+                self.resume(resume)                            # weights, optimizer, sampler, step, RNG
             self._call("on_fit_start")
             metrics: dict[str, Any] = {}
             while self.state.epoch < cfg.trainer.epochs and not self.should_stop():
@@ -288,6 +289,20 @@ class Trainer:
         if totals[1] > 0:
             metrics["train/epoch_loss"] = totals[0] / totals[1]
         return self.state.samples_in_epoch >= len(self.train_sampler)
+
+    @staticmethod
+    def _elastic_restart_resume() -> Optional[str]:
+        """Under ``torchrun --max-restarts``, a restarted worker resumes from the run's last checkpoint.
+
+        torchrun restarts every worker with the same arguments and counts restarts in
+        ``TORCHELASTIC_RESTART_COUNT``; a fixed ``hydra.run.dir`` makes the restart find the
+        checkpoints of the attempt that failed.
+        """
+        if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+            log.info("torchrun restart %s: resuming from the latest checkpoint",
+                     os.environ["TORCHELASTIC_RESTART_COUNT"])
+            return "latest"
+        return None
 
     def should_stop(self) -> bool:
         """Whether ``trainer.max_steps`` or ``trainer.stop_after_steps`` is reached."""

@@ -89,13 +89,12 @@ def test_global_batch_not_divisible(tmp_path):
 
 
 def test_dataset_missing_offline(tmp_path):
-    # ddptrain.data always also searches <repo>/../shared/data; hide it as an offline machine without it.
+    # An offline machine without the shared copy: DDPTRAIN_DATA_SOURCES_ONLY=1 searches only the
+    # root and the (empty) list of sources, so the real command must say what to put where.
     empty = tmp_path / "empty-root"
     empty.mkdir()
-    prefix = [PYTHON, "-c", "import sys; from pathlib import Path; import ddptrain.data.datasets as d; "
-              "d._REPO_SHARED_DATA = Path('/nonexistent'); from ddptrain.cli import main; main(sys.argv[1:])"]
     proc = ddptrain("recipe=mnist", f"data.root={empty}", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=90,
-                    prefix=prefix, env={"DDPTRAIN_DATA_SOURCES": ""})
+                    env={"DDPTRAIN_DATA_SOURCES": "", "DDPTRAIN_DATA_SOURCES_ONLY": "1"})
     _short_error(proc, "MNIST was not found", "train-images-idx3-ubyte.gz", str(empty / "MNIST" / "raw"),
                  "DDPTRAIN_DATA_SOURCES")
 

@@ -89,3 +89,44 @@ def test_max_restarts_resumes_from_the_last_checkpoint_and_finishes(tmp_path):
     resumed = re.search(r"resumed from \S+step_0*(\d+)\.pt: step (\d+)", out)
     assert resumed and int(resumed.group(2)) >= 10, out[-4000:]
     assert "finished on 2 rank(s)" in out
+
+
+def _rank_from_environ(pid):
+    try:
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            if item.startswith(b"RANK="):
+                return int(item[5:])
+    except OSError:
+        pass
+    return None
+
+
+def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
+    """torchrun restarts the workers; the trainer sees TORCHELASTIC_RESTART_COUNT and resumes."""
+    run_dir = tmp_path / "run"
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "ddptrain",
+           "recipe=synthetic", "launcher=torchrun", "trainer.epochs=6", "data.num_train_samples=6000",
+           "trainer.checkpoint_every_steps=10", "trainer.progress=false", "trainer.tensorboard=false",
+           "dist.timeout_s=30", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        killed = False
+        while time.monotonic() < deadline and not killed and proc.poll() is None:
+            if list((run_dir / "checkpoints").glob("step_*.pt")):
+                for child in _children(proc.pid):
+                    if _rank_from_environ(child) == 1:
+                        os.kill(child, signal.SIGKILL)
+                        killed = True
+            time.sleep(0.2)
+        assert killed, "rank 1 was not found to kill"
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out[-4000:]
+    assert "torchrun restart 1: resuming from the latest checkpoint" in out, out[-4000:]
+    resumed = re.search(r"resumed from \S+: step (\d+)", out)
+    assert resumed and int(resumed.group(1)) >= 10, out[-4000:]

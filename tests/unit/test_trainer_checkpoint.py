@@ -118,3 +118,21 @@ def test_prune_keeps_the_newest(tmp_path):
     assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(10), checkpoint_name(30)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [checkpoint_name(10), checkpoint_name(10) + ".sha256", checkpoint_name(30), checkpoint_name(30) + ".sha256"])
+
+
+class _Payload:
+    """Stands for arbitrary code in a pickle: loading it would import and construct this class."""
+
+    def __reduce__(self):
+        return (print, ("this would have run",))
+
+
+def test_checkpoint_carrying_pickled_code_is_refused(tmp_path):
+    import torch
+
+    from ddptrain.trainer.checkpoint_io import CheckpointError, load_checkpoint
+
+    path = tmp_path / "step_000000001.pt"
+    torch.save({"format_version": 1, "model": {}, "evil": _Payload()}, path)
+    with pytest.raises(CheckpointError, match=r"carries pickled Python objects .*never runs code"):
+        load_checkpoint(path)
