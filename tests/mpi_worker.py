@@ -14,6 +14,13 @@ if len(sys.argv) > 1 and sys.argv[1] == "wrong-size":
         print("refused:", exc)
     sys.exit(0)
 
+if len(sys.argv) > 1 and sys.argv[1] == "crash":
+    dist.init_process_group("mpi", timeout=60)
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 crashes on purpose")
+    dist.barrier()  # rank 0 would wait here for ever: mpiexec must end the job instead
+    sys.exit(0)
+
 pg = dist.init_process_group("mpi", timeout=60)
 r, n = dist.get_rank(), dist.get_world_size()
 t = torch.ones(5) * (r + 1); dist.all_reduce(t); assert t[0] == n*(n+1)/2, t

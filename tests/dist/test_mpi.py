@@ -40,3 +40,12 @@ def test_missing_mpi4py_gives_the_install_command(monkeypatch):
     monkeypatch.delitem(sys.modules, "ddptrain.comm.backends.mpi", raising=False)
     with pytest.raises(Exception, match=r"pip install 'ddptrain\[mpi\]'"):
         backends.create_backend("mpi", None, -1, -1, None)
+
+
+def test_a_rank_that_crashes_under_mpiexec_ends_the_job():
+    import time
+    t0 = time.monotonic()
+    proc = _mpiexec(2, "crash", timeout=90)
+    assert proc.returncode != 0
+    assert time.monotonic() - t0 < 60
+    assert "rank 1 crashes on purpose" in proc.stderr

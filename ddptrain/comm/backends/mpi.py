@@ -14,6 +14,7 @@ differs is refused.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from datetime import timedelta
 from typing import Callable, Optional
@@ -282,4 +283,23 @@ def make_mpi_group(rank: int, size: int, timeout: timedelta) -> MPIProcessGroup:
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
         raise CommError("backend 'mpi' needs an MPI library initialised with at least "
                         "MPI_THREAD_SERIALIZED (ddptrain calls MPI from a communication thread)")
+    _abort_on_uncaught_exception()
     return MPIProcessGroup(comm, list(range(mpi_size)), timeout)
+
+
+def _abort_on_uncaught_exception() -> None:
+    """Make an uncaught exception end the whole MPI job, as ``python -m mpi4py`` does.
+
+    Without it the failing rank blocks in MPI_Finalize at exit while its peers wait in a
+    collective, and the job hangs until a timeout instead of ending at once.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_ddptrain_mpi_abort", False):
+        return
+
+    def hook(exc_type, exc, tb):
+        previous(exc_type, exc, tb)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+    hook._ddptrain_mpi_abort = True
+    sys.excepthook = hook
