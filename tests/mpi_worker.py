@@ -35,12 +35,11 @@ o = torch.zeros(2); dist.reduce_scatter(o, [torch.full((2,), float(r + i)) for i
 dist.barrier()
 
 # DDP over mpi: equal to one process on the global batch, identical on all ranks, real overlap
+from ddptrain.comm.objects import all_gather_object
 from tests.dist.test_ddp import _equivalence_case, _overlap_body
 for name, cap, view in (("net", 0.001, False), ("mixed", 1, True), ("bn", 1, False)):
     res = _equivalence_case(r, n, name, cap, view)
     assert res["diff"] <= 1e-6, (name, res["diff"])
-    digests = [None] * n
-    from ddptrain.comm.objects import all_gather_object
     digests = all_gather_object(pg, res["digest"])
     assert len(set(digests)) == 1, (name, digests)
 ring = _equivalence_case(r, n, "net", 0.001, False, ring=True)

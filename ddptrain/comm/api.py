@@ -15,11 +15,10 @@ from typing import Optional, Sequence
 import torch
 
 from .backends import create_backend
-from .backends.torch_c10d import to_reduce_op
 from .process_group import ProcessGroup
 from .ring import ring_all_reduce as _ring_all_reduce
 from .store import DEFAULT_INIT_TIMEOUT, Store, rendezvous, wait_for_all_ranks
-from .types import CommTimeoutError, GroupError, ReduceOp, Work, as_timedelta
+from .types import CommTimeoutError, GroupError, ReduceOp, Work, as_timedelta, to_reduce_op
 
 
 class _NonMember:

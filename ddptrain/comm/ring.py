@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from .process_group import ProcessGroup
-from .types import ReduceOp
+from .types import ReduceOp, check_avg_dtype, to_reduce_op
 
 RING_TAG = 7919  # keeps ring messages apart from a user's own send/recv tags
 
@@ -41,10 +41,8 @@ def _fold(op: ReduceOp, acc: torch.Tensor, incoming: torch.Tensor) -> None:
 
 def ring_all_reduce(group: ProcessGroup, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
     """All-reduce ``tensor`` in place across ``group`` with the ring algorithm; returns it."""
-    from .backends.torch_c10d import _check_avg_dtype, to_reduce_op
-
     op = to_reduce_op(op)
-    _check_avg_dtype(op, tensor, "ring_all_reduce")
+    check_avg_dtype(op, tensor, "ring_all_reduce")
     group.check_alive("ring_all_reduce")
     p, rank = group.size(), group.rank()
     if p == 1 or tensor.numel() == 0:

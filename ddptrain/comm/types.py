@@ -27,6 +27,30 @@ class ReduceOp(enum.Enum):
         return f"ReduceOp.{self.name}"
 
 
+def to_reduce_op(op) -> ReduceOp:
+    """Accept our ReduceOp, ``torch.distributed.ReduceOp``, or a name such as ``"sum"``."""
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str):
+        if op.upper() in ReduceOp.__members__:
+            return ReduceOp[op.upper()]
+    else:
+        import torch.distributed as tdist
+        for ours in ReduceOp:
+            if op == getattr(tdist.ReduceOp, ours.name):
+                return ours
+    raise ValueError(f"unknown reduce op {op!r}; use ReduceOp.SUM, PRODUCT, MAX, MIN or AVG")
+
+
+def check_avg_dtype(op: ReduceOp, tensor: torch.Tensor, op_name: str) -> None:
+    """Refuse AVG on integer tensors on every backend alike (it would silently truncate)."""
+    if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise TypeError(
+            f"{op_name} with ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}: an "
+            "integer average would be silently truncated. Reduce with SUM and divide, or convert "
+            "the tensor to a float dtype first.")
+
+
 class CommError(RuntimeError):
     """Base class of every error the communication layer raises on purpose."""
 

@@ -3,6 +3,7 @@
 Each test spawns ONE world and runs many configurations inside it (a spawn costs seconds on
 two cores); the bodies return numbers, the parent asserts on them.
 """
+import contextlib
 import copy
 import hashlib
 
@@ -61,7 +62,7 @@ def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused
         for m in range(micro):
             x, y = batches[step * micro + m]
             mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-            ctx = ddp.no_sync() if m < micro - 1 else _null()
+            ctx = ddp.no_sync() if m < micro - 1 else contextlib.nullcontext()
             with ctx:
                 F.nll_loss(ddp(x[mine]), y[mine]).backward()
             # Reference: one process, the concatenated global batch (per-rank chunks for
@@ -84,14 +85,6 @@ def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused
         never = [model.never.weight.grad is None, model.never.bias.grad is None]
     return {"diff": max(diffs), "digest": _digest(model), "never_grad_none": never,
             "buckets": len(ddp.bucket_assignment)}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 CASES = [

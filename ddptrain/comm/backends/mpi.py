@@ -23,7 +23,8 @@ import torch
 from mpi4py import MPI
 
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
-from ..types import CommError, FutureWork, ReduceOp, RendezvousError, Work
+from ..types import (CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype,
+                     to_reduce_op)
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
             ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
@@ -136,9 +137,8 @@ class MPIProcessGroup(ProcessGroup):
         return self._run("broadcast", [tensor], run)
 
     def _reduce_op(self, op, tensor, name):
-        from .torch_c10d import _check_avg_dtype, to_reduce_op
         op = to_reduce_op(op)
-        _check_avg_dtype(op, tensor, name)
+        check_avg_dtype(op, tensor, name)
         return op
 
     def all_reduce(self, tensor, op=ReduceOp.SUM):

@@ -18,7 +18,8 @@ from torch._C import _distributed_c10d as c10d
 
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..store import Store, is_loopback
-from ..types import CommError, CommTimeoutError, GroupError, ReduceOp, Work
+from ..types import (CommError, CommTimeoutError, GroupError, ReduceOp, Work, check_avg_dtype,
+                     to_reduce_op)
 
 _C10D_OPS = {
     ReduceOp.SUM: c10d.ReduceOp.SUM,
@@ -27,30 +28,6 @@ _C10D_OPS = {
     ReduceOp.MIN: c10d.ReduceOp.MIN,
     ReduceOp.AVG: c10d.ReduceOp.AVG,
 }
-
-
-def to_reduce_op(op) -> ReduceOp:
-    """Accept our ReduceOp, torch.distributed's ReduceOp, or a name such as ``"sum"``."""
-    if isinstance(op, ReduceOp):
-        return op
-    if isinstance(op, str):
-        try:
-            return ReduceOp[op.upper()]
-        except KeyError:
-            pass
-    else:
-        for ours, theirs in _C10D_OPS.items():
-            if op == theirs:
-                return ours
-    raise ValueError(f"unknown reduce op {op!r}; use ReduceOp.SUM, PRODUCT, MAX, MIN or AVG")
-
-
-def _check_avg_dtype(op: ReduceOp, tensor: torch.Tensor, op_name: str) -> None:
-    if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):
-        raise TypeError(
-            f"{op_name} with ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}: an "
-            "integer average would be silently truncated. Reduce with SUM and divide, or convert "
-            "the tensor to a float dtype first.")
 
 
 class TorchWork(Work):
@@ -206,7 +183,7 @@ class TorchProcessGroup(ProcessGroup):
     def _reduce_op(self, op, tensor: torch.Tensor, op_name: str):
         """c10d op to run, plus whether a division by size must follow (AVG without native AVG)."""
         op = to_reduce_op(op)
-        _check_avg_dtype(op, tensor, op_name)
+        check_avg_dtype(op, tensor, op_name)
         if op is ReduceOp.AVG and not self._native_avg:
             return c10d.ReduceOp.SUM, True
         return _C10D_OPS[op], False
