@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import re
 import signal
 import socket
 import time
@@ -45,15 +46,123 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def describe_exitcode(code: Optional[int]) -> str:
+def describe_exitcode(code: Optional[int], pid: Optional[int] = None) -> str:
+    """How a process ended, as a phrase: ``exited with code 1``, ``killed by signal SIGTERM``...
+
+    SIGKILL is also how the kernel's out-of-memory killer ends a process. Given the dead
+    process's ``pid``, the kernel log (``/dev/kmsg``: root, or ``kernel.dmesg_restrict=0``) is
+    searched for its OOM kill; if found, the phrase says so and quotes the kernel's numbers and
+    the memory cgroup's limit. Otherwise it adds a hint to check ``dmesg`` and the memory limit,
+    with the OOM kills counted by this process's memory cgroup (which workers inherit), if any.
+    """
     if code is None:
         return "still running"
-    if code < 0:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        return f"killed by signal {-code}"
+    if -code != signal.SIGKILL:
+        return f"killed by signal {name}"
+    oom = _kernel_oom_kill(pid) if pid else None
+    if oom is not None:
+        return f"killed by signal SIGKILL from the kernel's out-of-memory killer ({oom})"
+    hint = "SIGKILL is also what the kernel's out-of-memory killer sends: check `dmesg`"
+    if pid:
+        hint += f" for 'Killed process {pid}'"
+    counted = _memory_cgroup_oom_kills()
+    if counted is not None and counted[1] > 0:
+        hint += f" (memory cgroup {counted[0]} has counted {counted[1]} OOM kill(s))"
+    return f"killed by signal SIGKILL ({hint} and the memory limit)"
+
+
+# The kernel's OOM-kill records (mm/oom_kill.c): the first is logged before the SIGKILL is sent,
+# the second right after it.
+_OOM_SUMMARY = re.compile(r"oom-kill:.*?task_memcg=([^,]*),task=.*,pid=(\d+),uid=\d+")
+_OOM_KILLED = re.compile(r"((?:Memory cgroup out of memory|Out of memory[^:]*): Killed process (\d+) \(.*?\)"
+                         r"(?: total-vm:\d+kB, anon-rss:\d+kB)?)")
+
+
+def _kernel_oom_kill(pid: int, max_age_s: float = 600.0) -> Optional[str]:
+    """What the kernel log says about its OOM killer ending ``pid`` recently, or None.
+
+    None also when the log cannot be read (no ``/dev/kmsg`` in the container, no permission).
+    """
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    now_us = time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6  # the clock of the log's timestamps
+    found: Optional[tuple] = None  # (memory cgroup, "Killed process ..." text): the latest for pid
+    try:
+        for _ in range(1_000_000):  # a bound, not a limit: the log holds far fewer records
+            try:
+                record = os.read(fd, 8192).decode("utf-8", "replace")
+            except BrokenPipeError:  # the oldest records were overwritten while we read: go on
+                continue
+            except OSError:  # EAGAIN: the end of the log
+                break
+            header, _, text = record.partition(";")
+            text = text.split("\n", 1)[0]
+            fields = header.split(",")
+            if len(fields) < 3 or not fields[2].isdigit() or now_us - int(fields[2]) > max_age_s * 1e6:
+                continue
+            summary = _OOM_SUMMARY.search(text)
+            if summary and int(summary.group(2)) == pid:
+                found = (summary.group(1), None)
+            killed = _OOM_KILLED.search(text)
+            if killed and int(killed.group(2)) == pid:
+                found = (found[0] if found else None, killed.group(1))
+    finally:
+        os.close(fd)
+    if found is None:
+        return None
+    memcg, text = found
+    parts = [f"kernel log: {text}" if text else f"kernel log: oom-kill of pid {pid}"]
+    if memcg:
+        limit = _memory_cgroup_limit(memcg)
+        parts.append(f"memory cgroup {memcg}" + (f", limit {limit / 2**20:.0f} MiB" if limit else ""))
+    return "; ".join(parts)
+
+
+def _memory_cgroup_file(path: str, v1_name: str, v2_name: str) -> Optional[str]:
+    """The text of a memory cgroup's file (cgroup v1 or v2 name), or None if it cannot be read."""
+    for root, name in (("/sys/fs/cgroup/memory", v1_name), ("/sys/fs/cgroup", v2_name),
+                       ("/sys/fs/cgroup/unified", v2_name)):
         try:
-            return f"killed by signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exited with code {code}"
+            with open(f"{root}{path.rstrip('/')}/{name}") as f:
+                return f.read()
+        except OSError:
+            continue
+    return None
+
+
+def _memory_cgroup_limit(path: str) -> Optional[int]:
+    """A memory cgroup's limit in bytes; None if it has none or it cannot be read."""
+    text = _memory_cgroup_file(path, "memory.limit_in_bytes", "memory.max")
+    if text is None or not text.strip().isdigit() or int(text) >= 2**62:  # "max" or v1's "unlimited"
+        return None
+    return int(text)
+
+
+def _memory_cgroup_oom_kills(pid: str = "self") -> Optional[tuple[str, int]]:
+    """``pid``'s memory cgroup and the OOM kills it has counted (v1 ``memory.oom_control``, v2
+    ``memory.events``); None if that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    v1 = [ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":", 2)[1].split(",")]
+    v2 = [ln.split(":", 2)[2] for ln in lines if ln.startswith("0::")]
+    for path, names in [(p, ("memory.oom_control", "-")) for p in v1] + [(p, ("-", "memory.events")) for p in v2]:
+        text = _memory_cgroup_file(path, *names)
+        for line in (text or "").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return path, int(value)
+    return None
 
 
 @dataclass
