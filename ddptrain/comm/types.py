@@ -157,21 +157,30 @@ class FutureWork(Work):
     """
 
     def __init__(self, op_name: str, outputs: list[torch.Tensor], future: torch.futures.Future,
-                 default_timeout: Optional[timedelta] = None, describe: str = ""):
+                 default_timeout: Optional[timedelta] = None, describe: str = "",
+                 explain_timeout: Optional[Callable[[], str]] = None):
+        """``explain_timeout`` (optional) is asked, when the group's timeout expires, for a sentence
+        on who is missing (the MPI backend asks its peers which collective they reached)."""
         super().__init__(op_name, outputs)
         self._future = future
         self._default_timeout = default_timeout
         self._describe = describe
+        self._explain_timeout = explain_timeout
         self._done = threading.Event()
         future.add_done_callback(lambda _f: self._done.set())
 
     def _wait(self, timeout):
-        timeout = timeout or self._default_timeout
-        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+        own = timeout or self._default_timeout
+        if not self._done.wait(None if own is None else own.total_seconds()):
+            seconds = f"{own.total_seconds():g} s"
+            if timeout is not None:  # the caller's own wait: peers may just be slower
+                raise CommTimeoutError(f"{self.op_name} {self._describe}did not complete within the {seconds} "
+                                       "given to wait(); the operation may still finish.")
+            why = self._explain_timeout() if self._explain_timeout else ""
             raise CommTimeoutError(
-                f"{self.op_name} {self._describe}did not complete within {timeout.total_seconds():g} s; "
-                "a peer rank may have died or never called the same operation. "
-                "Raise the timeout (init_process_group(timeout=...)) if the step is just slow.")
+                f"{self.op_name} {self._describe}timed out after {seconds}: a peer rank may have died, be stuck, "
+                f"or never have called the same operation.{why} Raise the timeout "
+                "(init_process_group(timeout=...)) if the step is just slow.")
         self._future.wait()  # re-raises the operation's error
 
     def is_completed(self) -> bool:

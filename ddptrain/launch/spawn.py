@@ -237,7 +237,7 @@ def _record(rank: int, msg: Optional[tuple], proc, results: dict, failures: dict
                   "result; the other ranks were stopped.", proc.exitcode)
 
 
-def _root_cause(failures: dict) -> "WorkerFailedError":
+def root_cause(failures: dict) -> "WorkerFailedError":
     """The failure that started it: one that is not a broken connection or a timeout, if any."""
     primary = [f for f in failures.values() if not any(k.lower() in str(f).lower() for k in _SECONDARY)]
     return (primary or list(failures.values()))[0]
@@ -266,7 +266,8 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
     Args:
         fn: a picklable function; its return value (picklable) is collected per rank.
         backend: if set (``"gloo"``...), each worker joins the default ddptrain process group
-            before ``fn`` and leaves it after.
+            before ``fn`` and leaves it after. ``"mpi"`` starts the ranks through ``mpiexec``
+            instead of spawning them (see :mod:`ddptrain.launch.mpi_launch`).
         timeout_s: overall limit for the job; ``None`` waits as long as workers make progress.
         comm_timeout_s: timeout of rendezvous and collectives inside workers (default: 30 min).
         master_port: default: a free port chosen here.
@@ -282,6 +283,10 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if backend == "mpi":  # MPI ranks must be started by MPI's own launcher
+        from .mpi_launch import launch_under_mpiexec
+        return launch_under_mpiexec(fn, world_size, args, kwargs, timeout_s=timeout_s, comm_timeout_s=comm_timeout_s,
+                                    env=env, threads_per_worker=threads_per_worker)
     port = master_port or find_free_port(master_addr)
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
@@ -337,7 +342,7 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
                 if failures and first_failure_at is None:
                     first_failure_at = time.monotonic()
         if failures:
-            raise _root_cause(failures)
+            raise root_cause(failures)
         return [results[r] for r in range(world_size)]
     finally:
         _stop(procs)

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import pickle
-import shutil
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 from ..launch.env import ClusterEnvironment, detect_environment
+from ..launch.mpi_launch import launch_under_mpiexec
 from ..launch.spawn import WorkerFailedError, launch
 from .checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
 from .config import Config, ConfigError, check_device, locate, resolve_backend, validate
@@ -74,13 +71,13 @@ def run(config: Config) -> dict[str, Any]:
         locate(config.model["_target_"], "model._target_")  # a typo fails here, not once per rank
     preflight_resume(config, world_size)
     cls.prepare_data(config)  # once, here: decompression and missing files surface before spawning
-    if resolve_backend(config, "local") == "mpi":
-        return _run_under_mpiexec(config, world_size)
+    # backend=mpi: the ranks are started through mpiexec (MPI needs its own launcher to wire them up)
+    start = _start_under_mpiexec if resolve_backend(config, "local") == "mpi" else launch
     restarts = 0
     while True:
         try:
-            results = launch(_run_rank, world_size, args=(config,), timeout_s=config.dist.job_timeout_s,
-                             threads_per_worker=config.dist.threads_per_worker or None)
+            results = start(_run_rank, world_size, args=(config,), timeout_s=config.dist.job_timeout_s,
+                            threads_per_worker=config.dist.threads_per_worker or None)
             return results[0]
         except WorkerFailedError as exc:
             if restarts >= config.launcher.max_restarts:
@@ -100,35 +97,11 @@ def _resume_from_latest(config: Config) -> Config:
     return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume="latest"))
 
 
-def _run_under_mpiexec(config: Config, world_size: int) -> dict[str, Any]:
-    """``backend=mpi`` with the local launcher: start the ranks with ``mpiexec`` (MPI needs its
-    own launcher to wire ranks up) and return rank 0's metrics."""
-    mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
-    if mpiexec is None:
-        raise ConfigError("dist.backend=mpi needs mpiexec: `pip install 'ddptrain[mpi]'` (mpi4py and Open MPI), "
-                          "or use dist.backend=gloo")
-    output_dir = Path(config.trainer.output_dir or ".").resolve()
-    output_dir.mkdir(parents=True, exist_ok=True)
-    job_file, result_file = output_dir / ".mpi_job.pkl", output_dir / ".mpi_result.pkl"
-    config = dataclasses.replace(config, dist=dataclasses.replace(config.dist, backend="mpi"),
-                                 trainer=dataclasses.replace(config.trainer, output_dir=str(output_dir)))
-    job_file.write_bytes(pickle.dumps(config))
-    result_file.unlink(missing_ok=True)
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")])))
-    for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
-        env.pop(name, None)  # the ranks must detect MPI, not a stale torchrun-like environment
-    cmd = [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, "-m", "ddptrain.launch.mpi_entry",
-           str(job_file), str(result_file)]
-    _log.info("starting %d ranks: %s", world_size, " ".join(cmd))
-    code = subprocess.call(cmd, env=env, timeout=config.dist.job_timeout_s)
-    job_file.unlink(missing_ok=True)
-    if code != 0 or not result_file.exists():
-        raise WorkerFailedError(-1, f"mpiexec exited with code {code}: a rank failed (its output is above); "
-                                    "mpiexec stopped the others.", code)
-    metrics = pickle.loads(result_file.read_bytes())
-    result_file.unlink()
-    return metrics
+def _start_under_mpiexec(fn, world_size, args, **kwargs) -> list:
+    try:
+        return launch_under_mpiexec(fn, world_size, args, init_group=False, **kwargs)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"dist.backend=mpi: {exc}") from None
 
 
 def preflight_resume(config: Config, world_size: int) -> None:

@@ -30,6 +30,8 @@ from ddptrain.launch import find_free_port, launch
 from ddptrain.testing import run_distributed
 
 WORLD_SIZES = [1, 2, 3, 4]
+# (backend, world size) of each launch: gloo through the spawning launcher, mpi under mpiexec
+WORLDS = [("gloo", ws) for ws in WORLD_SIZES] + [("mpi", 2), ("mpi", 3)]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 OPS = ["SUM", "PRODUCT", "MAX", "MIN", "AVG"]
 SHAPE = (3, 5)
@@ -99,7 +101,7 @@ def _capture(results: dict, key, fn) -> None:
 
 
 # -- the body run on every rank -----------------------------------------------------------------
-def _body(rank: int, ws: int, init_args=None) -> bytes:
+def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one launch checks everything
     R: dict = {}
     R["identity"] = (dist.is_initialized(), dist.get_rank(), dist.get_world_size(), dist.get_backend())
     op_of = {name: getattr(dist.ReduceOp, name) for name in OPS}
@@ -197,13 +199,15 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:
             return a, b
         _capture(R, "tags", tags)
 
-    def barrier():
-        store = dist.get_store()
+    def barrier():  # nobody may leave the barrier before the late rank arrives
         if rank == ws - 1:
-            time.sleep(0.3)  # the last rank is late: nobody may leave the barrier before it arrives
-        store.set(f"barrier/{rank}", "here")
+            time.sleep(0.3)
+        arrived = time.time()
         dist.barrier()
-        return store.check([f"barrier/{r}" for r in range(ws)])
+        left = time.time()
+        arrivals = [torch.zeros(1, dtype=torch.float64) for _ in range(ws)]
+        dist.all_gather(arrivals, torch.tensor([arrived], dtype=torch.float64))
+        return left >= max(a.item() for a in arrivals)
     _capture(R, "barrier", barrier)
 
     # AVG on integers is refused before anything moves, identically on every rank
@@ -393,26 +397,28 @@ _CACHE: dict = {}
 INIT_WS = 2  # the world size whose launch also tries every init method
 
 
-def world(ws: int) -> list[dict]:
-    """Per-rank results of the one launch for this world size (run on first use)."""
-    if ws not in _CACHE:
+def world(backend: str, ws: int) -> list[dict]:
+    """Per-rank results of the one launch for this backend and world size (run on first use)."""
+    key = (backend, ws)
+    if key not in _CACHE:
         t0 = time.monotonic()
         tmp = tempfile.mkdtemp(prefix="ddptrain-test-init-")
         try:
             ports = set()
             while len(ports) < 3:
                 ports.add(find_free_port())
-            init_args = (*sorted(ports), os.path.join(tmp, "rendezvous")) if ws == INIT_WS else None
-            raw = run_distributed(_body, ws, init_args, timeout_s=LAUNCH_TIMEOUT_S, comm_timeout_s=COMM_TIMEOUT_S)
-            _CACHE[ws] = [pickle.loads(r) for r in raw]
-        except Exception as exc:  # noqa: BLE001 - every test of this world size reports it
-            _CACHE[ws] = exc
+            init_args = (*sorted(ports), os.path.join(tmp, "rendezvous")) if key == ("gloo", INIT_WS) else None
+            raw = run_distributed(_body, ws, init_args, backend=backend, timeout_s=LAUNCH_TIMEOUT_S,
+                                  comm_timeout_s=COMM_TIMEOUT_S)
+            _CACHE[key] = [pickle.loads(r) for r in raw]
+        except Exception as exc:  # noqa: BLE001 - every test of this world reports it
+            _CACHE[key] = exc
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"world size {ws}: launch took {time.monotonic() - t0:.1f} s")
-    got = _CACHE[ws]
+        print(f"{backend} world size {ws}: launch took {time.monotonic() - t0:.1f} s")
+    got = _CACHE[key]
     if isinstance(got, Exception):
-        pytest.fail(f"the launch for world size {ws} failed: {type(got).__name__}: {got}")
+        pytest.fail(f"the {backend} launch for world size {ws} failed: {type(got).__name__}: {got}")
     return got
 
 
@@ -447,19 +453,21 @@ def not_raised(value):
     return value
 
 
-ws_param = pytest.mark.parametrize("ws", WORLD_SIZES)
+ws_param = pytest.mark.parametrize("backend, ws", WORLDS, ids=[f"{b}-{w}" for b, w in WORLDS])
+multi_param = pytest.mark.parametrize("backend, ws", [(b, w) for b, w in WORLDS if w > 1],
+                                      ids=[f"{b}-{w}" for b, w in WORLDS if w > 1])
 
 
 @ws_param
-def test_identity(ws):
-    for rank, res in enumerate(world(ws)):
-        assert res["identity"] == (True, rank, ws, "gloo")
+def test_identity(backend, ws):
+    for rank, res in enumerate(world(backend, ws)):
+        assert res["identity"] == (True, rank, ws, backend)
 
 
 @ws_param
-def test_broadcast_from_every_root(ws):
+def test_broadcast_from_every_root(backend, ws):
     m = Mismatches()
-    for rank, res in enumerate(world(ws)):
+    for rank, res in enumerate(world(backend, ws)):
         for dn in DTYPES:
             for src in range(ws):
                 m.tensor(f"rank {rank} {dn} src={src}", res[("broadcast", dn, src)],
@@ -468,20 +476,20 @@ def test_broadcast_from_every_root(ws):
 
 
 @ws_param
-def test_all_reduce_every_op_and_dtype(ws):
+def test_all_reduce_every_op_and_dtype(backend, ws):
     m = Mismatches()
     for dn, dtype in DTYPES.items():
         for op in OPS:
             if op == "AVG" and not dtype.is_floating_point:
                 continue
             expected = reduce_local(op, [make_input(r, dn, "allreduce", op) for r in range(ws)])
-            for rank, res in enumerate(world(ws)):
+            for rank, res in enumerate(world(backend, ws)):
                 m.tensor(f"rank {rank} {dn} {op}", res[("all_reduce", dn, op)], expected, exact=op != "AVG")
     m.check()
 
 
 @ws_param
-def test_reduce_every_op_and_dtype(ws):
+def test_reduce_every_op_and_dtype(backend, ws):
     m = Mismatches()
     for dn, dtype in DTYPES.items():
         for op in OPS:
@@ -489,26 +497,26 @@ def test_reduce_every_op_and_dtype(ws):
                 continue
             dst = OPS.index(op) % ws
             expected = reduce_local(op, [make_input(r, dn, "reduce", op) for r in range(ws)])
-            m.tensor(f"dst {dst} {dn} {op}", world(ws)[dst][("reduce", dn, op)], expected, exact=op != "AVG")
+            m.tensor(f"dst {dst} {dn} {op}", world(backend, ws)[dst][("reduce", dn, op)], expected, exact=op != "AVG")
     m.check()
 
 
 @ws_param
-def test_reduce_scatter_every_op_and_dtype(ws):
+def test_reduce_scatter_every_op_and_dtype(backend, ws):
     m = Mismatches()
     for dn, dtype in DTYPES.items():
         for op in OPS:
             if op == "AVG" and not dtype.is_floating_point:
                 continue
-            for rank, res in enumerate(world(ws)):
+            for rank, res in enumerate(world(backend, ws)):
                 expected = reduce_local(op, [make_input(q, dn, f"rs{rank}", op) for q in range(ws)])
                 m.tensor(f"rank {rank} {dn} {op}", res[("reduce_scatter", dn, op)], expected, exact=op != "AVG")
     m.check()
 
 
 @ws_param
-def test_avg_on_int64_is_a_clear_type_error(ws):
-    for rank, res in enumerate(world(ws)):
+def test_avg_on_int64_is_a_clear_type_error(backend, ws):
+    for rank, res in enumerate(world(backend, ws)):
         for name in ["all_reduce", "reduce", "reduce_scatter", "ring_all_reduce"]:
             got = res[("avg_int", name)]
             assert got[:2] == (RAISED, "TypeError"), f"{name} on rank {rank}: {got}"
@@ -519,9 +527,9 @@ def test_avg_on_int64_is_a_clear_type_error(ws):
 
 
 @ws_param
-def test_all_gather_gather_scatter(ws):
+def test_all_gather_gather_scatter(backend, ws):
     m = Mismatches()
-    results = world(ws)
+    results = world(backend, ws)
     for dn in DTYPES:
         gathered = [make_input(r, dn, "allgather") for r in range(ws)]
         for rank, res in enumerate(results):
@@ -540,42 +548,42 @@ def test_all_gather_gather_scatter(ws):
 
 
 @ws_param
-def test_all_to_all_uneven_sizes(ws):
+def test_all_to_all_uneven_sizes(backend, ws):
     m = Mismatches()
     for dn in DTYPES:
-        for rank, res in enumerate(world(ws)):
+        for rank, res in enumerate(world(backend, ws)):
             got = not_raised(res[("all_to_all", dn)])
             for j in range(ws):
                 m.tensor(f"rank {rank} {dn} from {j}", got[j], make_input(j, dn, f"a2a{rank}", shape=(j + rank + 1,)))
     m.check()
 
 
-@pytest.mark.parametrize("ws", [w for w in WORLD_SIZES if w > 1])
-def test_send_recv_and_isend_irecv(ws):
+@multi_param
+def test_send_recv_and_isend_irecv(backend, ws):
     m = Mismatches()
     for dn in DTYPES:
-        for rank, res in enumerate(world(ws)):
+        for rank, res in enumerate(world(backend, ws)):
             left = (rank - 1) % ws
             m.tensor(f"send/recv rank {rank} {dn}", res[("send_recv", dn)], make_input(left, dn, "p2p"))
             out, completed = not_raised(res[("isend_irecv", dn)])
             m.tensor(f"isend/irecv rank {rank} {dn}", out, make_input(left, dn, "ip2p"))
             m.ok(f"isend/irecv rank {rank} {dn} is_completed after wait", completed == [True, True], completed)
-    a, b = not_raised(world(ws)[1]["tags"])
+    a, b = not_raised(world(backend, ws)[1]["tags"])
     m.tensor("tag 11", a, torch.tensor([1.0, 1.0]))
     m.tensor("tag 22", b, torch.tensor([2.0, 2.0]))
     m.check()
 
 
 @ws_param
-def test_barrier_waits_for_the_late_rank(ws):
-    for rank, res in enumerate(world(ws)):
+def test_barrier_waits_for_the_late_rank(backend, ws):
+    for rank, res in enumerate(world(backend, ws)):
         assert not_raised(res["barrier"]) is True, f"rank {rank} left the barrier before every rank arrived"
 
 
 @ws_param
-def test_async_handles(ws):
+def test_async_handles(backend, ws):
     m = Mismatches()
-    results = world(ws)
+    results = world(backend, ws)
     expected = {
         "all_reduce": reduce_local("SUM", [make_input(r, "float32", "async_ar") for r in range(ws)]),
         "broadcast": make_input(ws - 1, "float32", "async_bc"),
@@ -619,9 +627,9 @@ def test_async_handles(ws):
 
 
 @ws_param
-def test_reduce_scatter_and_p2p_handles(ws):
+def test_reduce_scatter_and_p2p_handles(backend, ws):
     m = Mismatches()
-    for rank, res in enumerate(world(ws)):
+    for rank, res in enumerate(world(backend, ws)):
         a = not_raised(res["async"])
         m.ok(f"reduce_scatter rank {rank}: Work/wait()/is_completed()",
              a["reduce_scatter"][:3] == (True, True, True), a["reduce_scatter"][:3])
@@ -635,9 +643,9 @@ def test_reduce_scatter_and_p2p_handles(ws):
 
 
 @ws_param
-def test_ring_all_reduce_matches_native_and_local(ws):
+def test_ring_all_reduce_matches_native_and_local(backend, ws):
     m = Mismatches()
-    results = [not_raised(res["ring"]) for res in world(ws)]
+    results = [not_raised(res["ring"]) for res in world(backend, ws)]
     for dn, dtype in DTYPES.items():
         exact = not dtype.is_floating_point
         for n in RING_LENGTHS:
@@ -666,13 +674,13 @@ def test_ring_all_reduce_matches_native_and_local(ws):
 
 
 @ws_param
-def test_ring_and_native_on_non_contiguous_tensors(ws):
+def test_ring_and_native_on_non_contiguous_tensors(backend, ws):
     m = Mismatches()
     for dn, dtype in DTYPES.items():
         exact = not dtype.is_floating_point
         inputs = [make_ring_input(r, dn, "SUM", 6 * 14, shape=(6, 14)) for r in range(ws)]
         expected = reduce_local("SUM", [x[:, ::2].t() for x in inputs])
-        for rank, res in enumerate(world(ws)):
+        for rank, res in enumerate(world(backend, ws)):
             base, view, native_contig = not_raised(res["ring"])[(dn, "noncontig")]
             m.tensor(f"{dn} rank {rank} ring on view", view, expected, exact=exact)
             m.tensor(f"{dn} rank {rank} written through to the base tensor", base[:, ::2].t(), expected, exact=exact)
@@ -681,13 +689,13 @@ def test_ring_and_native_on_non_contiguous_tensors(ws):
     m.check()
 
 
-@pytest.mark.parametrize("ws", [w for w in WORLD_SIZES if w > 1])
-def test_native_all_reduce_on_non_contiguous_view_is_right_or_refused(ws):
+@multi_param
+def test_native_all_reduce_on_non_contiguous_view_is_right_or_refused(backend, ws):
     m = Mismatches()
     for dn, dtype in DTYPES.items():
         inputs = [make_ring_input(r, dn, "SUM", 6 * 14, shape=(6, 14)) for r in range(ws)]
         expected = reduce_local("SUM", [x[:, ::2].t() for x in inputs])
-        for rank, res in enumerate(world(ws)):
+        for rank, res in enumerate(world(backend, ws)):
             got = not_raised(res["ring"])[(dn, "native_noncontig")]
             if isinstance(got, tuple) and got[0] == RAISED:
                 m.ok(f"{dn} rank {rank} refusal names the rule", "contiguous" in got[2], got)
@@ -699,10 +707,10 @@ def test_native_all_reduce_on_non_contiguous_view_is_right_or_refused(ws):
 
 
 @ws_param
-def test_subgroup_of_a_subset_of_ranks(ws):
+def test_subgroup_of_a_subset_of_ranks(backend, ws):
     members = subgroup_members(ws)
     m = Mismatches()
-    for rank, res in enumerate(world(ws)):
+    for rank, res in enumerate(world(backend, ws)):
         s = not_raised(res["subgroups"])
         m.tensor(f"rank {rank} world group of everyone", s["everyone"], torch.tensor([float(sum(range(ws)))]))
         m.tensor(f"rank {rank} world after subgroup", s["world"], torch.tensor([float(ws)]))
@@ -739,8 +747,12 @@ def test_subgroup_of_a_subset_of_ranks(ws):
 
 
 @ws_param
-def test_store_set_get_add_wait(ws):
-    for rank, res in enumerate(world(ws)):
+def test_store_set_get_add_wait(backend, ws):
+    for rank, res in enumerate(world(backend, ws)):
+        if backend == "mpi":  # MPI ranks meet through mpirun, not a store: asking for one is refused clearly
+            name, msg = res["store"][1:]
+            assert name == "GroupError" and "backend (mpi) uses no key-value store" in msg, res["store"]
+            continue
         values, total, missing, waited_s = not_raised(res["store"])
         assert values == [f"value-{r}".encode() for r in range(ws)]
         assert total == ws * (ws + 1) // 2
@@ -790,7 +802,7 @@ def _init_methods_body(rank: int, ws: int, tcp_port: int, store_port: int, torch
 
 def test_init_methods_tcp_file_env_store():
     ws = INIT_WS
-    for rank, res in enumerate(world(ws)):
+    for rank, res in enumerate(world("gloo", ws)):
         out = not_raised(res["init_methods"])
         for label in ["tcp", "file", "env", "store"]:
             assert out[label] == (rank, ws, 3.0, [b"0", b"1"], 2.0), (label, out[label])

@@ -27,6 +27,9 @@ import ddptrain.comm as dist
 from ddptrain.testing import run_distributed
 
 WORLD_SIZES = [2, 3]
+# every example on gloo (spawned workers) and on mpi (ranks started by mpiexec)
+WORLDS = [(backend, size) for backend in ("gloo", "mpi") for size in WORLD_SIZES]
+world_param = pytest.mark.parametrize("backend, size", WORLDS, ids=[f"{b}-{n}" for b, n in WORLDS])
 LAUNCH_TIMEOUT_S = 120
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)]
@@ -213,15 +216,17 @@ def _body(rank: int, size: int) -> bytes:
 _CACHE: dict = {}
 
 
-def world(size):
-    if size not in _CACHE:
+def world(backend, size):
+    key = (backend, size)
+    if key not in _CACHE:
         try:
-            _CACHE[size] = [pickle.loads(r) for r in run_distributed(_body, size, timeout_s=LAUNCH_TIMEOUT_S)]
+            _CACHE[key] = [pickle.loads(r) for r in run_distributed(_body, size, backend=backend,
+                                                                    timeout_s=LAUNCH_TIMEOUT_S)]
         except Exception as exc:  # noqa: BLE001
-            _CACHE[size] = exc
-    got = _CACHE[size]
+            _CACHE[key] = exc
+    got = _CACHE[key]
     if isinstance(got, Exception):
-        pytest.fail(f"the launch on {size} processes failed: {type(got).__name__}: {got}")
+        pytest.fail(f"the {backend} launch on {size} processes failed: {type(got).__name__}: {got}")
     return got
 
 
@@ -231,25 +236,25 @@ def _has_data(printed: str, rank: int, value: float) -> bool:
     return m is not None and float(m.group(1)) == value
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-def test_blocking_send_recv(size):
-    res = world(size)
+@world_param
+def test_blocking_send_recv(backend, size):
+    res = world(backend, size)
     for rank in (0, 1):
         assert _has_data(res[rank]["p2p_printed"], rank, 1.0), res[rank]["p2p_printed"]
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-def test_isend_irecv_wait(size):
-    res = world(size)
+@world_param
+def test_isend_irecv_wait(backend, size):
+    res = world(backend, size)
     assert "Rank 0 started sending" in res[0]["nonblocking_printed"]
     assert "Rank 1 started receiving" in res[1]["nonblocking_printed"]
     for rank in (0, 1):
         assert _has_data(res[rank]["nonblocking_printed"], rank, 1.0), res[rank]["nonblocking_printed"]
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-def test_all_reduce_on_new_group_0_1(size):
-    res = world(size)
+@world_param
+def test_all_reduce_on_new_group_0_1(backend, size):
+    res = world(backend, size)
     for rank in (0, 1):
         assert "group_error" not in res[rank], res[rank]["group_error"]
         assert _has_data(res[rank]["group_printed"], rank, 2.0), res[rank]["group_printed"]
@@ -260,9 +265,9 @@ def test_all_reduce_on_new_group_0_1(size):
         assert "all_reduce" in msg and "rank 2 is not a member of group [0, 1]" in msg, msg
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-def test_each_collective_of_the_list(size):
-    res = world(size)
+@world_param
+def test_each_collective_of_the_list(backend, size):
+    res = world(backend, size)
     ranks = range(size)
     for rank in ranks:
         c = res[rank]["collectives"]
@@ -284,9 +289,9 @@ def test_each_collective_of_the_list(size):
         assert c["barrier"] is True
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-def test_average_gradients(size):
-    res = world(size)
+@world_param
+def test_average_gradients(backend, size):
+    res = world(backend, size)
     # recompute every rank's gradients here and average them
     expected_local = [_local_grads(_model(), r) for r in range(size)]
     expected = [torch.stack(gs).mean(0) for gs in zip(*expected_local)]
@@ -302,9 +307,9 @@ def test_average_gradients(size):
             assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-def test_synchronous_sgd_keeps_replicas_identical(size):
-    res = world(size)
+@world_param
+def test_synchronous_sgd_keeps_replicas_identical(backend, size):
+    res = world(backend, size)
     # the same 3 steps on one process, averaging gradients by hand
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
@@ -325,9 +330,9 @@ def test_synchronous_sgd_keeps_replicas_identical(size):
             torch.testing.assert_close(got, exp.detach())
 
 
-@pytest.mark.parametrize("size", WORLD_SIZES)
-def test_ring_allreduce_tutorial_and_ddptrain(size):
-    res = world(size)
+@world_param
+def test_ring_allreduce_tutorial_and_ddptrain(backend, size):
+    res = world(backend, size)
     expected = sum(torch.arange(10, dtype=torch.float32) * (r + 1) + r for r in range(size))
     expected_uneven = sum(torch.arange(1001, dtype=torch.int64) * (r + 1) for r in range(size))
     for rank in range(size):

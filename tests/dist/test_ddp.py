@@ -87,6 +87,8 @@ def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused
             "buckets": len(ddp.bucket_assignment)}
 
 
+BACKENDS = ["gloo", "mpi"]  # mpi: ranks started by mpiexec (ddptrain's mpi backend over mpi4py)
+
 CASES = [
     ("net", 25, False), ("net", 0.001, False), ("net", 1, True), ("net", 0.001, True),
     ("bn", 1, False), ("tied", 0.001, False), ("tied", 25, True), ("frozen", 1, False),
@@ -108,9 +110,10 @@ def _equivalence_body(rank, ws):
     return out
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_equivalence_with_single_process(world_size):
-    results = run_distributed(_equivalence_body, world_size, timeout_s=200)
+def test_equivalence_with_single_process(world_size, backend):
+    results = run_distributed(_equivalence_body, world_size, backend=backend, timeout_s=200)
     for case, r0 in results[0].items():
         for rank, res in enumerate(results):
             assert res[case]["diff"] <= 1e-6, f"{case}: rank {rank} drifted {res[case]['diff']:.3g} from the reference"
@@ -196,8 +199,9 @@ def _hooks_body(rank, ws):
     return out
 
 
-def test_comm_hooks():
-    results = run_distributed(_hooks_body, 2, timeout_s=120)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_comm_hooks(backend):
+    results = run_distributed(_hooks_body, 2, backend=backend, timeout_s=120)
     for r in results:
         assert r["fp16"] < 1e-2, r
         assert r["bf16"] < 3e-2, r
@@ -218,8 +222,9 @@ def _overlap_body(rank, ws):
             "offsets": s.launch_offsets_s, "rebuilt": s.rebuilt_buckets, "wait": s.finalize_wait_s}
 
 
-def test_overlap_first_bucket_launched_before_backward_ends():
-    for r in run_distributed(_overlap_body, 2, timeout_s=90):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlap_first_bucket_launched_before_backward_ends(backend):
+    for r in run_distributed(_overlap_body, 2, backend=backend, timeout_s=90):
         assert r["n"] >= 2
         assert r["rebuilt"]
         assert r["first_launch"] < r["end"], r
@@ -244,8 +249,9 @@ def _join_body(rank, ws):
     return _digest(model), buffers
 
 
-def test_join_uneven_inputs():
-    results = run_distributed(_join_body, 2, timeout_s=90)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_join_uneven_inputs(backend):
+    results = run_distributed(_join_body, 2, backend=backend, timeout_s=90)
     assert results[0] == results[1]
 
 
@@ -291,8 +297,9 @@ def _errors_body(rank, ws):
     return out
 
 
-def test_errors_users_meet_most():
-    results = run_distributed(_errors_body, 2, timeout_s=90)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_errors_users_meet_most(backend):
+    results = run_distributed(_errors_body, 2, backend=backend, timeout_s=90)
     for r in results:
         assert "did not: branch.weight, branch.bias, never.weight, never.bias" in r["unused"], r["unused"]
         assert "find_unused_parameters=True" in r["unused"]

@@ -1,10 +1,12 @@
 """The ``mpi`` backend, through mpi4py (PyTorch's wheels ship without their own MPI backend).
 
 As in PyTorch's ProcessGroupMPI, every MPI call runs on one communication thread fed by a queue:
-callers get a :class:`FutureWork` at once and the thread completes it. Collectives run in the
-order they were queued — the same order on every rank, which MPI requires. Point-to-point
-messages are posted as non-blocking ``Isend``/``Irecv`` and completed while the thread polls, so a
-rank may send and receive at once (the ring all-reduce does) without deadlock.
+callers get a :class:`FutureWork` at once and the thread completes it. Collectives are posted in
+the order they were queued — the same order on every rank, which MPI requires. Every operation is
+posted non-blocking (``Isend``/``Irecv``, ``Iallreduce``, ``Ibcast``, ... ``Ibarrier``, MPI-3) and
+completed while the thread polls, so a rank may send and receive at once (the ring all-reduce does)
+without deadlock, and a collective that a peer never joins times out for its caller without
+wedging the thread: later operations on other groups still run.
 
 CPU tensors are handed to MPI as zero-copy NumPy views. CUDA tensors, and half-precision tensors
 for reductions (MPI has no float16/bfloat16 arithmetic), are staged through a float32/host copy.
@@ -26,16 +28,39 @@ from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..types import (CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype,
                      to_reduce_op)
 
+# Tags of the timeout probe, on each group's private control communicator (never the user's).
+_PROBE_QUERY, _PROBE_REPLY = 1, 2
+_PROBE_WAIT_S = 5.0
+# How often an idle communication thread wakes to answer its peers' timeout probes.
+_IDLE_WAKE_S = 0.05
+
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
             ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
 
 
+class _AllOf:
+    """Several requests completed as one (a job that posts more than one message)."""
+
+    def __init__(self, requests, keep_alive=None):
+        self.requests, self.keep_alive = requests, keep_alive
+
+    def Test(self) -> bool:  # noqa: N802 - the name of MPI.Request's method
+        return MPI.Request.Testall(self.requests)
+
+
 class _CommThread:
-    """One thread that owns every MPI call of this process."""
+    """One thread that owns every MPI call of this process.
+
+    Besides running the queued jobs it answers its peers' timeout probes: a rank whose collective
+    timed out asks every peer, over the group's control communicator, how many collectives of the
+    group it has called; the answers tell which ranks never arrived.
+    """
 
     def __init__(self):
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._pending: list[tuple] = []  # (request, future, on_done)
+        self._pending: list[tuple] = []  # (request, future, on_done, outputs)
+        self._groups: dict[int, tuple] = {}  # id(group) -> (control communicator, group)
+        self._replies: list[tuple] = []  # (request, buffer) of probe answers in flight
         self._thread = threading.Thread(target=self._loop, name="ddptrain-mpi", daemon=True)
         self._thread.start()
 
@@ -47,7 +72,7 @@ class _CommThread:
     def _loop(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=0.0002 if self._pending else None)
+                item = self._queue.get(timeout=0.0002 if self._pending else _IDLE_WAKE_S)
             except queue.Empty:
                 item = ()
             if item is None:
@@ -56,13 +81,31 @@ class _CommThread:
                 fn, fut, outputs = item
                 try:
                     result = fn()
-                    if isinstance(result, tuple) and result and isinstance(result[0], MPI.Request):
+                    if isinstance(result, tuple) and result and isinstance(result[0], (MPI.Request, _AllOf)):
                         self._pending.append((result[0], fut, result[1], outputs))
                     else:
                         fut.set_result(outputs)
                 except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
                     fut.set_exception(exc)
             self._poll()
+            self._answer_probes()
+
+    def register(self, group: "MPIProcessGroup", control) -> None:
+        """Answer probes about ``group`` arriving on ``control`` (called on this thread)."""
+        self._groups[id(group)] = (control, group)
+
+    def unregister(self, group: "MPIProcessGroup") -> None:
+        self._groups.pop(id(group), None)
+
+    def _answer_probes(self) -> None:
+        status = MPI.Status()
+        for control, group in list(self._groups.values()):
+            while control.Iprobe(source=MPI.ANY_SOURCE, tag=_PROBE_QUERY, status=status):
+                asker = status.Get_source()
+                control.Recv(torch.empty(1, dtype=torch.int64).numpy(), source=asker, tag=_PROBE_QUERY)
+                answer = torch.tensor([group.collectives_called], dtype=torch.int64).numpy()
+                self._replies.append((control.Isend(answer, dest=asker, tag=_PROBE_REPLY), answer))
+        self._replies = [(req, buf) for req, buf in self._replies if not req.Test()]
 
     def _poll(self) -> None:
         still = []
@@ -106,13 +149,56 @@ class MPIProcessGroup(ProcessGroup):
     def __init__(self, comm, global_ranks, timeout: timedelta, name: str = "world"):
         super().__init__(comm.Get_rank(), comm.Get_size(), global_ranks, timeout, name)
         self.comm = comm
+        self.collectives_called = 0  # what this rank answers to a peer's timeout probe
         self._thread = _comm_thread()
+        self._control = None
+
+        def make_control():  # collective over the group: queued, so every member does it in order
+            self._control = comm.Dup()
+            self._thread.register(self, self._control)
+        self._thread.submit(make_control, [])
 
     def _run(self, op_name: str, outputs, fn) -> Work:
         self.check_alive(op_name)
+        explain = None
+        if op_name not in ("send", "recv"):
+            self.collectives_called += 1
+            seq = self.collectives_called
+            explain = lambda: self._missing_ranks(op_name, seq)  # noqa: E731
         fut = self._thread.submit(fn, outputs)
-        return FutureWork(op_name, outputs, fut, self.timeout,
+        return FutureWork(op_name, outputs, fut, self.timeout, explain_timeout=explain,
                           describe=f"on group {self.name!r} (mpi, rank {self._rank} of {self._size}) ")
+
+    def _missing_ranks(self, op: str, seq: int) -> str:
+        """Ask every peer how many collectives of this group it has called: those below ``seq``
+        never arrived at this one; those that do not answer within a few seconds are dead or
+        wedged. '' if nothing can be told."""
+        peers = [r for r in range(self._size) if r != self._rank]
+        if not peers or self._control is None:
+            return ""
+        query = torch.tensor([seq], dtype=torch.int64).numpy()
+        answers = {r: torch.full((1,), -1, dtype=torch.int64).numpy() for r in peers}
+
+        def post():
+            reqs = []
+            for r in peers:
+                reqs.append(self._control.Isend(query, dest=r, tag=_PROBE_QUERY))
+                reqs.append(self._control.Irecv(answers[r], source=r, tag=_PROBE_REPLY))
+            return _AllOf(reqs, keep_alive=(query, answers)), None
+        done = threading.Event()
+        self._thread.submit(post, []).add_done_callback(lambda _f: done.set())
+        done.wait(min(_PROBE_WAIT_S, self.timeout.total_seconds()))
+        behind = [self.global_ranks[r] for r in peers if 0 <= int(answers[r][0]) < seq]
+        silent = [self.global_ranks[r] for r in peers if int(answers[r][0]) < 0]
+        parts = []
+        if behind:
+            parts.append(f" Rank(s) {behind} never arrived at this {op} (collective #{seq} of the group).")
+        if silent:
+            parts.append(f" Rank(s) {silent} did not answer within {_PROBE_WAIT_S:g} s (dead, or stuck outside "
+                         "ddptrain's communication thread).")
+        if not parts:
+            parts.append(" Every rank reached this collective; it may have called it with different arguments.")
+        return "".join(parts)
 
     # -- point to point ---------------------------------------------------------------------
     def send(self, tensor, dst, tag=0):
@@ -130,44 +216,43 @@ class MPIProcessGroup(ProcessGroup):
         self._check_peer(src, "broadcast", "src")
         buf, back = _staged(tensor, False)
 
-        def run():
-            self.comm.Bcast(buf, root=src)
-            if back:
-                back()
-        return self._run("broadcast", [tensor], run)
+        return self._run("broadcast", [tensor], lambda: (self.comm.Ibcast(buf, root=src), back))
 
     def _reduce_op(self, op, tensor, name):
         op = to_reduce_op(op)
         check_avg_dtype(op, tensor, name)
         return op
 
-    def all_reduce(self, tensor, op=ReduceOp.SUM):
-        op = self._reduce_op(op, tensor, "all_reduce")
-        buf, back = _staged(tensor, True)
+    def _after_reduce(self, op, buf, back):
+        """What completes a reduction: AVG's division, then the copy back of a staged tensor."""
+        if op is not ReduceOp.AVG and back is None:
+            return None
 
-        def run():
-            self.comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+        def done():
             if op is ReduceOp.AVG:
                 buf[...] /= self._size
             if back:
                 back()
-        return self._run("all_reduce", [tensor], run)
+        return done
+
+    def all_reduce(self, tensor, op=ReduceOp.SUM):
+        op = self._reduce_op(op, tensor, "all_reduce")
+        buf, back = _staged(tensor, True)
+
+        done = self._after_reduce(op, buf, back)
+        return self._run("all_reduce", [tensor],
+                         lambda: (self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op]), done))
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM):
         self._check_peer(dst, "reduce", "dst")
         op = self._reduce_op(op, tensor, "reduce")
         buf, back = _staged(tensor, True)
 
-        def run():
-            if self._rank == dst:
-                self.comm.Reduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op], root=dst)
-                if op is ReduceOp.AVG:
-                    buf[...] /= self._size
-                if back:
-                    back()
-            else:
-                self.comm.Reduce(buf, None, op=_MPI_OPS[op], root=dst)
-        return self._run("reduce", [tensor], run)
+        if self._rank == dst:
+            done = self._after_reduce(op, buf, back)
+            return self._run("reduce", [tensor],
+                             lambda: (self.comm.Ireduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op], root=dst), done))
+        return self._run("reduce", [tensor], lambda: (self.comm.Ireduce(buf, None, op=_MPI_OPS[op], root=dst), None))
 
     def all_gather(self, tensor_list, tensor):
         check_list_len("all_gather", "tensor_list", tensor_list, self._size)
@@ -175,11 +260,10 @@ class MPIProcessGroup(ProcessGroup):
         send, _ = _staged(tensor, False)
         flat = torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype)
 
-        def run():
-            self.comm.Allgather(send, flat.numpy())
+        def unpack():
             for out, row in zip(tensor_list, flat):
                 out.copy_(row.view_as(out))
-        return self._run("all_gather", tensor_list, run)
+        return self._run("all_gather", tensor_list, lambda: (self.comm.Iallgather(send, flat.numpy()), unpack))
 
     def gather(self, tensor, gather_list, dst):
         self._check_peer(dst, "gather", "dst")
@@ -190,12 +274,11 @@ class MPIProcessGroup(ProcessGroup):
             check_same_shape("gather", "gather_list", tensor, gather_list)
         flat = torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype) if is_root else None
 
-        def run():
-            self.comm.Gather(send, flat.numpy() if is_root else None, root=dst)
-            if is_root:
-                for out, row in zip(gather_list, flat):
-                    out.copy_(row.view_as(out))
-        return self._run("gather", gather_list or [], run)
+        def unpack():
+            for out, row in zip(gather_list, flat):
+                out.copy_(row.view_as(out))
+        return self._run("gather", gather_list or [], lambda: (
+            self.comm.Igather(send, flat.numpy() if is_root else None, root=dst), unpack if is_root else None))
 
     def scatter(self, tensor, scatter_list, src):
         self._check_peer(src, "scatter", "src")
@@ -208,11 +291,8 @@ class MPIProcessGroup(ProcessGroup):
             if tensor.dtype == torch.bfloat16:
                 flat = flat.float()
 
-        def run():
-            self.comm.Scatter(flat.numpy() if is_root else None, recv, root=src)
-            if back:
-                back()
-        return self._run("scatter", [tensor], run)
+        return self._run("scatter", [tensor],
+                         lambda: (self.comm.Iscatter(flat.numpy() if is_root else None, recv, root=src), back))
 
     def reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
         check_list_len("reduce_scatter", "input_list", input_list, self._size)
@@ -221,13 +301,9 @@ class MPIProcessGroup(ProcessGroup):
         recv, back = _staged(output, True)
         send = torch.stack([t.detach().cpu() for t in input_list]).to(torch.from_numpy(recv[:0]).dtype).contiguous()
 
-        def run():
-            self.comm.Reduce_scatter_block(send.numpy(), recv, op=_MPI_OPS[op])
-            if op is ReduceOp.AVG:
-                recv[...] /= self._size
-            if back:
-                back()
-        return self._run("reduce_scatter", [output], run)
+        done = self._after_reduce(op, recv, back)
+        return self._run("reduce_scatter", [output],
+                         lambda: (self.comm.Ireduce_scatter_block(send.numpy(), recv, op=_MPI_OPS[op]), done))
 
     def all_to_all(self, output_list, input_list):
         check_list_len("all_to_all", "output_list", output_list, self._size)
@@ -239,14 +315,14 @@ class MPIProcessGroup(ProcessGroup):
         s_counts = [t.numel() for t in input_list]
         r_counts = [t.numel() for t in output_list]
 
-        def run():
-            self.comm.Alltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts])
+        def unpack():
             for out, chunk in zip(output_list, torch.split(recv.view(output_list[0].dtype), r_counts)):
                 out.copy_(chunk.view_as(out))
-        return self._run("all_to_all", output_list, run)
+        return self._run("all_to_all", output_list, lambda: (
+            self.comm.Ialltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts]), unpack))
 
     def barrier(self):
-        return self._run("barrier", [], lambda: self.comm.Barrier())
+        return self._run("barrier", [], lambda: (self.comm.Ibarrier(), None))
 
     def new_subgroup(self, ranks, name, timeout):
         member = self._rank in ranks
@@ -260,12 +336,18 @@ class MPIProcessGroup(ProcessGroup):
         return MPIProcessGroup(box["comm"], [self.global_ranks[r] for r in ranks], timeout, name)
 
     def destroy(self):
-        if not self._destroyed and self.comm is not MPI.COMM_WORLD:
-            comm = self.comm
-            try:
-                self._run("destroy", [], lambda: comm.Free()).wait(5)
-            except Exception:  # noqa: BLE001 - freeing a communicator is best effort at teardown
-                pass
+        if not self._destroyed:
+            comm, control = self.comm, self._control
+
+            def free():
+                self._thread.unregister(self)
+                if control is not None:
+                    control.Free()
+                if comm is not MPI.COMM_WORLD:
+                    comm.Free()
+            freed = threading.Event()
+            self._thread.submit(free, []).add_done_callback(lambda _f: freed.set())
+            freed.wait(5)  # best effort at teardown: a wedged thread must not hang the exit
         super().destroy()
 
 

@@ -1,0 +1,191 @@
+"""Run a function on N local ranks started by ``mpiexec`` — the local launcher for ``backend="mpi"``.
+
+MPI ranks must be wired up by MPI's own launcher, so :func:`launch` (and ``run_distributed``)
+with ``backend="mpi"`` come here instead of spawning: the function and its arguments are pickled
+to a job file, ``mpiexec -n N --oversubscribe python -m ddptrain.launch.mpi_entry`` starts the
+ranks, and each rank pickles its outcome (result, or error with traceback) to its own report file.
+
+Failures behave as with the spawning launcher: a rank that raises ends the job (it exits
+non-zero and mpiexec stops the others) and :class:`WorkerFailedError` names it with its traceback;
+a rank killed by a signal is named from mpiexec's own report; a job past ``timeout_s`` is killed
+with everything it started. As root, Open MPI's two ``OMPI_ALLOW_RUN_AS_ROOT*`` variables are set.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+from .spawn import LaunchTimeoutError, WorkerFailedError, describe_exitcode, root_cause
+
+_log = logging.getLogger("ddptrain.launch")
+
+# Variables of other launchers: a rank must detect MPI, not a stale torchrun-like environment.
+_FOREIGN_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                        "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+# Open MPI's report of a rank that died by a signal, e.g. "prterun noticed that process rank 1
+# with PID 123 on node n exited on signal 9 (Killed)."
+_SIGNAL_REPORT = re.compile(r"process rank (\d+) with PID (\d+) .*?exited on\s+signal (\d+)", re.S)
+
+
+def find_mpiexec() -> str:
+    """The ``mpiexec`` next to this Python (the ``mpi`` extra's Open MPI), else on ``PATH``."""
+    found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+    if found is None:
+        raise FileNotFoundError("backend 'mpi' needs mpiexec: `pip install 'ddptrain[mpi]'` installs mpi4py and "
+                                "Open MPI (or install your cluster's MPI), or use backend 'gloo'")
+    return found
+
+
+def mpiexec_environment(extra: Optional[dict] = None) -> dict:
+    """This process's environment, cleaned of other launchers' variables, ready for ``mpiexec``."""
+    env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_LAUNCH_VARS}
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    # The ranks unpickle the function by reference: they need this process's import path.
+    prefixes = tuple({sys.prefix, sys.base_prefix})
+    paths = [os.getcwd()] + [p for p in sys.path if p and os.path.isdir(p) and not p.startswith(prefixes)]
+    paths += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.update(extra or {})
+    return env
+
+
+def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[dict] = None, *,
+                         init_group: bool = True, timeout_s: Optional[float] = None,
+                         comm_timeout_s: Optional[float] = None, env: Optional[dict] = None,
+                         threads_per_worker: Optional[int] = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks started by ``mpiexec``.
+
+    Args:
+        init_group: join the default ddptrain group on backend ``"mpi"`` before ``fn`` (the
+            trainer passes False: it joins by itself).
+        timeout_s: overall limit for the job; ``None`` waits for mpiexec to end.
+        comm_timeout_s: timeout of the ranks' collectives (default: 30 min).
+        env: extra environment variables for every rank.
+        threads_per_worker: torch intra-op threads per rank (default: cores / world size).
+
+    Returns:
+        ``fn``'s return values, indexed by rank.
+
+    Raises:
+        FileNotFoundError: no mpiexec (the message gives the install command).
+        WorkerFailedError: the rank that failed first, with its traceback or its signal.
+        LaunchTimeoutError: the job outlived ``timeout_s``; every rank was killed.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    mpiexec = find_mpiexec()
+    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="ddptrain-mpi-") as tmp:
+        job = Path(tmp) / "job.pkl"
+        call = pickle.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {}),
+                             "init_group": init_group, "comm_timeout_s": comm_timeout_s, "threads": threads})
+        # A function of the launching script lives in its __main__: the ranks import that file
+        # first (as multiprocessing's spawn does), its `if __name__ == "__main__"` part not run.
+        main_file = getattr(sys.modules["__main__"], "__file__", None) if fn.__module__ == "__main__" else None
+        job.write_bytes(pickle.dumps({"main_file": main_file, "call": call}))
+        cmd = [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, "-m",
+               "ddptrain.launch.mpi_entry", str(job), tmp]
+        _log.info("starting %d rank(s): %s", world_size, " ".join(cmd))
+        proc = subprocess.Popen(cmd, env=mpiexec_environment({"OMP_NUM_THREADS": str(threads), **(env or {})}),
+                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        stderr_tail = _tee(proc.stderr)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            running = [r for r in range(world_size) if not (Path(tmp) / f"rank{r}.pkl").exists()]
+            raise LaunchTimeoutError(
+                f"the mpiexec job did not finish within {timeout_s:g} s; rank(s) {running} still running were "
+                "killed. A rank may be stuck in a collective its peers never call.") from None
+        finally:
+            _kill_tree(proc)
+            stderr_tail.join(5)
+        reports = {r: pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes())
+                   for r in range(world_size) if (Path(tmp) / f"rank{r}.pkl").exists()}
+    failures = {r: WorkerFailedError(r, f"rank {r} failed: {msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}",
+                                     worker_traceback=msg[2])
+                for r, msg in sorted(reports.items()) if msg[0] == "error"}
+    if failures:
+        raise root_cause(failures)
+    if code == 0 and len(reports) == world_size:
+        return [reports[r][1] for r in range(world_size)]
+    tail = "".join(stderr_tail.lines)
+    killed = _SIGNAL_REPORT.search(tail)
+    if killed:
+        rank, pid, signum = (int(g) for g in killed.groups())
+        raise WorkerFailedError(rank, f"rank {rank} (pid {pid}) {describe_exitcode(-signum)} without reporting a "
+                                      "result; mpiexec stopped the other ranks.", -signum)
+    silent = [r for r in range(world_size) if r not in reports]
+    raise WorkerFailedError(silent[0] if silent else -1,
+                            f"mpiexec exited with code {code} and rank(s) {silent} reported no result. "
+                            f"The end of mpiexec's output:\n{tail[-3000:]}", code)
+
+
+class _Tee(threading.Thread):
+    """Copies mpiexec's stderr to ours line by line, keeping the last lines to explain a failure."""
+
+    def __init__(self, stream):
+        super().__init__(daemon=True, name="ddptrain-mpiexec-stderr")
+        self.stream, self.lines = stream, deque(maxlen=200)
+
+    def run(self):
+        for raw in iter(self.stream.readline, b""):
+            line = raw.decode(errors="replace")
+            self.lines.append(line)
+            sys.stderr.write(line)
+        sys.stderr.flush()
+
+
+def _tee(stream) -> _Tee:
+    tee = _Tee(stream)
+    tee.start()
+    return tee
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (mpiexec's daemons and ranks), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill_tree(proc: subprocess.Popen, grace_s: float = 3.0) -> None:
+    """Stop mpiexec and everything it started: SIGTERM (mpiexec forwards it), then SIGKILL."""
+    if proc.poll() is None:
+        victims = _descendants(proc.pid)
+        proc.terminate()
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in [proc.pid, *victims]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(5)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # stragglers left in mpiexec's session
+    except (ProcessLookupError, PermissionError):
+        pass
