@@ -83,13 +83,19 @@ _OOM_SUMMARY = re.compile(r"oom-kill:.*?task_memcg=([^,]*),task=.*,pid=(\d+),uid
 _OOM_KILLED = re.compile(r"((?:Memory cgroup out of memory|Out of memory[^:]*): Killed process (\d+) \(.*?\)"
                          r"(?: total-vm:\d+kB, anon-rss:\d+kB)?)")
 
+_INITIAL_PID_NAMESPACE = 0xEFFFFFFC  # the inode of the host's PID namespace (PROC_PID_INIT_INO)
+
 
 def _kernel_oom_kill(pid: int, max_age_s: float = 600.0) -> Optional[str]:
     """What the kernel log says about its OOM killer ending ``pid`` recently, or None.
 
-    None also when the log cannot be read (no ``/dev/kmsg`` in the container, no permission).
+    None also when the log cannot be read (no ``/dev/kmsg`` in the container, no permission), and
+    in a PID namespace other than the host's: the log's pids are the host's, so ``pid`` could
+    name some other process there.
     """
     try:
+        if os.stat("/proc/self/ns/pid").st_ino != _INITIAL_PID_NAMESPACE:
+            return None
         fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
     except OSError:
         return None

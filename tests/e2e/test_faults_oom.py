@@ -159,6 +159,8 @@ def test_kernel_oom_kill_of_rank_1_ends_the_job_naming_rank_and_signal(tmp_path,
     left = [pid for pid in pids.values() if _alive(pid)]
     assert left == [], f"workers {left} outlived the job"
     # Given the dead worker's pid, the description finds the kernel's record of this OOM kill.
+    if os.stat("/proc/self/ns/pid").st_ino != 0xEFFFFFFC:
+        pytest.skip("in a PID namespace of its own the kernel log's pids are not ours; the kill was checked above")
     try:
         os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
     except OSError as exc:
