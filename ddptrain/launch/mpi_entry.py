@@ -64,7 +64,8 @@ def main() -> None:
                 destroy_process_group()
         _report(report_dir, rank, ("ok", result))
     except BaseException as exc:  # noqa: BLE001 - report, then end this rank so mpiexec ends the job
-        _report(report_dir, rank, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+        from .spawn import describe_exception
+        _report(report_dir, rank, ("error", describe_exception(exc), traceback.format_exc()))
         sys.stderr.flush()
         os._exit(1)
 

@@ -123,7 +123,7 @@ def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwa
     killed = _SIGNAL_REPORT.search(tail)
     if killed:
         rank, pid, signum = (int(g) for g in killed.groups())
-        raise WorkerFailedError(rank, f"rank {rank} (pid {pid}) {describe_exitcode(-signum)} without reporting a "
+        raise WorkerFailedError(rank, f"rank {rank} (pid {pid}) {describe_exitcode(-signum, pid)} without reporting a "
                                       "result; mpiexec stopped the other ranks.", -signum)
     silent = [r for r in range(world_size) if r not in reports]
     raise WorkerFailedError(silent[0] if silent else -1,

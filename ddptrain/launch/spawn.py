@@ -171,6 +171,14 @@ def _memory_cgroup_oom_kills(pid: str = "self") -> Optional[tuple[str, int]]:
     return None
 
 
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` of a worker's failure; a bare MemoryError says what it means."""
+    text = type(exc).__name__ + (f": {exc}" if str(exc) else "")
+    if isinstance(exc, MemoryError):
+        text += " (the worker ran out of memory)"
+    return text
+
+
 @dataclass
 class _WorkerSpec:
     rank: int
@@ -197,7 +205,7 @@ def _worker_main(spec: _WorkerSpec, fn: Callable, args: Sequence, kwargs: dict, 
                 destroy_process_group()
         status = ("ok", result)
     except BaseException as exc:  # noqa: BLE001 - every failure must reach the parent
-        status = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        status = ("error", describe_exception(exc), traceback.format_exc())
     # Plain pickle, not the connection's ForkingPickler: that one passes tensors as shared-memory
     # handles, which vanish when this worker exits before the parent reads them.
     try:
@@ -239,7 +247,7 @@ def _record(rank: int, msg: Optional[tuple], proc, results: dict, failures: dict
     else:
         proc.join(5)
         failures[rank] = WorkerFailedError(
-            rank, f"rank {rank} (pid {proc.pid}) {describe_exitcode(proc.exitcode)} without reporting a "
+            rank, f"rank {rank} (pid {proc.pid}) {describe_exitcode(proc.exitcode, proc.pid)} without reporting a "
                   "result; the other ranks were stopped.", proc.exitcode)
 
 

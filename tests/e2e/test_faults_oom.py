@@ -56,7 +56,8 @@ def _rank_1_runs_out_of_memory(rank, world_size, how, pid_dir):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("how, cause", [("python", "MemoryError"), ("torch", "can't allocate memory")])
+@pytest.mark.parametrize("how, cause", [("python", "MemoryError (the worker ran out of memory)"),
+                                        ("torch", "can't allocate memory")])
 def test_allocation_failure_in_a_worker_names_the_rank_and_the_cause(tmp_path, how, cause):
     t0 = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
@@ -165,6 +166,7 @@ def test_kernel_oom_kill_of_rank_1_ends_the_job_naming_rank_and_signal(tmp_path,
         os.close(os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK))
     except OSError as exc:
         pytest.skip(f"the kernel log (/dev/kmsg) cannot be read here ({exc}); the kill was checked above")
+    assert "from the kernel's out-of-memory killer" in message, message  # the launcher itself says so
     described = describe_exitcode(-signal.SIGKILL, pids[1])
     assert described.startswith("killed by signal SIGKILL from the kernel's out-of-memory killer"), described
     assert f"Killed process {pids[1]} " in described and cgroup_dir.name in described, described
