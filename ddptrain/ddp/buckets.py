@@ -71,8 +71,10 @@ class Bucket:
     offsets: list[int]
     views: list[torch.Tensor] = field(default_factory=list)
     pending: int = 0
-    work: object = None         # Work or torch Future while the reduction is in flight
+    work: object = None         # Work or torch Future (or a list of them) while reductions are in flight
     launched_at: Optional[float] = None
+    segments: list = field(default_factory=list)  # how the reducer splits it (reducer._segments)
+    direct: dict = field(default_factory=dict)    # position -> tensor reduced on its own this iteration
 
     @property
     def nbytes(self) -> int:

@@ -14,6 +14,14 @@ Lifecycle of one synchronised iteration (see ``DistributedDataParallel.forward``
 4. The hook of the first gradient queues ``finalize`` on the autograd engine; it runs when the
    whole backward is done, waits for every bucket and writes the averaged gradients back (or
    the gradients already *are* views into the buckets: ``gradient_as_bucket_view``).
+
+Large gradients are reduced where they lie. Copying a gradient into the flat buffer and the
+result back costs two passes over memory, which on a CPU-bound rank costs as much as a large part
+of the all-reduce itself; coalescing only pays for small tensors (one collective instead of
+many). So, without a comm hook and without ``gradient_as_bucket_view``, a gradient of at least
+``DIRECT_MIN_BYTES`` is averaged in place (one pass) and all-reduced as its own tensor, while the
+bucket's small gradients still travel together through the flat buffer. Which tensors go direct
+depends only on the bucket layout, so every rank issues the same collectives in the same order.
 """
 from __future__ import annotations
 
@@ -26,6 +34,9 @@ import torch
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
 from .buckets import FIRST_BUCKET_CAP_MB, MB, Bucket, assign_buckets, make_buckets
+
+# Gradients at least this big are all-reduced in place instead of through the flat buffer.
+DIRECT_MIN_BYTES = 1 << 20
 
 
 @dataclass
@@ -106,6 +117,7 @@ class Reducer:
         self.comm_hook: Optional[CommHook] = None
         self.comm_hook_state: object = None
         self.all_reduce_fn: Callable[[torch.Tensor], object] = lambda t: self.pg.all_reduce(t, ReduceOp.SUM)
+        self.direct_min_bytes = DIRECT_MIN_BYTES
         self._sizes = [p.numel() * p.element_size() for p in self.params]
         self._keys = [(p.dtype, p.device) for p in self.params]
         self._install_buckets(assign_buckets(self._sizes, self._keys, bucket_cap_bytes))
@@ -133,6 +145,7 @@ class Reducer:
         for b in self.buckets:
             for pos, i in enumerate(b.param_indices):
                 self._locate[i] = (b.index, pos)
+            b.segments = _segments([self._sizes[i] >= self.direct_min_bytes for i in b.param_indices])
         if self.as_view:
             for b in self.buckets:
                 for pos, i in enumerate(b.param_indices):
@@ -184,6 +197,7 @@ class Reducer:
             b.pending = len(b.param_indices)
             b.work = None
             b.launched_at = None
+            b.direct = {}
         self._ready = [False] * len(self.params)
         self._ready_order = []
         self._next_bucket = 0
@@ -232,7 +246,17 @@ class Reducer:
         # Without a comm hook the average is taken here, fused with the copy (one pass over the
         # gradient, as torch's reducer does); hooks get the raw sum and divide themselves.
         scale = 1.0 / self.world_size if self.comm_hook is None else None
-        if grad is None:
+        if self._direct_mode() and bucket.segments[pos] is None:  # a large gradient: reduced in place
+            if used and grad is not None and grad.layout == torch.strided and grad.is_contiguous() \
+                    and grad.dtype == view.dtype and grad.device == view.device:
+                bucket.direct[pos] = grad.mul_(scale)
+            else:  # no usable gradient: its slot in the flat buffer stands in (zeros or a copy)
+                if grad is None:
+                    view.zero_()
+                else:
+                    torch.mul(grad, scale, out=view)
+                bucket.direct[pos] = view
+        elif grad is None:
             view.zero_()
         elif grad.data_ptr() != view.data_ptr():
             if scale is None:
@@ -254,7 +278,10 @@ class Reducer:
             bucket.launched_at = time.perf_counter()
             if self._stats is not None:
                 self._stats.launch_times[bucket.index] = bucket.launched_at
-            if self.comm_hook is None:
+            if self.comm_hook is None and self._direct_mode():
+                bucket.work = [self.all_reduce_fn(self._segment_tensor(bucket, pos, seg))
+                               for pos, seg in enumerate(bucket.segments) if seg != "in-run"]
+            elif self.comm_hook is None:
                 bucket.work = self.all_reduce_fn(bucket.buffer)  # already divided in _mark_ready
             else:
                 is_last = self._next_bucket == len(self.buckets) - 1
@@ -288,6 +315,8 @@ class Reducer:
                 if used is not None and int(used[i]) == 0:
                     continue  # unused on every rank: leave the gradient as it was (None stays None)
                 p, view = self.params[i], b.views[pos]
+                if pos in b.direct and b.direct[pos] is not view:
+                    continue  # reduced in place: the gradient already holds the average
                 if self.as_view:
                     if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                         p.grad = view
@@ -308,6 +337,7 @@ class Reducer:
         for b in self.buckets:
             b.buffer.zero_()
             b.pending = 0
+            b.direct = {pos: b.views[pos] for pos, seg in enumerate(b.segments) if seg is None}
         self._next_bucket = 0
         self._stats = None
         self._launch_ready_buckets()
@@ -319,14 +349,47 @@ class Reducer:
         if not self.rebuilt:
             self._should_rebuild = True
 
+    def _direct_mode(self) -> bool:
+        """Whether large gradients are reduced in place this iteration (see the module doc)."""
+        return self.comm_hook is None and not self.as_view
+
+    @staticmethod
+    def _segment_tensor(bucket: Bucket, pos: int, seg) -> torch.Tensor:
+        if seg is None:
+            return bucket.direct[pos].view(-1)
+        end = seg  # a run of small gradients: one contiguous slice of the flat buffer
+        stop = bucket.offsets[end] + bucket.views[end].numel()
+        return bucket.buffer[bucket.offsets[pos]:stop]
+
     def remove_hooks(self) -> None:
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
 
 
+def _segments(is_large: Sequence[bool]) -> list:
+    """Per bucket position: None for a gradient reduced on its own; for the first of a run of
+    consecutive small ones the position of the run's last one; "in-run" for the rest of the run."""
+    out: list = []
+    for pos, large in enumerate(is_large):
+        if large:
+            out.append(None)
+        elif pos > 0 and not is_large[pos - 1]:
+            out.append("in-run")
+            start = max(p for p in range(pos) if out[p] != "in-run")
+            out[start] = pos
+        else:
+            out.append(pos)
+    return out
+
+
 def _wait(work):
-    """Wait for a Work or a Future; return the reduced tensor if the future produced one."""
+    """Wait for a Work or a Future (or a list of them); return the reduced tensor if a future
+    produced one."""
+    if isinstance(work, list):
+        for w in work:
+            _wait(w)
+        return None
     if work is None:
         return None
     if isinstance(work, torch.futures.Future):

@@ -41,13 +41,22 @@ def _max_diff(a, b) -> float:
 
 
 def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused=False, branch_ranks=(),
-                      ring=False):
+                      ring=False, direct_min_bytes=None, set_to_none=True):
+    """``direct_min_bytes``: the size from which gradients are all-reduced in place (the default
+    1 MiB leaves the small test models on the flat-buffer path; 0 sends every gradient direct)."""
     torch.manual_seed(0)
     model = MODELS[name]()
     ref = copy.deepcopy(model)
     if name == "branch":
         model.use_branch = rank in branch_ranks
-    ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
+    import ddptrain.ddp.reducer as reducer_module
+    default_direct = reducer_module.DIRECT_MIN_BYTES
+    if direct_min_bytes is not None:
+        reducer_module.DIRECT_MIN_BYTES = direct_min_bytes
+    try:
+        ddp = DDP(model, bucket_cap_mb=cap, gradient_as_bucket_view=as_view, find_unused_parameters=find_unused)
+    finally:
+        reducer_module.DIRECT_MIN_BYTES = default_direct
     if ring:
         from ddptrain.comm.ring import RingAllReducer
         ddp.set_all_reduce(RingAllReducer(ddp.process_group))
@@ -57,8 +66,8 @@ def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused
     diffs = []
     batches = _batches(ws, STEPS * micro)
     for step in range(STEPS):
-        opt.zero_grad()
-        ropt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
+        ropt.zero_grad(set_to_none=set_to_none)
         for m in range(micro):
             x, y = batches[step * micro + m]
             mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -83,8 +92,9 @@ def _equivalence_case(rank, ws, name, cap, as_view, no_sync_steps=0, find_unused
     never = None
     if name == "branch":
         never = [model.never.weight.grad is None, model.never.bias.grad is None]
+    in_place = sum(t is not b.views[pos] for b in ddp.reducer.buckets for pos, t in b.direct.items())
     return {"diff": max(diffs), "digest": _digest(model), "never_grad_none": never,
-            "buckets": len(ddp.bucket_assignment)}
+            "buckets": len(ddp.bucket_assignment), "reduced_in_place": in_place}
 
 
 BACKENDS = ["gloo", "mpi"]  # mpi: ranks started by mpiexec (ddptrain's mpi backend over mpi4py)
@@ -107,6 +117,16 @@ def _equivalence_body(rank, ws):
                                                   branch_ranks=(0,))
     out["branch/find_unused/view"] = _equivalence_case(rank, ws, "branch", 1, True, find_unused=True,
                                                        branch_ranks=(ws - 1,))
+    # large gradients reduced in place (every one, or a mix of direct tensors and flat runs)
+    for name, cap, direct in (("net", 25, 0), ("net", 0.001, 0), ("mixed", 1, 4096), ("tied", 25, 0),
+                              ("bn", 1, 2048)):
+        out[f"{name}/cap{cap}/direct{direct}"] = _equivalence_case(rank, ws, name, cap, False, direct_min_bytes=direct)
+    out["net/direct0/keep_grads"] = _equivalence_case(rank, ws, "net", 25, False, direct_min_bytes=0,
+                                                      set_to_none=False)
+    out["net/direct0/no_sync3"] = _equivalence_case(rank, ws, "net", 25, False, no_sync_steps=3, direct_min_bytes=0)
+    out["net/direct0/ring"] = _equivalence_case(rank, ws, "net", 1, False, ring=True, direct_min_bytes=4096)
+    out["branch/find_unused/direct0"] = _equivalence_case(rank, ws, "branch", 25, False, find_unused=True,
+                                                          branch_ranks=(0,), direct_min_bytes=0)
     return out
 
 
@@ -120,9 +140,15 @@ def test_equivalence_with_single_process(world_size, backend):
             assert res[case]["digest"] == r0["digest"], f"{case}: rank {rank} parameters differ bitwise from rank 0"
     assert results[0]["net/cap0.001/viewFalse"]["buckets"] >= 4  # tiny cap really splits the model
     assert results[0]["net/cap25/viewFalse"]["buckets"] == 1
+    # the in-place path really ran: every gradient of Net (8) with threshold 0, none by default
+    assert results[0]["net/cap25/direct0"]["reduced_in_place"] == 8
+    assert results[0]["net/direct0/keep_grads"]["reduced_in_place"] == 8
+    assert results[0]["net/cap25/viewFalse"]["reduced_in_place"] == 0
+    assert 0 < results[0]["mixed/cap1/direct4096"]["reduced_in_place"] < 8
     # a head that no rank uses keeps grad None on every rank
     for res in results:
         assert res["branch/find_unused"]["never_grad_none"] == [True, True]
+        assert res["branch/find_unused/direct0"]["never_grad_none"] == [True, True]
 
 
 def _torch_ddp_body(rank, ws, opt_name):

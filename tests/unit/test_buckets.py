@@ -45,3 +45,14 @@ def test_make_buckets_views_alias_the_flat_buffer():
     assert bucket.buffer.numel() == 10 and bucket.offsets == [0, 4]
     bucket.views[1].fill_(7.0)  # parameter 0 sits after parameter 1
     assert torch.all(bucket.buffer[4:] == 7.0) and bucket.views[1].shape == (2, 3)
+
+
+def test_segments_split_a_bucket_into_direct_tensors_and_runs_of_small_ones():
+    from ddptrain.ddp.reducer import _segments
+    assert _segments([]) == []
+    assert _segments([True]) == [None]
+    assert _segments([False]) == [0]
+    # a run of small gradients starts with the position of its last member; the rest are "in-run"
+    assert _segments([False, False, True, False]) == [1, "in-run", None, 3]
+    assert _segments([True, False, False, False, True]) == [None, 3, "in-run", "in-run", None]
+    assert _segments([False, True, True, False, False]) == [0, None, None, 4, "in-run"]

@@ -15,6 +15,7 @@ differs is refused.
 """
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -22,7 +23,14 @@ from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
-from mpi4py import MPI
+
+# Open MPI's non-blocking all-reduce (coll/libnbc) picks, by default, algorithms that are 3-5x
+# slower than its blocking one for the 1-25 MiB buffers DDP sends (measured on shared memory:
+# scripts/bench_comm.py --backend mpi); its ring algorithm matches the blocking all-reduce. MCA
+# parameters are read when MPI initialises, i.e. at the import below: a value the user set wins,
+# and a program that initialised MPI before importing ddptrain keeps its own settings.
+os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
+from mpi4py import MPI  # noqa: E402 - after the MCA default above
 
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..types import (CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype,
@@ -33,6 +41,7 @@ _PROBE_QUERY, _PROBE_REPLY = 1, 2
 _PROBE_WAIT_S = 5.0
 # How often an idle communication thread wakes to answer its peers' timeout probes.
 _IDLE_WAKE_S = 0.05
+_POLL_S = float(os.environ.get("DDPTRAIN_MPI_POLL_S", "0.0002"))
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
             ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
@@ -72,7 +81,7 @@ class _CommThread:
     def _loop(self) -> None:
         while True:
             try:
-                item = self._queue.get(timeout=0.0002 if self._pending else _IDLE_WAKE_S)
+                item = self._queue.get(timeout=_POLL_S if self._pending else _IDLE_WAKE_S)
             except queue.Empty:
                 item = ()
             if item is None:
