@@ -108,5 +108,20 @@ class MLP(nn.Module):
         return F.log_softmax(self.net(x.view(len(x), -1)), dim=1)
 
 
+class AliasedGradsNet(nn.Module):
+    """Two parameters whose gradients autograd hands over as views of ONE buffer (the add's
+    gradient, split by the views): an in-place reduction of one would corrupt the other."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(28, 28) / 28)
+        self.b = nn.Parameter(torch.randn(28, 28) / 28)
+        self.fc = nn.Linear(784, 10)
+
+    def forward(self, x):
+        mix = (self.a.view(-1) + self.b.view(-1)) * x.view(len(x), -1)
+        return F.log_softmax(self.fc(mix), dim=1)
+
+
 MODELS = {"net": Net, "bn": BNNet, "tied": TiedNet, "frozen": FrozenNet, "mixed": MixedNet,
-          "branch": BranchNet, "mlp": MLP}
+          "branch": BranchNet, "mlp": MLP, "aliased": AliasedGradsNet}

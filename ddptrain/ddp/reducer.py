@@ -132,6 +132,7 @@ class Reducer:
         self._next_bucket = 0
         self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
         self._incomplete: Optional[list[str]] = None
+        self._direct_storages: set[int] = set()  # storages of the gradients reduced in place
         self.last_stats: Optional[IterationStats] = None
         self._stats: Optional[IterationStats] = None
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -200,6 +201,7 @@ class Reducer:
             b.direct = {}
         self._ready = [False] * len(self.params)
         self._ready_order = []
+        self._direct_storages = set()
         self._next_bucket = 0
         self._stats = IterationStats(self.iteration, [b.nbytes for b in self.buckets],
                                      [len(b.param_indices) for b in self.buckets],
@@ -247,8 +249,8 @@ class Reducer:
         # gradient, as torch's reducer does); hooks get the raw sum and divide themselves.
         scale = 1.0 / self.world_size if self.comm_hook is None else None
         if self._direct_mode() and bucket.segments[pos] is None:  # a large gradient: reduced in place
-            if used and grad is not None and grad.layout == torch.strided and grad.is_contiguous() \
-                    and grad.dtype == view.dtype and grad.device == view.device:
+            if used and self._owns_its_storage(grad, view):
+                self._direct_storages.add(grad.untyped_storage().data_ptr())
                 bucket.direct[pos] = grad.mul_(scale)
             else:  # no usable gradient: its slot in the flat buffer stands in (zeros or a copy)
                 if grad is None:
@@ -348,6 +350,24 @@ class Reducer:
             _wait(b.work)
         if not self.rebuilt:
             self._should_rebuild = True
+
+    def _owns_its_storage(self, grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
+        """Whether ``grad`` may be averaged and reduced in place: a dense, contiguous tensor of the
+        bucket's dtype and device that is the whole of a storage no other gradient of this
+        iteration uses (autograd may hand two parameters views of one tensor as gradients)."""
+        if grad is None or grad.layout != torch.strided or not grad.is_contiguous() \
+                or grad.dtype != view.dtype or grad.device != view.device or grad.storage_offset() != 0:
+            return False
+        storage = grad.untyped_storage()
+        if storage.nbytes() != grad.numel() * grad.element_size() or storage.data_ptr() in self._direct_storages:
+            return False
+        # Autograd can give two parameters gradients that are views of one buffer (e.g. for
+        # ``(p1.view(-1) + p2.view(-1)) * x``); then no gradient of it may change in place. Such
+        # a storage has more than two users here: each gradient plus our ``storage`` handle.
+        try:
+            return torch._C._storage_Use_Count(storage._cdata) <= 2
+        except AttributeError:  # a torch without the private counter: stay on the copying path
+            return False
 
     def _direct_mode(self) -> bool:
         """Whether large gradients are reduced in place this iteration (see the module doc)."""

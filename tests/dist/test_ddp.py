@@ -121,6 +121,7 @@ def _equivalence_body(rank, ws):
     for name, cap, direct in (("net", 25, 0), ("net", 0.001, 0), ("mixed", 1, 4096), ("tied", 25, 0),
                               ("bn", 1, 2048)):
         out[f"{name}/cap{cap}/direct{direct}"] = _equivalence_case(rank, ws, name, cap, False, direct_min_bytes=direct)
+    out["aliased/direct0"] = _equivalence_case(rank, ws, "aliased", 25, False, direct_min_bytes=0)
     out["net/direct0/keep_grads"] = _equivalence_case(rank, ws, "net", 25, False, direct_min_bytes=0,
                                                       set_to_none=False)
     out["net/direct0/no_sync3"] = _equivalence_case(rank, ws, "net", 25, False, no_sync_steps=3, direct_min_bytes=0)
@@ -145,6 +146,8 @@ def test_equivalence_with_single_process(world_size, backend):
     assert results[0]["net/direct0/keep_grads"]["reduced_in_place"] == 8
     assert results[0]["net/cap25/viewFalse"]["reduced_in_place"] == 0
     assert 0 < results[0]["mixed/cap1/direct4096"]["reduced_in_place"] < 8
+    # gradients that share one buffer are copied, not reduced in place (only fc's two go direct)
+    assert results[0]["aliased/direct0"]["reduced_in_place"] == 2
     # a head that no rank uses keeps grad None on every rank
     for res in results:
         assert res["branch/find_unused"]["never_grad_none"] == [True, True]
