@@ -32,14 +32,19 @@ def _report(report_dir: str, rank: int, status: tuple) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _import_as_main(path: str) -> None:
-    """Import the launching script under ``__mp_main__`` (its main block does not run) and let
-    pickle find its functions under ``__main__``."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("__mp_main__", path)
-    module = importlib.util.module_from_spec(spec)
+def _import_as_main(kind: str, where: str) -> None:
+    """Run the launching program as ``__mp_main__`` (its ``if __name__ == "__main__"`` block does
+    not run) and let pickle find its functions under ``__main__`` — as multiprocessing's spawn
+    does; ``kind`` is "module" (``python -m``) or "file"."""
+    import runpy
+    import types
+    module = types.ModuleType("__mp_main__")
     sys.modules["__mp_main__"] = module
-    spec.loader.exec_module(module)
+    if kind == "module":
+        content = runpy.run_module(where, run_name="__mp_main__", alter_sys=True)
+    else:
+        content = runpy.run_path(where, run_name="__mp_main__")
+    module.__dict__.update(content)
     sys.modules["__main__"] = module
 
 
@@ -49,8 +54,8 @@ def main() -> None:
     try:
         with open(job_file, "rb") as f:
             envelope = pickle.load(f)
-        if envelope["main_file"]:
-            _import_as_main(envelope["main_file"])
+        if envelope["main"]:
+            _import_as_main(*envelope["main"])
         job = pickle.loads(envelope["call"])
         import torch
         torch.set_num_threads(job["threads"])

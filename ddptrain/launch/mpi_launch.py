@@ -26,7 +26,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from .spawn import LaunchTimeoutError, WorkerFailedError, describe_exitcode, root_cause
+from .spawn import LaunchTimeoutError, WorkerFailedError, describe_exitcode, is_secondary, root_cause
 
 _log = logging.getLogger("ddptrain.launch")
 
@@ -90,15 +90,13 @@ def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwa
         job = Path(tmp) / "job.pkl"
         call = pickle.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {}),
                              "init_group": init_group, "comm_timeout_s": comm_timeout_s, "threads": threads})
-        # A function of the launching script lives in its __main__: the ranks import that file
-        # first (as multiprocessing's spawn does), its `if __name__ == "__main__"` part not run.
-        main_file = getattr(sys.modules["__main__"], "__file__", None) if fn.__module__ == "__main__" else None
-        job.write_bytes(pickle.dumps({"main_file": main_file, "call": call}))
+        job.write_bytes(pickle.dumps({"main": _main_reference(call), "call": call}))
         cmd = [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, "-m",
                "ddptrain.launch.mpi_entry", str(job), tmp]
         _log.info("starting %d rank(s): %s", world_size, " ".join(cmd))
         proc = subprocess.Popen(cmd, env=mpiexec_environment({"OMP_NUM_THREADS": str(threads), **(env or {})}),
-                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=_terminate_with_parent)
         stderr_tail = _tee(proc.stderr)
         try:
             code = proc.wait(timeout=timeout_s)
@@ -115,13 +113,13 @@ def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwa
     failures = {r: WorkerFailedError(r, f"rank {r} failed: {msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}",
                                      worker_traceback=msg[2])
                 for r, msg in sorted(reports.items()) if msg[0] == "error"}
-    if failures:
-        raise root_cause(failures)
-    if code == 0 and len(reports) == world_size:
-        return [reports[r][1] for r in range(world_size)]
-    tail = "".join(stderr_tail.lines)
+    tail = stderr_tail.text()
     killed = _SIGNAL_REPORT.search(tail)
-    if killed:
+    if failures and not (killed and all(is_secondary(f) for f in failures.values())):
+        raise root_cause(failures)
+    if not failures and code == 0 and len(reports) == world_size:
+        return [reports[r][1] for r in range(world_size)]
+    if killed:  # a rank died by a signal (its peers' timeouts, if any, are the consequence)
         rank, pid, signum = (int(g) for g in killed.groups())
         raise WorkerFailedError(rank, f"rank {rank} (pid {pid}) {describe_exitcode(-signum, pid)} without reporting a "
                                       "result; mpiexec stopped the other ranks.", -signum)
@@ -136,14 +134,44 @@ class _Tee(threading.Thread):
 
     def __init__(self, stream):
         super().__init__(daemon=True, name="ddptrain-mpiexec-stderr")
-        self.stream, self.lines = stream, deque(maxlen=200)
+        self.stream, self.lines, self.lock = stream, deque(maxlen=200), threading.Lock()
 
     def run(self):
         for raw in iter(self.stream.readline, b""):
             line = raw.decode(errors="replace")
-            self.lines.append(line)
+            with self.lock:
+                self.lines.append(line)
             sys.stderr.write(line)
         sys.stderr.flush()
+
+    def text(self) -> str:
+        with self.lock:
+            return "".join(self.lines)
+
+
+def _main_reference(call: bytes) -> Optional[tuple[str, str]]:
+    """How the ranks can import this program's ``__main__`` when the pickled call refers to it
+    (a function, class or partial defined in the launching script), as multiprocessing's spawn
+    does: ("module", name) for ``python -m pkg.mod``, ("file", path) for ``python script.py``."""
+    if b"__main__" not in call:
+        return None
+    main = sys.modules["__main__"]
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name and spec.name != "__main__":
+        return ("module", spec.name)
+    path = getattr(main, "__file__", None)
+    return ("file", os.path.abspath(path)) if path else None
+
+
+def _terminate_with_parent() -> None:
+    """In mpiexec's child process before exec: get SIGTERM (which mpiexec forwards to the ranks)
+    if the launching process dies without cleaning up, e.g. killed by a scheduler."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: best effort only
+        pass
 
 
 def _tee(stream) -> _Tee:

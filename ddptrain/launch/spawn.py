@@ -251,9 +251,15 @@ def _record(rank: int, msg: Optional[tuple], proc, results: dict, failures: dict
                   "result; the other ranks were stopped.", proc.exitcode)
 
 
+def is_secondary(failure: Exception) -> bool:
+    """Whether a rank's failure looks like the consequence of another's (a broken connection,
+    a timeout) rather than a cause."""
+    return any(k.lower() in str(failure).lower() for k in _SECONDARY)
+
+
 def root_cause(failures: dict) -> "WorkerFailedError":
     """The failure that started it: one that is not a broken connection or a timeout, if any."""
-    primary = [f for f in failures.values() if not any(k.lower() in str(f).lower() for k in _SECONDARY)]
+    primary = [f for f in failures.values() if not is_secondary(f)]
     return (primary or list(failures.values()))[0]
 
 

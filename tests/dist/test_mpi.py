@@ -1,5 +1,6 @@
 """The mpi backend under a real `mpiexec` (Open MPI from the `mpi` extra)."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,3 +61,78 @@ def test_a_rank_that_crashes_under_mpiexec_ends_the_job():
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 60
     assert "rank 1 crashes on purpose" in proc.stderr
+
+
+_SCRIPT = '''
+import sys, time
+sys.path.insert(0, {root!r})
+import torch
+import ddptrain.comm as dist
+from ddptrain.testing import run_distributed
+
+
+def body(rank, world_size, scale):
+    t = torch.ones(2) * (rank + 1) * scale
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def sleeps(rank, world_size):
+    import os
+    print("rank", rank, "sleeping, pid", os.getpid(), flush=True)
+    time.sleep(300)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "sum":
+        print("RESULT", run_distributed(body, 2, 10.0, backend="mpi", timeout_s=60))
+    else:
+        run_distributed(sleeps, 2, backend="mpi", timeout_s=300)
+'''
+
+
+def _write_script(tmp_path):
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found: install the mpi extra (pip install 'ddptrain[mpi]')")
+    script = tmp_path / "user_script.py"
+    script.write_text(_SCRIPT.format(root=ROOT))
+    return script
+
+
+def test_a_function_of_the_users_script_runs_under_mpiexec(tmp_path):
+    """run_distributed(backend="mpi") from `python script.py`: the ranks import the script as
+    __mp_main__ (as multiprocessing does) to find the function, without running its main block."""
+    script = _write_script(tmp_path)
+    proc = subprocess.run([sys.executable, str(script), "sum"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "RESULT [[30.0, 30.0], [30.0, 30.0]]" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_killing_the_launcher_takes_mpiexec_and_its_ranks_with_it(tmp_path):
+    import signal
+    import time
+    script = _write_script(tmp_path)
+    proc = subprocess.Popen([sys.executable, str(script), "sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        deadline = time.monotonic() + 60
+        seen = ""
+        while seen.count("sleeping") < 2 and time.monotonic() < deadline:
+            seen += proc.stdout.readline()
+        assert seen.count("sleeping") == 2, seen
+        ranks = re.findall(r"sleeping, pid (\d+)", seen)
+        assert len(ranks) == 2 and all(os.path.exists(f"/proc/{pid}") for pid in ranks), seen
+        proc.send_signal(signal.SIGKILL)  # no cleanup code of the launcher runs
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in ranks):
+            time.sleep(0.2)
+        left = [pid for pid in ranks if os.path.exists(f"/proc/{pid}")]
+        assert left == [], f"ranks {left} outlived their launcher"
+    finally:
+        proc.kill()
+        for pid in re.findall(r"sleeping, pid (\d+)", seen):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass

@@ -15,6 +15,7 @@ differs is refused.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import sys
@@ -41,7 +42,13 @@ _PROBE_QUERY, _PROBE_REPLY = 1, 2
 _PROBE_WAIT_S = 5.0
 # How often an idle communication thread wakes to answer its peers' timeout probes.
 _IDLE_WAKE_S = 0.05
-_POLL_S = float(os.environ.get("DDPTRAIN_MPI_POLL_S", "0.0002"))
+# While requests are in flight the thread tests them, sleeping between rounds: 0.1 ms after any
+# progress, doubling up to 1 ms while nothing completes. Open MPI only advances a non-blocking
+# collective inside such calls, so the sleep bounds its latency; but on a rank whose cores are
+# busy with backward, every wake-up is taken from compute (a fixed 0.2 ms cost ~8% of the 18M
+# MLP's step time on 2 cores, measured with scripts/bench_ddp.py --backend mpi).
+_POLL_MIN_S, _POLL_MAX_S = float(os.environ.get("DDPTRAIN_MPI_POLL_MIN_S", "0.0001")), \
+    float(os.environ.get("DDPTRAIN_MPI_POLL_MAX_S", "0.001"))
 
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
             ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
@@ -79,9 +86,10 @@ class _CommThread:
         return fut
 
     def _loop(self) -> None:
+        sleep = _POLL_MIN_S
         while True:
             try:
-                item = self._queue.get(timeout=_POLL_S if self._pending else _IDLE_WAKE_S)
+                item = self._queue.get(timeout=sleep if self._pending else _IDLE_WAKE_S)
             except queue.Empty:
                 item = ()
             if item is None:
@@ -96,8 +104,14 @@ class _CommThread:
                         fut.set_result(outputs)
                 except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
                     fut.set_exception(exc)
-            self._poll()
+            progressed = self._poll() or bool(item)
+            sleep = _POLL_MIN_S if progressed else min(2 * sleep, _POLL_MAX_S)
             self._answer_probes()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """End the loop (requests still in flight are abandoned) so no MPI call overlaps finalize."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
 
     def register(self, group: "MPIProcessGroup", control) -> None:
         """Answer probes about ``group`` arriving on ``control`` (called on this thread)."""
@@ -116,7 +130,8 @@ class _CommThread:
                 self._replies.append((control.Isend(answer, dest=asker, tag=_PROBE_REPLY), answer))
         self._replies = [(req, buf) for req, buf in self._replies if not req.Test()]
 
-    def _poll(self) -> None:
+    def _poll(self) -> bool:
+        """Test the requests in flight and complete the finished ones; True if any finished."""
         still = []
         for req, fut, on_done, outputs in self._pending:
             try:
@@ -128,7 +143,9 @@ class _CommThread:
                     still.append((req, fut, on_done, outputs))
             except BaseException as exc:  # noqa: BLE001
                 fut.set_exception(exc)
+        finished = len(still) < len(self._pending)
         self._pending = still
+        return finished
 
 
 _thread: Optional[_CommThread] = None
@@ -138,6 +155,9 @@ def _comm_thread() -> _CommThread:
     global _thread
     if _thread is None:
         _thread = _CommThread()
+        # Stop it before mpi4py finalises MPI at exit (atexit runs handlers in reverse order of
+        # registration, and mpi4py registered its own when it was imported, before this one).
+        atexit.register(_thread.stop)
     return _thread
 
 
@@ -163,6 +183,8 @@ class MPIProcessGroup(ProcessGroup):
         self._control = None
 
         def make_control():  # collective over the group: queued, so every member does it in order
+            # (a blocking Dup: Open MPI 5's Idup next to other non-blocking collectives on the same
+            # communicator failed with MPI_ERR_TRUNCATE in testing)
             self._control = comm.Dup()
             self._thread.register(self, self._control)
         self._thread.submit(make_control, [])
@@ -188,7 +210,12 @@ class MPIProcessGroup(ProcessGroup):
         query = torch.tensor([seq], dtype=torch.int64).numpy()
         answers = {r: torch.full((1,), -1, dtype=torch.int64).numpy() for r in peers}
 
+        posted = threading.Event()
+
         def post():
+            if id(self) not in self._thread._groups:  # the control communicator is not ready yet
+                return None
+            posted.set()
             reqs = []
             for r in peers:
                 reqs.append(self._control.Isend(query, dest=r, tag=_PROBE_QUERY))
@@ -197,6 +224,9 @@ class MPIProcessGroup(ProcessGroup):
         done = threading.Event()
         self._thread.submit(post, []).add_done_callback(lambda _f: done.set())
         done.wait(min(_PROBE_WAIT_S, self.timeout.total_seconds()))
+        if not posted.is_set():
+            return (" This rank's MPI communication thread is itself blocked (creating a group), so "
+                    "the peers could not be asked which of them are missing.")
         behind = [self.global_ranks[r] for r in peers if 0 <= int(answers[r][0]) < seq]
         silent = [self.global_ranks[r] for r in peers if int(answers[r][0]) < 0]
         parts = []
@@ -346,12 +376,12 @@ class MPIProcessGroup(ProcessGroup):
 
     def destroy(self):
         if not self._destroyed:
-            comm, control = self.comm, self._control
+            comm = self.comm
 
-            def free():
+            def free():  # on the comm thread, after make_control (queued first) has run
                 self._thread.unregister(self)
-                if control is not None:
-                    control.Free()
+                if self._control is not None:
+                    self._control.Free()
                 if comm is not MPI.COMM_WORLD:
                     comm.Free()
             freed = threading.Event()
