@@ -274,6 +274,22 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         return out
     _capture(R, "async", async_checks)
 
+    def async_temporary_inputs():
+        """Inputs the caller does not keep must live until the operation completes: allocate
+        look-alike tensors while it runs, which would reuse freed memory."""
+        n = 4096
+        outs = [torch.zeros(n) for _ in range(ws)]
+        works = [dist.all_gather(outs, torch.full((n,), float(rank + 1)), async_op=True)]
+        sums = [torch.zeros(n) for _ in range(4)]
+        works += [dist.all_reduce(s, async_op=True) for s in sums]
+        works.append(dist.broadcast(torch.full((n,), float(rank)), 0, async_op=True))
+        junk = [torch.full((n,), -7.0) for _ in range(64)]
+        for w in works:
+            w.wait()
+        del junk
+        return [o[[0, n - 1]].tolist() for o in outs], [s.abs().max().item() for s in sums]
+    _capture(R, "async_temporary_inputs", async_temporary_inputs)
+
     # ring all-reduce against the native one
     def ring():
         out = {}
@@ -624,6 +640,14 @@ def test_async_handles(backend, ws):
             m.tensor(f"irecv rank {rank}", r, make_input((rank - 1) % ws, "float32", "async_p2p"))
             m.ok(f"p2p rank {rank} is_completed", completed == [True, True], completed)
     m.check()
+
+
+@ws_param
+def test_async_ops_keep_inputs_the_caller_dropped(backend, ws):
+    for rank, res in enumerate(world(backend, ws)):
+        gathered, sums = not_raised(res["async_temporary_inputs"])
+        assert gathered == [[r + 1.0, r + 1.0] for r in range(ws)], (rank, gathered)
+        assert sums == [0.0] * 4, (rank, sums)
 
 
 @ws_param

@@ -74,7 +74,7 @@ class _CommThread:
 
     def __init__(self):
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
-        self._pending: list[tuple] = []  # (request, future, on_done, outputs)
+        self._pending: list[tuple] = []  # (request, future, on_done, outputs, job keeping its buffers)
         self._groups: dict[int, tuple] = {}  # id(group) -> (control communicator, group)
         self._replies: list[tuple] = []  # (request, buffer) of probe answers in flight
         self._thread = threading.Thread(target=self._loop, name="ddptrain-mpi", daemon=True)
@@ -95,18 +95,28 @@ class _CommThread:
             if item is None:
                 return
             if item:
-                fn, fut, outputs = item
-                try:
-                    result = fn()
-                    if isinstance(result, tuple) and result and isinstance(result[0], (MPI.Request, _AllOf)):
-                        self._pending.append((result[0], fut, result[1], outputs))
-                    else:
-                        fut.set_result(outputs)
-                except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
-                    fut.set_exception(exc)
+                self._start(*item)
             progressed = self._poll() or bool(item)
+            item = None  # hold no reference to a finished job's buffers (see _start)
             sleep = _POLL_MIN_S if progressed else min(2 * sleep, _POLL_MAX_S)
             self._answer_probes()
+
+    def _start(self, fn, fut, outputs) -> None:
+        """Run one queued job: post its request(s), or complete it at once.
+
+        A method of its own so that nothing of the job outlives it in the loop's locals: a stale
+        reference to a finished request would keep its tensor's storage alive, and DDP only
+        reduces a gradient in place when nothing else holds its storage."""
+        try:
+            result = fn()
+            if isinstance(result, tuple) and result and isinstance(result[0], (MPI.Request, _AllOf)):
+                # ``fn`` holds the buffers MPI reads and writes until the request completes (an
+                # input the caller did not keep, e.g. all_gather(out, make_tensor(), async_op=True))
+                self._pending.append((result[0], fut, result[1], outputs, fn))
+            else:
+                fut.set_result(outputs)
+        except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
+            fut.set_exception(exc)
 
     def stop(self, timeout_s: float = 2.0) -> None:
         """End the loop (requests still in flight are abandoned) so no MPI call overlaps finalize."""
@@ -133,19 +143,25 @@ class _CommThread:
     def _poll(self) -> bool:
         """Test the requests in flight and complete the finished ones; True if any finished."""
         still = []
-        for req, fut, on_done, outputs in self._pending:
-            try:
-                if req.Test():
-                    if on_done is not None:
-                        on_done()
-                    fut.set_result(outputs)
-                else:
-                    still.append((req, fut, on_done, outputs))
-            except BaseException as exc:  # noqa: BLE001
-                fut.set_exception(exc)
+        for entry in self._pending:
+            if not self._test(*entry):
+                still.append(entry)
         finished = len(still) < len(self._pending)
         self._pending = still
         return finished
+
+    @staticmethod
+    def _test(req, fut, on_done, outputs, _buffers) -> bool:
+        """Complete one request if it is done (its locals die with this call, see _start)."""
+        try:
+            if not req.Test():
+                return False
+            if on_done is not None:
+                on_done()
+            fut.set_result(outputs)
+        except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
+            fut.set_exception(exc)
+        return True
 
 
 _thread: Optional[_CommThread] = None
