@@ -76,6 +76,7 @@ class _CommThread:
         self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
         self._pending: list[tuple] = []  # (request, future, on_done, outputs, job keeping its buffers)
         self._groups: dict[int, tuple] = {}  # id(group) -> (control communicator, group)
+        self._waiters, self._waiters_lock = 0, threading.Lock()
         self._replies: list[tuple] = []  # (request, buffer) of probe answers in flight
         self._thread = threading.Thread(target=self._loop, name="ddptrain-mpi", daemon=True)
         self._thread.start()
@@ -85,11 +86,22 @@ class _CommThread:
         self._queue.put((fn, fut, outputs))
         return fut
 
+    def waiting(self, delta: int) -> None:
+        """A caller starts (+1) or stops (-1) blocking on a result. While anyone blocks, nothing
+        on this rank computes that polling could slow down: the loop polls without sleeping."""
+        with self._waiters_lock:
+            self._waiters += delta
+        if delta > 0:
+            self._queue.put(())  # cut the current sleep short
+
     def _loop(self) -> None:
         sleep = _POLL_MIN_S
         while True:
             try:
-                item = self._queue.get(timeout=sleep if self._pending else _IDLE_WAKE_S)
+                if self._pending and self._waiters:
+                    item = self._queue.get_nowait()
+                else:
+                    item = self._queue.get(timeout=sleep if self._pending else _IDLE_WAKE_S)
             except queue.Empty:
                 item = ()
             if item is None:
@@ -186,6 +198,24 @@ def _staged(t: torch.Tensor, for_reduce: bool):
     return host.numpy(), (lambda: t.copy_(host))
 
 
+class _MPIWork(FutureWork):
+    """A work whose ``wait`` tells the communication thread to poll eagerly meanwhile (at the end
+    of DDP's backward the last bucket's latency is all that is left)."""
+
+    def __init__(self, thread: _CommThread, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._comm_thread = thread
+
+    def _wait(self, timeout):
+        if self.is_completed():
+            return super()._wait(timeout)
+        self._comm_thread.waiting(+1)
+        try:
+            return super()._wait(timeout)
+        finally:
+            self._comm_thread.waiting(-1)
+
+
 class MPIProcessGroup(ProcessGroup):
     """A ddptrain group over an MPI communicator."""
 
@@ -213,8 +243,8 @@ class MPIProcessGroup(ProcessGroup):
             seq = self.collectives_called
             explain = lambda: self._missing_ranks(op_name, seq)  # noqa: E731
         fut = self._thread.submit(fn, outputs)
-        return FutureWork(op_name, outputs, fut, self.timeout, explain_timeout=explain,
-                          describe=f"on group {self.name!r} (mpi, rank {self._rank} of {self._size}) ")
+        return _MPIWork(self._thread, op_name, outputs, fut, self.timeout, explain_timeout=explain,
+                        describe=f"on group {self.name!r} (mpi, rank {self._rank} of {self._size}) ")
 
     def _missing_ranks(self, op: str, seq: int) -> str:
         """Ask every peer how many collectives of this group it has called: those below ``seq``
