@@ -20,6 +20,7 @@ import ddptrain.comm as dist
 from ddptrain.comm import CommTimeoutError, GroupError, RendezvousError
 from ddptrain.launch import LaunchTimeoutError, WorkerFailedError, find_free_port, launch
 from ddptrain.testing import run_distributed
+from tests.dist.shared_launch import launch_once
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -341,24 +342,14 @@ def _mismatches_body(rank: int, ws: int) -> bytes:
     return pickle.dumps(out)
 
 
-_MISMATCH_RESULTS: dict = {}
 BACKENDS = ["gloo", "mpi"]  # mpi: the ranks are started by mpiexec
 backend_param = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def mismatch_results(backend):
-    """Per-rank results of the one launch per backend shared by the tests below (a failed launch
-    is reported, not rerun)."""
-    if backend not in _MISMATCH_RESULTS:
-        try:
-            raw = run_distributed(_mismatches_body, 3, backend=backend, timeout_s=60, comm_timeout_s=30)
-            _MISMATCH_RESULTS[backend] = [pickle.loads(r) for r in raw]
-        except Exception as exc:  # noqa: BLE001
-            _MISMATCH_RESULTS[backend] = exc
-    got = _MISMATCH_RESULTS[backend]
-    if isinstance(got, Exception):
-        pytest.fail(f"the shared 3-rank {backend} launch failed: {type(got).__name__}: {got}")
-    return got
+    """Per-rank results of the one 3-rank launch per backend shared by the tests below."""
+    return launch_once(("mismatches", backend), _mismatches_body, 3, backend=backend, timeout_s=60,
+                       comm_timeout_s=30)
 
 
 @pytest.mark.dist

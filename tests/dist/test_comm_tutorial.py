@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import ddptrain.comm as dist
-from ddptrain.testing import run_distributed
+from tests.dist.shared_launch import launch_once
 
 WORLD_SIZES = [2, 3]
 # every example on gloo (spawned workers) and on mpi (ranks started by mpiexec)
@@ -213,21 +213,8 @@ def _body(rank: int, size: int) -> bytes:
     return pickle.dumps(out)
 
 
-_CACHE: dict = {}
-
-
 def world(backend, size):
-    key = (backend, size)
-    if key not in _CACHE:
-        try:
-            _CACHE[key] = [pickle.loads(r) for r in run_distributed(_body, size, backend=backend,
-                                                                    timeout_s=LAUNCH_TIMEOUT_S)]
-        except Exception as exc:  # noqa: BLE001
-            _CACHE[key] = exc
-    got = _CACHE[key]
-    if isinstance(got, Exception):
-        pytest.fail(f"the {backend} launch on {size} processes failed: {type(got).__name__}: {got}")
-    return got
+    return launch_once(("tutorial", backend, size), _body, size, backend=backend, timeout_s=LAUNCH_TIMEOUT_S)
 
 
 def _has_data(printed: str, rank: int, value: float) -> bool:
