@@ -370,6 +370,7 @@ class Trainer:
             "sampler": self.train_sampler.state_dict(),
             "rng": rng_states,
             "metrics": {k: float(v) for k, v in self.last_eval.items()},
+            "loss_history": [[step, float(loss)] for step, loss in self.loss_history],
             "config": self.config.to_dict(),
             "trainer_class": f"{cls.__module__}.{cls.__qualname__}",
         }
@@ -419,6 +420,8 @@ class Trainer:
         self.state = TrainState(step=ckpt["step"], epoch=ckpt["epoch"],
                                 samples_in_epoch=self.train_sampler.consumed if same_epoch else 0)
         self.last_eval = dict(ckpt.get("metrics") or {})
+        # the logged losses so far: a resumed run reports the run's first loss, not its own
+        self.loss_history = [(int(step), float(loss)) for step, loss in ckpt.get("loss_history") or []]
         self._last_eval_step = ckpt["step"] if self.last_eval else -1
         if self.rank < len(ckpt["rng"]):
             restore_rng_state(ckpt["rng"][self.rank], self.device)  # last: nothing may draw after it

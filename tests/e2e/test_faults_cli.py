@@ -199,4 +199,6 @@ def test_mnist_kill_9_with_max_restarts_ends_like_an_uninterrupted_run(tmp_path)
     ref_metrics = json.loads((tmp_path / "ref" / "metrics.json").read_text())
     assert metrics["params_agree"] and metrics["params_sha256"] == ref_metrics["params_sha256"], (metrics, ref_metrics)
     assert metrics["eval/loss"] == ref_metrics["eval/loss"]
+    # the logged losses survive the restart: the run reports its real first loss, not the restart's
+    assert metrics["train/loss_first"] == ref_metrics["train/loss_first"], (metrics, ref_metrics)
     assert _session_processes(proc.pid) == [], "processes of the job outlived it"
