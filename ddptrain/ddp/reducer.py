@@ -132,7 +132,6 @@ class Reducer:
         self._next_bucket = 0
         self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
         self._incomplete: Optional[list[str]] = None
-        self._direct_storages: set[int] = set()  # storages of the gradients reduced in place
         self.last_stats: Optional[IterationStats] = None
         self._stats: Optional[IterationStats] = None
         self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
@@ -201,7 +200,6 @@ class Reducer:
             b.direct = {}
         self._ready = [False] * len(self.params)
         self._ready_order = []
-        self._direct_storages = set()
         self._next_bucket = 0
         self._stats = IterationStats(self.iteration, [b.nbytes for b in self.buckets],
                                      [len(b.param_indices) for b in self.buckets],
@@ -250,7 +248,6 @@ class Reducer:
         scale = 1.0 / self.world_size if self.comm_hook is None else None
         if self._direct_mode() and bucket.segments[pos] is None:  # a large gradient: reduced in place
             if used and self._owns_its_storage(grad, view):
-                self._direct_storages.add(grad.untyped_storage().data_ptr())
                 bucket.direct[pos] = grad.mul_(scale)
             else:  # no usable gradient: its slot in the flat buffer stands in (zeros or a copy)
                 if grad is None:
@@ -359,7 +356,7 @@ class Reducer:
                 or grad.dtype != view.dtype or grad.device != view.device or grad.storage_offset() != 0:
             return False
         storage = grad.untyped_storage()
-        if storage.nbytes() != grad.numel() * grad.element_size() or storage.data_ptr() in self._direct_storages:
+        if storage.nbytes() != grad.numel() * grad.element_size():
             return False
         # Autograd can give two parameters gradients that are views of one buffer (e.g. for
         # ``(p1.view(-1) + p2.view(-1)) * x``); then no gradient of it may change in place. Such

@@ -283,11 +283,16 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         sums = [torch.zeros(n) for _ in range(4)]
         works += [dist.all_reduce(s, async_op=True) for s in sums]
         works.append(dist.broadcast(torch.full((n,), float(rank)), 0, async_op=True))
-        junk = [torch.full((n,), -7.0) for _ in range(64)]
+        # reduce_scatter stacks its inputs into a temporary of its own: it must outlive the call
+        scattered = [torch.zeros(n) for _ in range(4)]
+        works += [dist.reduce_scatter(o, [torch.full((n,), float(j + 1)) for j in range(ws)], async_op=True)
+                  for o in scattered]
+        junk = [torch.full((n * ws,), -7.0) for _ in range(64)]
         for w in works:
             w.wait()
         del junk
-        return [o[[0, n - 1]].tolist() for o in outs], [s.abs().max().item() for s in sums]
+        return ([o[[0, n - 1]].tolist() for o in outs], [s.abs().max().item() for s in sums],
+                [o[[0, n - 1]].tolist() for o in scattered])
     _capture(R, "async_temporary_inputs", async_temporary_inputs)
 
     # ring all-reduce against the native one
@@ -645,9 +650,10 @@ def test_async_handles(backend, ws):
 @ws_param
 def test_async_ops_keep_inputs_the_caller_dropped(backend, ws):
     for rank, res in enumerate(world(backend, ws)):
-        gathered, sums = not_raised(res["async_temporary_inputs"])
+        gathered, sums, scattered = not_raised(res["async_temporary_inputs"])
         assert gathered == [[r + 1.0, r + 1.0] for r in range(ws)], (rank, gathered)
         assert sums == [0.0] * 4, (rank, sums)
+        assert scattered == [[ws * (rank + 1.0)] * 2] * 4, (rank, scattered)
 
 
 @ws_param

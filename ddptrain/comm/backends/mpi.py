@@ -57,8 +57,8 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.
 class _AllOf:
     """Several requests completed as one (a job that posts more than one message)."""
 
-    def __init__(self, requests, keep_alive=None):
-        self.requests, self.keep_alive = requests, keep_alive
+    def __init__(self, requests):
+        self.requests = requests
 
     def Test(self) -> bool:  # noqa: N802 - the name of MPI.Request's method
         return MPI.Request.Testall(self.requests)
@@ -266,7 +266,7 @@ class MPIProcessGroup(ProcessGroup):
             for r in peers:
                 reqs.append(self._control.Isend(query, dest=r, tag=_PROBE_QUERY))
                 reqs.append(self._control.Irecv(answers[r], source=r, tag=_PROBE_REPLY))
-            return _AllOf(reqs, keep_alive=(query, answers)), None
+            return _AllOf(reqs), None  # this job (kept until done) holds query and answers
         done = threading.Event()
         self._thread.submit(post, []).add_done_callback(lambda _f: done.set())
         done.wait(min(_PROBE_WAIT_S, self.timeout.total_seconds()))
