@@ -1,4 +1,5 @@
 """ddptrain: distributed data-parallel training with its own DDP, process groups and trainer."""
+
 __version__ = "0.1.0"
 
 import importlib
@@ -8,11 +9,21 @@ from typing import Any
 # without paying for `import torch` (seconds on a busy machine).
 _EXPORTS = {
     "DistributedDataParallel": "ddptrain.ddp",
-    "Trainer": "ddptrain.trainer", "TrainState": "ddptrain.trainer", "Callback": "ddptrain.trainer",
-    "Config": "ddptrain.trainer", "TrainerConfig": "ddptrain.trainer", "DataConfig": "ddptrain.trainer",
-    "DistConfig": "ddptrain.trainer", "OptimizerConfig": "ddptrain.trainer", "SchedulerConfig": "ddptrain.trainer",
-    "RecipeConfig": "ddptrain.trainer", "LauncherConfig": "ddptrain.trainer", "ConfigError": "ddptrain.trainer",
-    "CheckpointError": "ddptrain.trainer", "SmokeCheckError": "ddptrain.trainer", "run": "ddptrain.trainer",
+    "Trainer": "ddptrain.trainer",
+    "TrainState": "ddptrain.trainer",
+    "Callback": "ddptrain.trainer",
+    "Config": "ddptrain.trainer",
+    "TrainerConfig": "ddptrain.trainer",
+    "DataConfig": "ddptrain.trainer",
+    "DistConfig": "ddptrain.trainer",
+    "OptimizerConfig": "ddptrain.trainer",
+    "SchedulerConfig": "ddptrain.trainer",
+    "RecipeConfig": "ddptrain.trainer",
+    "LauncherConfig": "ddptrain.trainer",
+    "ConfigError": "ddptrain.trainer",
+    "CheckpointError": "ddptrain.trainer",
+    "SmokeCheckError": "ddptrain.trainer",
+    "run": "ddptrain.trainer",
 }
 __all__ = ["__version__", *_EXPORTS]
 

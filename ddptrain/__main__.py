@@ -1,4 +1,5 @@
 """``python -m ddptrain recipe=mnist ...``: see :mod:`ddptrain.cli`."""
+
 from ddptrain.cli import main
 
 if __name__ == "__main__":

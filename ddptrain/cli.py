@@ -15,12 +15,13 @@ Errors end the command with one short message on stderr and a non-zero status (2
 configuration, 1 for a failed run); a failed rank's full traceback goes to ``<run dir>/error.log``.
 Set ``DDPTRAIN_FULL_ERROR=1`` to get Python's traceback instead.
 """
+
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -31,13 +32,28 @@ from .launch.spawn import LaunchTimeoutError, WorkerFailedError
 _PROJECT_ROOT = Path(__file__).resolve().parent.parent
 CONF_DIR = _PROJECT_ROOT / "conf"
 # Flags that make Hydra print something and exit (or sweep): every rank lets Hydra handle them.
-_HYDRA_FLAGS = ("--cfg", "-c", "--help", "-h", "--hydra-help", "--info", "-i", "--multirun", "-m",
-                "--version", "--resolve", "--package", "-p", "--shell-completion", "-sc")
+_HYDRA_FLAGS = (
+    "--cfg",
+    "-c",
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "-i",
+    "--multirun",
+    "-m",
+    "--version",
+    "--resolve",
+    "--package",
+    "-p",
+    "--shell-completion",
+    "-sc",
+)
 
 _exit_codes: list[int] = []
 
 
-def main(argv: Optional[list[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddptrain`` and of the ``ddptrain`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     _make_recipes_importable()
@@ -67,8 +83,10 @@ def _hydra_task(cfg: DictConfig) -> None:
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and detect_environment().is_launched_externally():
-        _print_error("sweeps (-m) start their jobs one after the other on the local launcher; run them "
-                     "without torchrun/mpirun/srun, or launch one job per sweep point")
+        _print_error(
+            "sweeps (-m) start their jobs one after the other on the local launcher; run them "
+            "without torchrun/mpirun/srun, or launch one job per sweep point"
+        )
         _exit_codes.append(2)
         return
     _exit_codes.append(_run_config(cfg, hydra_cfg.runtime.output_dir))
@@ -88,7 +106,7 @@ def _run_composed(argv: list[str]) -> int:
     return _run_config(cfg, None)
 
 
-def _run_config(cfg: DictConfig, output_dir: Optional[str]) -> int:
+def _run_config(cfg: DictConfig, output_dir: str | None) -> int:
     """Run one composed config; the exit status (0 ok, 1 failed run, 2 bad configuration)."""
     # Imported here, not at the top: --help, --cfg and config errors then skip importing torch.
     from .data import DatasetCorruptError, DatasetNotFoundError
@@ -129,12 +147,15 @@ def _run_config(cfg: DictConfig, output_dir: Optional[str]) -> int:
 def _print_summary(config: Any, metrics: dict[str, Any]) -> None:
     keys = ("eval/accuracy", "eval/loss", "train/loss_last", "time/train_s", "time/fit_s")
     shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), float))
-    print(f"ddptrain: recipe {config.recipe.name} finished on {metrics.get('world_size')} rank(s) at step "
-          f"{metrics.get('step')} ({metrics.get('epoch')} epoch(s) complete): {shown}\n"
-          f"ddptrain: output in {config.trainer.output_dir}", flush=True)
+    print(
+        f"ddptrain: recipe {config.recipe.name} finished on {metrics.get('world_size')} rank(s) at step "
+        f"{metrics.get('step')} ({metrics.get('epoch')} epoch(s) complete): {shown}\n"
+        f"ddptrain: output in {config.trainer.output_dir}",
+        flush=True,
+    )
 
 
-def _save_traceback(output_dir: Optional[str], text: str) -> Optional[str]:
+def _save_traceback(output_dir: str | None, text: str) -> str | None:
     if not output_dir or not text:
         return None
     path = Path(output_dir) / "error.log"

@@ -11,16 +11,26 @@ Usable from pytest in ddptrain's own suite and in users' CI::
 
 A failing rank fails the call with that rank's traceback; a stuck job is killed at ``timeout_s``.
 """
+
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .launch.spawn import launch
 
 
-def run_distributed(fn: Callable, world_size: int, *args, backend: str = "gloo",
-                    timeout_s: float = 120.0, comm_timeout_s: float | None = None,
-                    threads_per_worker: int = 1, env: dict | None = None, **kwargs) -> list[Any]:
+def run_distributed(
+    fn: Callable,
+    world_size: int,
+    *args,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    comm_timeout_s: float | None = None,
+    threads_per_worker: int = 1,
+    env: dict | None = None,
+    **kwargs,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks joined by ``backend``.
 
     Collectives time out after ``comm_timeout_s`` (default: ``timeout_s`` minus a margin), so a
@@ -28,5 +38,14 @@ def run_distributed(fn: Callable, world_size: int, *args, backend: str = "gloo",
     """
     if comm_timeout_s is None:
         comm_timeout_s = max(5.0, timeout_s * 0.75)
-    return launch(fn, world_size, args, kwargs, backend=backend, timeout_s=timeout_s,
-                  comm_timeout_s=comm_timeout_s, threads_per_worker=threads_per_worker, env=env)
+    return launch(
+        fn,
+        world_size,
+        args,
+        kwargs,
+        backend=backend,
+        timeout_s=timeout_s,
+        comm_timeout_s=comm_timeout_s,
+        threads_per_worker=threads_per_worker,
+        env=env,
+    )

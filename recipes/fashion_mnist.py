@@ -4,6 +4,7 @@ Same loop as the MNIST recipe with another dataset and normalisation, proving a 
 small subclass. The files come from ``data.root``, ``$DDPTRAIN_DATA_SOURCES``, or Debian's
 ``dataset-fashion-mnist`` package (``/usr/share/datasets/fashion-mnist``), found automatically.
 """
+
 from __future__ import annotations
 
 import torch.nn.functional as F

@@ -4,6 +4,7 @@ The tutorial's setup: its ``Net``, SGD (lr 0.01, momentum 0.5), a global batch o
 the ranks, 10 epochs, seed 1234, MNIST normalised with mean 0.1307 and std 0.3081. This file is
 user-level code: it shows how to subclass ``ddptrain.Trainer`` using only the public API.
 """
+
 from __future__ import annotations
 
 import torch
@@ -82,5 +83,7 @@ class MnistTrainer(ddptrain.Trainer):
     def validation_step(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
         images, labels = batch
         log_probs = model(images)
-        return {"loss": F.nll_loss(log_probs, labels, reduction="none"),
-                "accuracy": (log_probs.argmax(dim=1) == labels).float()}
+        return {
+            "loss": F.nll_loss(log_probs, labels, reduction="none"),
+            "accuracy": (log_probs.argmax(dim=1) == labels).float(),
+        }

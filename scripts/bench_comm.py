@@ -21,6 +21,7 @@ Usage::
     .venv/bin/python scripts/bench_comm.py --quick         # a fast sanity run
     .venv/bin/python scripts/bench_comm.py --sizes 1M,4M --iters 30 --world-size 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -81,10 +82,19 @@ def _reps_for(nbytes: int, reps: int | None) -> int:
     return max(1, min(20, (1 << 20) // max(nbytes, 1)))  # ~1 MiB of traffic per timed block, at least 1 op
 
 
-def _worker(rank: int, ws: int, torch_port: int, sizes: list[int], iters: int, warmup: int,
-            reps_opt: int | None, methods: list[str]) -> dict:
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank,
-                                         world_size=ws, timeout=timedelta(seconds=300))
+def _worker(
+    rank: int,
+    ws: int,
+    torch_port: int,
+    sizes: list[int],
+    iters: int,
+    warmup: int,
+    reps_opt: int | None,
+    methods: list[str],
+) -> dict:
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=ws, timeout=timedelta(seconds=300)
+    )
     try:
         ops = {m: _op(m) for m in methods}
         # correctness first: every method must compute the same sum
@@ -105,7 +115,7 @@ def _worker(rank: int, ws: int, torch_port: int, sizes: list[int], iters: int, w
                     ops[m](t)
             times = {m: [] for m in methods}
             for it in range(iters):
-                order = methods[it % len(methods):] + methods[:it % len(methods)]
+                order = methods[it % len(methods) :] + methods[: it % len(methods)]
                 for m in order:
                     _set_check(m)
                     torch.distributed.barrier()
@@ -124,15 +134,20 @@ def run(sizes, iters, warmup, reps, world_size, methods, timeout_s):
     torch_port = find_free_port()
     # Each library picks its gloo device as it would for a user (ddptrain: 127.0.0.1 for a local job;
     # torch: the hostname's address); set GLOO_SOCKET_IFNAME to force one interface for both.
-    results = launch(_worker, world_size, (torch_port, sizes, iters, warmup, reps, methods),
-                     backend="gloo", timeout_s=timeout_s, comm_timeout_s=300)
+    results = launch(
+        _worker,
+        world_size,
+        (torch_port, sizes, iters, warmup, reps, methods),
+        backend="gloo",
+        timeout_s=timeout_s,
+        comm_timeout_s=300,
+    )
     return results[0]  # rank 0's clock
 
 
 def table(results, world_size, methods) -> str:
     factor = 2 * (world_size - 1) / world_size
-    lines = ["| size | method | median ms | algbw GB/s | busbw GB/s | vs torch |",
-             "|---:|:---|---:|---:|---:|---:|"]
+    lines = ["| size | method | median ms | algbw GB/s | busbw GB/s | vs torch |", "|---:|:---|---:|---:|---:|---:|"]
     for nbytes, times in results.items():
         base = statistics.median(times["torch"]) if "torch" in times else None
         for m in methods:
@@ -146,6 +161,7 @@ def table(results, world_size, methods) -> str:
 def _mpi_child(args, sizes, iters, warmup, methods) -> int:
     """One rank under mpiexec: ddptrain on mpi, torch.distributed on gloo, same processes."""
     from mpi4py import MPI
+
     torch.set_num_threads(1)
     dist.init_process_group("mpi", timeout=600)
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -153,9 +169,11 @@ def _mpi_child(args, sizes, iters, warmup, methods) -> int:
     t0 = time.monotonic()
     results = _worker(rank, ws, port, sizes, iters, warmup, args.reps, methods)
     if rank == 0:
-        print(f"all_reduce float32 SUM, {ws} processes on one machine: ddptrain on mpi (Open MPI through "
-              f"mpi4py), torch.distributed on gloo; {os.cpu_count()} CPUs; median of {iters} rounds; "
-              f"took {time.monotonic() - t0:.0f} s\n")
+        print(
+            f"all_reduce float32 SUM, {ws} processes on one machine: ddptrain on mpi (Open MPI through "
+            f"mpi4py), torch.distributed on gloo; {os.cpu_count()} CPUs; median of {iters} rounds; "
+            f"took {time.monotonic() - t0:.0f} s\n"
+        )
         print(table(results, ws, methods))
     dist.destroy_process_group()
     return 0
@@ -166,14 +184,19 @@ def main(argv=None) -> int:
     ap.add_argument("--sizes", default=None, help=f"comma-separated sizes (default {DEFAULT_SIZES})")
     ap.add_argument("--iters", type=int, default=None, help="timed rounds per method and size (default 25)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed operations per method and size")
-    ap.add_argument("--reps", type=int, default=None,
-                    help="operations per timed round (default: about 1 MiB of traffic, 1..20)")
+    ap.add_argument(
+        "--reps", type=int, default=None, help="operations per timed round (default: about 1 MiB of traffic, 1..20)"
+    )
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--methods", default=",".join(METHODS), help=f"subset of {','.join(METHODS)}")
     ap.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 5 rounds: a sanity run")
     ap.add_argument("--timeout", type=float, default=1800, help="overall limit in seconds")
-    ap.add_argument("--backend", choices=["gloo", "mpi"], default="gloo",
-                    help="ddptrain's backend (mpi: the script re-runs itself under mpiexec; torch stays on gloo)")
+    ap.add_argument(
+        "--backend",
+        choices=["gloo", "mpi"],
+        default="gloo",
+        help="ddptrain's backend (mpi: the script re-runs itself under mpiexec; torch stays on gloo)",
+    )
     ap.add_argument("--mpi-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.backend == "mpi" and args.methods == ",".join(METHODS):
@@ -195,18 +218,24 @@ def main(argv=None) -> int:
     if args.backend == "mpi":
         import shutil
         import subprocess
+
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
         child = [a for a in (argv if argv is not None else sys.argv[1:])] + ["--mpi-child", "--methods", args.methods]
-        return subprocess.call([mpiexec, "-n", str(args.world_size), "--oversubscribe", sys.executable,
-                                os.path.abspath(__file__), *child], env=env, timeout=args.timeout)
+        return subprocess.call(
+            [mpiexec, "-n", str(args.world_size), "--oversubscribe", sys.executable, os.path.abspath(__file__), *child],
+            env=env,
+            timeout=args.timeout,
+        )
 
     t0 = time.monotonic()
     results = run(sizes, iters, warmup, args.reps, args.world_size, methods, args.timeout)
     load = os.getloadavg() if hasattr(os, "getloadavg") else ("?",)
-    print(f"all_reduce float32 SUM, {args.world_size} processes on one machine over loopback gloo; torch "
-          f"{torch.__version__}; {os.cpu_count()} CPUs; median of {iters} rounds; "
-          f"load average {load[0]:.2f}; took {time.monotonic() - t0:.0f} s\n")
+    print(
+        f"all_reduce float32 SUM, {args.world_size} processes on one machine over loopback gloo; torch "
+        f"{torch.__version__}; {os.cpu_count()} CPUs; median of {iters} rounds; "
+        f"load average {load[0]:.2f}; took {time.monotonic() - t0:.0f} s\n"
+    )
     print(table(results, args.world_size, methods))
     return 0
 

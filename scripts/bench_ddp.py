@@ -14,6 +14,7 @@ Prints median ms per step and the ratio ddptrain/torch. Usage::
 
     .venv/bin/python scripts/bench_ddp.py [--steps 30] [--rounds 5] [--models net,mlp]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,15 @@ def _bench(rank, world_size, model_names, steps, rounds, bucket_cap_mb, gloo_gro
 
     if dist.get_backend() == "mpi":  # torch's gloo needs a store: rank 0 picks a port, MPI shares it
         from mpi4py import MPI
+
         from ddptrain.launch import find_free_port
+
         port = MPI.COMM_WORLD.bcast(find_free_port() if rank == 0 else None, root=0)
         tdist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     else:
-        tdist.init_process_group("gloo", store=tdist.PrefixStore("torch", dist.get_store().c10d),
-                                 rank=rank, world_size=world_size)
+        tdist.init_process_group(
+            "gloo", store=tdist.PrefixStore("torch", dist.get_store().c10d), rank=rank, world_size=world_size
+        )
 
     def average_gradients(model):
         for p in model.parameters():
@@ -83,11 +87,14 @@ def _bench(rank, world_size, model_names, steps, rounds, bucket_cap_mb, gloo_gro
 def _mpi_main(args) -> None:
     """Runs on every rank under mpiexec: ddptrain's DDP on mpi, torch's on gloo."""
     import ddptrain.comm as dist
+
     torch.set_num_threads(1)
     dist.init_process_group("mpi", timeout=600)
-    res = _bench(dist.get_rank(), dist.get_world_size(), args.models.split(","), args.steps, args.rounds,
-                 args.bucket_cap_mb)
+    res = _bench(
+        dist.get_rank(), dist.get_world_size(), args.models.split(","), args.steps, args.rounds, args.bucket_cap_mb
+    )
     from ddptrain.comm.objects import all_gather_object
+
     per_rank = all_gather_object(dist.get_process_group(), res)
     if dist.get_rank() == 0:
         _print(per_rank, args, "ddptrain DDP on mpi (torch DDP and average_gradients on gloo)")
@@ -95,8 +102,10 @@ def _mpi_main(args) -> None:
 
 def _print(per_rank, args, title) -> None:
     models = args.models.split(",")
-    print(f"DDP step time, {args.world_size} processes x 1 thread, batch 64/rank, {title}; "
-          f"median over {args.rounds}x{args.steps} steps (rank 0; rank 1 in brackets)\n")
+    print(
+        f"DDP step time, {args.world_size} processes x 1 thread, batch 64/rank, {title}; "
+        f"median over {args.rounds}x{args.steps} steps (rank 0; rank 1 in brackets)\n"
+    )
     print("| model | no sync ms | average_gradients ms | torch DDP ms | ddptrain DDP ms | ddptrain/torch |")
     print("|---|---|---|---|---|---|")
     for name in models:
@@ -115,8 +124,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0)
     ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--backend", choices=["gloo", "mpi"], default="gloo",
-                    help="backend of ddptrain's DDP (torch DDP always runs on gloo)")
+    ap.add_argument(
+        "--backend",
+        choices=["gloo", "mpi"],
+        default="gloo",
+        help="backend of ddptrain's DDP (torch DDP always runs on gloo)",
+    )
     ap.add_argument("--mpi-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.mpi_child:
@@ -124,14 +137,40 @@ def main() -> None:
     if args.backend == "mpi":
         import shutil
         import subprocess
+
         mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
-        cmd = [mpiexec, "-n", str(args.world_size), "--oversubscribe", sys.executable, __file__, "--mpi-child",
-               "--models", args.models, "--steps", str(args.steps), "--rounds", str(args.rounds),
-               "--bucket-cap-mb", str(args.bucket_cap_mb), "--world-size", str(args.world_size)]
+        cmd = [
+            mpiexec,
+            "-n",
+            str(args.world_size),
+            "--oversubscribe",
+            sys.executable,
+            __file__,
+            "--mpi-child",
+            "--models",
+            args.models,
+            "--steps",
+            str(args.steps),
+            "--rounds",
+            str(args.rounds),
+            "--bucket-cap-mb",
+            str(args.bucket_cap_mb),
+            "--world-size",
+            str(args.world_size),
+        ]
         raise SystemExit(subprocess.call(cmd, env=env))
-    per_rank = run_distributed(_bench, args.world_size, args.models.split(","), args.steps, args.rounds,
-                               args.bucket_cap_mb, timeout_s=3600, comm_timeout_s=600, threads_per_worker=1)
+    per_rank = run_distributed(
+        _bench,
+        args.world_size,
+        args.models.split(","),
+        args.steps,
+        args.rounds,
+        args.bucket_cap_mb,
+        timeout_s=3600,
+        comm_timeout_s=600,
+        threads_per_worker=1,
+    )
     _print(per_rank, args, "all on gloo")
 
 

@@ -9,6 +9,7 @@ the training time (epoch loops only) and the wall time, as ``python -m ddptrain`
 
     .venv/bin/python scripts/bench_mnist_torch_ddp.py [--world-size 2] [--epochs 10] [--max-steps N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,14 +64,26 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
         sums, pos = torch.zeros(3, dtype=torch.float64), 0
         with torch.no_grad():
             for images, labels in TensorBatches(test, test_sampler, 1000):
-                k = keep[pos:pos + len(labels)]
+                k = keep[pos : pos + len(labels)]
                 pos += len(labels)
                 out = model.module(images)
-                sums += torch.stack([(F.nll_loss(out, labels, reduction="none").double() * k).sum(),
-                                     ((out.argmax(1) == labels).double() * k).sum(), k.sum()])
+                sums += torch.stack(
+                    [
+                        (F.nll_loss(out, labels, reduction="none").double() * k).sum(),
+                        ((out.argmax(1) == labels).double() * k).sum(),
+                        k.sum(),
+                    ]
+                )
         tdist.all_reduce(sums)
-        epochs.append({"epoch": epoch + 1, "train_s": epoch_train_s, "train_loss": loss_sum / max(n, 1),
-                       "eval_loss": (sums[0] / sums[2]).item(), "eval_accuracy": (sums[1] / sums[2]).item()})
+        epochs.append(
+            {
+                "epoch": epoch + 1,
+                "train_s": epoch_train_s,
+                "train_loss": loss_sum / max(n, 1),
+                "eval_loss": (sums[0] / sums[2]).item(),
+                "eval_accuracy": (sums[1] / sums[2]).item(),
+            }
+        )
         if rank == 0:
             print(json.dumps(epochs[-1]), flush=True)
         if args.max_steps and step >= args.max_steps:
@@ -90,8 +103,12 @@ def main() -> None:
 
     wall = time.perf_counter()
     results = launch(worker, args.world_size, args=(args,))
-    summary = {"impl": "torch.nn.parallel.DistributedDataParallel", "world_size": args.world_size,
-               **results[0], "wall_s": time.perf_counter() - wall}
+    summary = {
+        "impl": "torch.nn.parallel.DistributedDataParallel",
+        "world_size": args.world_size,
+        **results[0],
+        "wall_s": time.perf_counter() - wall,
+    }
     print(json.dumps(summary), flush=True)
 
 

@@ -4,6 +4,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+# Style first: it takes a second, and a lint failure is cheaper to read than a test failure.
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
 set +e
 .venv/bin/python -m pytest "$@"
 rc=$?

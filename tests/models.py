@@ -1,4 +1,5 @@
 """Small models shared by the tests (importable by spawned workers)."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,5 +124,13 @@ class AliasedGradsNet(nn.Module):
         return F.log_softmax(self.fc(mix), dim=1)
 
 
-MODELS = {"net": Net, "bn": BNNet, "tied": TiedNet, "frozen": FrozenNet, "mixed": MixedNet,
-          "branch": BranchNet, "mlp": MLP, "aliased": AliasedGradsNet}
+MODELS = {
+    "net": Net,
+    "bn": BNNet,
+    "tied": TiedNet,
+    "frozen": FrozenNet,
+    "mixed": MixedNet,
+    "branch": BranchNet,
+    "mlp": MLP,
+    "aliased": AliasedGradsNet,
+}

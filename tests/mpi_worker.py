@@ -1,9 +1,8 @@
 """Run under a bare `mpiexec` (not ddptrain's launcher) by tests/dist/test_mpi.py: what a user's own
 `mpirun -n 2 python script.py` meets. The collectives and DDP run on mpi through
 `run_distributed(..., backend="mpi")` in tests/dist/test_comm_*.py and test_ddp.py."""
-import sys
 
-import torch
+import sys
 
 import ddptrain.comm as dist
 from ddptrain.comm.types import RendezvousError

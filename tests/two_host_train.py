@@ -2,6 +2,7 @@
 
 Run by `torchrun ... tests/two_host_train.py`; ranks come from torchrun's environment.
 """
+
 import hashlib
 import os
 import sys
@@ -28,7 +29,7 @@ def main():
     g = torch.Generator().manual_seed(100 + rank)
     w = torch.randn(20, 4, generator=torch.Generator().manual_seed(0))
     first = last = None
-    for step in range(30):
+    for _step in range(30):
         x = torch.randn(16, 20, generator=g)
         loss = F.cross_entropy(ddp(x), (x @ w).argmax(1))
         opt.zero_grad()
@@ -37,8 +38,11 @@ def main():
         first = loss.item() if first is None else first
         last = loss.item()
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-    print(f"RESULT launcher={env.name} rank={rank} world={ws} node={env.node_rank} first={first:.4f} "
-          f"last={last:.4f} digest={digest}", flush=True)
+    print(
+        f"RESULT launcher={env.name} rank={rank} world={ws} node={env.node_rank} first={first:.4f} "
+        f"last={last:.4f} digest={digest}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

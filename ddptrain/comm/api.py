@@ -5,12 +5,12 @@ are global ranks, as in torch; ``group=None`` means the default (world) group. E
 ``async_op=True`` (and ``isend``/``irecv``) returns a :class:`Work`; otherwise it blocks, bounded
 by the group's timeout.
 """
+
 from __future__ import annotations
 
 import os
 import warnings
-from datetime import timedelta
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -37,8 +37,8 @@ class GroupMember:
 
 
 class _State:
-    world: Optional[ProcessGroup] = None
-    store: Optional[Store] = None
+    world: ProcessGroup | None = None
+    store: Store | None = None
     groups_created = 0
     check_collectives = True
 
@@ -50,10 +50,17 @@ def is_initialized() -> bool:
     return _state.world is not None
 
 
-def init_process_group(backend: Optional[str] = None, init_method: Optional[str] = None,
-                       timeout=None, world_size: int = -1, rank: int = -1,
-                       store: Optional[Store] = None, group_name: str = "world",
-                       check_collectives: Optional[bool] = None, init_timeout=None) -> ProcessGroup:
+def init_process_group(
+    backend: str | None = None,
+    init_method: str | None = None,
+    timeout=None,
+    world_size: int = -1,
+    rank: int = -1,
+    store: Store | None = None,
+    group_name: str = "world",
+    check_collectives: bool | None = None,
+    init_timeout=None,
+) -> ProcessGroup:
     """Join the job: rendezvous with every rank, then build the default group.
 
     Args:
@@ -77,22 +84,29 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         The default :class:`ProcessGroup` (also reachable as ``get_process_group()``).
     """
     if _state.world is not None:
-        raise GroupError("init_process_group called twice: the default group already exists "
-                         f"({_state.world!r}); call destroy_process_group() first.")
+        raise GroupError(
+            "init_process_group called twice: the default group already exists "
+            f"({_state.world!r}); call destroy_process_group() first."
+        )
     backend = (backend or "gloo").lower()
     from .backends import BACKENDS
+
     if backend not in BACKENDS:  # before the rendezvous: a typo must not wait out the init timeout
         raise ValueError(
             f"unknown backend {backend!r}; available backends: {', '.join(sorted(BACKENDS))} "
-            "(gloo for CPU tensors, nccl for CUDA tensors, mpi through mpi4py)")
+            "(gloo for CPU tensors, nccl for CUDA tensors, mpi through mpi4py)"
+        )
     if check_collectives is None:
         check_collectives = os.environ.get("DDPTRAIN_CHECK_COLLECTIVES", "1") not in ("0", "false", "no")
     _state.check_collectives = check_collectives
     timeout_td = as_timedelta(timeout, DEFAULT_INIT_TIMEOUT)
     if backend == "mpi":
         if init_method is not None or store is not None:
-            warnings.warn("backend 'mpi' takes rank and world size from the MPI launcher; "
-                          f"init_method={init_method!r} / store are ignored", stacklevel=2)
+            warnings.warn(
+                "backend 'mpi' takes rank and world size from the MPI launcher; "
+                f"init_method={init_method!r} / store are ignored",
+                stacklevel=2,
+            )
         pg = create_backend("mpi", None, rank, world_size, timeout_td)
         _state.world, _state.store = pg, None
         return pg
@@ -100,8 +114,9 @@ def init_process_group(backend: Optional[str] = None, init_method: Optional[str]
         if init_method is not None:
             raise ValueError("pass either init_method or store to init_process_group, not both")
         if rank < 0 or world_size < 1:
-            raise ValueError(f"init_process_group(store=...) needs rank and world_size, got rank={rank}, "
-                             f"world_size={world_size}")
+            raise ValueError(
+                f"init_process_group(store=...) needs rank and world_size, got rank={rank}, world_size={world_size}"
+            )
         wait_for_all_ranks(store, rank, world_size, as_timedelta(init_timeout, timeout_td), "an explicit store")
         master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
     else:
@@ -137,12 +152,15 @@ def get_store() -> Store:
 
 def _resolve(group, op: str) -> ProcessGroup:
     if isinstance(group, _NonMember):
-        raise GroupError(f"{op}: rank {group.rank} is not a member of group {group.ranks}; only its "
-                         "members may use it (new_group returned a non-member marker on this rank)")
+        raise GroupError(
+            f"{op}: rank {group.rank} is not a member of group {group.ranks}; only its "
+            "members may use it (new_group returned a non-member marker on this rank)"
+        )
     if group is None:
         if _state.world is None:
-            raise GroupError(f"{op}: the default process group is not initialised; call "
-                             "ddptrain.comm.init_process_group(...) first.")
+            raise GroupError(
+                f"{op}: the default process group is not initialised; call ddptrain.comm.init_process_group(...) first."
+            )
         group = _state.world
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"{op}: group must be a ddptrain ProcessGroup or None, got {type(group).__name__}")
@@ -166,7 +184,7 @@ def get_backend(group=None) -> str:
     return _resolve(group, "get_backend").backend
 
 
-def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Optional[str] = None):
+def new_group(ranks: Sequence[int] | None = None, timeout=None, backend: str | None = None):
     """Create a group of the given global ranks. Every rank of the world must call it, in the
     same order, as in torch; non-members get a marker that refuses any use."""
     world = _resolve(None, "new_group")
@@ -175,24 +193,45 @@ def new_group(ranks: Optional[Sequence[int]] = None, timeout=None, backend: Opti
     if len(set(ranks)) != len(ranks) or any(not 0 <= r < size for r in ranks) or not ranks:
         raise ValueError(f"new_group: ranks {ranks} must be distinct global ranks in [0, {size})")
     if backend is not None and backend.lower() != world.backend:
-        raise ValueError(f"new_group: backend {backend!r} differs from the world's {world.backend!r}; "
-                         "subgroups use the world's backend")
+        raise ValueError(
+            f"new_group: backend {backend!r} differs from the world's {world.backend!r}; "
+            "subgroups use the world's backend"
+        )
     _state.groups_created += 1
     name = f"group{_state.groups_created}"
     sub = world.new_subgroup(ranks, name, as_timedelta(timeout, world.timeout))
     return sub if sub is not None else _NonMember(ranks, world.rank())
 
 
-_OP_CODES = {name: i for i, name in enumerate(
-    ["broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter"])}
+_OP_CODES = {
+    name: i
+    for i, name in enumerate(["broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter"])
+}
 # A fixed table: codes must mean the same dtype on every rank, whatever each rank used first.
-_DTYPE_CODES = {dt: i + 1 for i, dt in enumerate([
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128])}
+_DTYPE_CODES = {
+    dt: i + 1
+    for i, dt in enumerate(
+        [
+            torch.float32,
+            torch.float64,
+            torch.float16,
+            torch.bfloat16,
+            torch.int64,
+            torch.int32,
+            torch.int16,
+            torch.int8,
+            torch.uint8,
+            torch.bool,
+            torch.complex64,
+            torch.complex128,
+        ]
+    )
+}
 
 
-def _check_uniform(pg: ProcessGroup, op_name: str, tensor: torch.Tensor, detail: int = 0,
-                   async_op: bool = False) -> None:
+def _check_uniform(
+    pg: ProcessGroup, op_name: str, tensor: torch.Tensor, detail: int = 0, async_op: bool = False
+) -> None:
     """Agree across ranks on (operation, numel, dtype, detail); raise naming every rank's view.
 
     One all-reduce of MAX over ``[x, -x]`` gives each field's maximum and minimum at once: equal
@@ -214,24 +253,32 @@ def _check_uniform(pg: ProcessGroup, op_name: str, tensor: torch.Tensor, detail:
     try:
         pg.all_reduce(both, ReduceOp.MAX).wait()
     except CommTimeoutError as exc:  # name the user's collective, not the check's all-reduce
-        raise CommTimeoutError(f"{op_name}: not every rank of group {pg.name!r} called it in time "
-                               f"(timed out agreeing on its arguments). {exc}") from exc
+        raise CommTimeoutError(
+            f"{op_name}: not every rank of group {pg.name!r} called it in time "
+            f"(timed out agreeing on its arguments). {exc}"
+        ) from exc
     both = both.cpu()
     if torch.equal(both[:4], -both[4:]):
         return
-    views = [torch.zeros(4, dtype=torch.int64, device=both.device if not tensor.is_cuda else tensor.device)
-             for _ in range(pg.size())]
+    views = [
+        torch.zeros(4, dtype=torch.int64, device=both.device if not tensor.is_cuda else tensor.device)
+        for _ in range(pg.size())
+    ]
     pg.all_gather(views, fields.to(views[0].device)).wait()
     names = {v: k for k, v in _OP_CODES.items()}
     dtypes = {v: k for k, v in _DTYPE_CODES.items()}
-    lines = [f"  rank {pg.global_ranks[i]}: {names.get(int(v[0]), '?')} of {int(v[1])} elements, "
-             f"dtype {dtypes.get(int(v[2]), 'unknown to this rank')}, op/root {int(v[3])}"
-             for i, v in enumerate(views)]
+    lines = [
+        f"  rank {pg.global_ranks[i]}: {names.get(int(v[0]), '?')} of {int(v[1])} elements, "
+        f"dtype {dtypes.get(int(v[2]), 'unknown to this rank')}, op/root {int(v[3])}"
+        for i, v in enumerate(views)
+    ]
     raise ValueError(
         f"{op_name}: the ranks of group {pg.name!r} called mismatched collectives; every rank must "
         "call the same operation with tensors of the same size and dtype (and the same op/root):\n"
-        + "\n".join(lines) + "\nFix the call so all ranks agree (e.g. pad to a common size), or "
-        "all_gather the sizes first.")
+        + "\n".join(lines)
+        + "\nFix the call so all ranks agree (e.g. pad to a common size), or "
+        "all_gather the sizes first."
+    )
 
 
 def _finish(work: Work, async_op: bool):
@@ -247,7 +294,7 @@ def isend(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> Work:
     return pg.send(tensor, pg.group_rank(dst, "dst"), tag)
 
 
-def irecv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0) -> Work:
+def irecv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> Work:
     pg = _resolve(group, "irecv")
     if src is None:
         raise ValueError("irecv/recv need src: receiving from any source is not supported")
@@ -258,7 +305,7 @@ def send(tensor: torch.Tensor, dst: int, group=None, tag: int = 0) -> None:
     isend(tensor, dst, group, tag).wait()
 
 
-def recv(tensor: torch.Tensor, src: Optional[int] = None, group=None, tag: int = 0) -> int:
+def recv(tensor: torch.Tensor, src: int | None = None, group=None, tag: int = 0) -> int:
     irecv(tensor, src, group, tag).wait()
     return src
 

@@ -4,6 +4,7 @@ Used for configuration checks (does every rank hold the same model?), metrics an
 that all ranks must share. Objects travel as pickled bytes in uint8 tensors; each call costs two
 collectives (lengths, then payload), so keep it off hot paths.
 """
+
 from __future__ import annotations
 
 import pickle

@@ -8,11 +8,12 @@ Every operation returns a :class:`~ddptrain.comm.types.Work`. A backend may comp
 library thread (gloo, NCCL) or on a communication thread of its own fed by a queue (MPI): callers
 only ever ``wait()`` or chain ``get_future()``.
 """
+
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Optional, Sequence
 
 import torch
 
@@ -30,8 +31,7 @@ class ProcessGroup(abc.ABC):
 
     backend: str = "?"
 
-    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], timeout: timedelta,
-                 name: str = "world"):
+    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], timeout: timedelta, name: str = "world"):
         self._rank = rank
         self._size = size
         self.global_ranks = list(global_ranks)
@@ -47,8 +47,10 @@ class ProcessGroup(abc.ABC):
         return self._size
 
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(name={self.name!r}, backend={self.backend!r}, rank={self._rank}, "
-                f"size={self._size}, global_ranks={self.global_ranks})")
+        return (
+            f"{type(self).__name__}(name={self.name!r}, backend={self.backend!r}, rank={self._rank}, "
+            f"size={self._size}, global_ranks={self.global_ranks})"
+        )
 
     def group_rank(self, global_rank: int, what: str = "rank") -> int:
         """Translate a global rank into this group's rank, refusing ranks outside the group."""
@@ -57,13 +59,15 @@ class ProcessGroup(abc.ABC):
         except ValueError:
             raise GroupError(
                 f"{what} {global_rank} is not a member of group {self.name!r} (global ranks "
-                f"{self.global_ranks}); pass a rank of the group.") from None
+                f"{self.global_ranks}); pass a rank of the group."
+            ) from None
 
     def check_alive(self, op: str) -> None:
         if self._destroyed:
             raise GroupError(
                 f"{op} on process group {self.name!r} after it was destroyed "
-                "(destroy_process_group); create a new group or initialise again.")
+                "(destroy_process_group); create a new group or initialise again."
+            )
 
     def _check_peer(self, peer: int, op: str, what: str) -> None:
         if not 0 <= peer < self._size:
@@ -94,14 +98,15 @@ class ProcessGroup(abc.ABC):
     def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> Work: ...
 
     @abc.abstractmethod
-    def gather(self, tensor: torch.Tensor, gather_list: Optional[list[torch.Tensor]], dst: int) -> Work: ...
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> Work: ...
 
     @abc.abstractmethod
-    def scatter(self, tensor: torch.Tensor, scatter_list: Optional[list[torch.Tensor]], src: int) -> Work: ...
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int) -> Work: ...
 
     @abc.abstractmethod
-    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor],
-                       op: ReduceOp = ReduceOp.SUM) -> Work: ...
+    def reduce_scatter(
+        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM
+    ) -> Work: ...
 
     @abc.abstractmethod
     def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor]) -> Work: ...
@@ -110,7 +115,7 @@ class ProcessGroup(abc.ABC):
     def barrier(self) -> Work: ...
 
     @abc.abstractmethod
-    def new_subgroup(self, ranks: Sequence[int], name: str, timeout: timedelta) -> Optional["ProcessGroup"]:
+    def new_subgroup(self, ranks: Sequence[int], name: str, timeout: timedelta) -> ProcessGroup | None:
         """Collectively create a group of the given *group* ranks; ``None`` on non-members."""
 
 
@@ -125,4 +130,5 @@ def check_same_shape(op: str, name: str, reference: torch.Tensor, tensors: Seque
         if t.shape != reference.shape or t.dtype != reference.dtype:
             raise ValueError(
                 f"{op}: {name}[{i}] has shape {tuple(t.shape)} and dtype {t.dtype}, but the tensor "
-                f"has shape {tuple(reference.shape)} and dtype {reference.dtype}; they must match")
+                f"has shape {tuple(reference.shape)} and dtype {reference.dtype}; they must match"
+            )

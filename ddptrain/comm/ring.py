@@ -11,6 +11,7 @@ lengths that do not divide by ``p`` (chunks of unequal, possibly zero, length), 
 SUM, PRODUCT, MAX, MIN, AVG (AVG: floating dtypes only). Integer results are exact and equal the
 backend's own all-reduce; floating-point sums may differ in the last bits (another order).
 """
+
 from __future__ import annotations
 
 import torch
@@ -103,6 +104,8 @@ class RingAllReducer:
                 fut.set_result([tensor])
             except BaseException as exc:  # noqa: BLE001 - surface in the waiter
                 fut.set_exception(exc)
+
         self._pool.submit(run)
-        return FutureWork("ring_all_reduce", [tensor], fut, self.group.timeout,
-                          describe=f"on group {self.group.name!r} ")
+        return FutureWork(
+            "ring_all_reduce", [tensor], fut, self.group.timeout, describe=f"on group {self.group.name!r} "
+        )

@@ -9,15 +9,16 @@ The stores themselves are torch's C++ ``TCPStore``/``FileStore`` (the same ones 
 process groups need to exchange addresses); :class:`Store` gives them a small, documented
 interface with timeouts in seconds, which the rest of ddptrain uses.
 """
+
 from __future__ import annotations
 
 import os
 import socket
 import time
 import urllib.parse
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterable, Optional, Union
 
 import torch.distributed as tdist
 
@@ -37,10 +38,10 @@ class Store:
         self.c10d = c10d_store
         self.description = description
 
-    def set(self, key: str, value: Union[str, bytes]) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         self.c10d.set(key, value.encode() if isinstance(value, str) else value)
 
-    def get(self, key: str, timeout: Union[float, timedelta, None] = None) -> bytes:
+    def get(self, key: str, timeout: float | timedelta | None = None) -> bytes:
         self.wait([key], timeout)
         return self.c10d.get(key)
 
@@ -55,7 +56,7 @@ class Store:
     def delete(self, key: str) -> bool:
         return bool(self.c10d.delete_key(key))
 
-    def wait(self, keys: Iterable[str], timeout: Union[float, timedelta, None] = None) -> None:
+    def wait(self, keys: Iterable[str], timeout: float | timedelta | None = None) -> None:
         keys = list(keys)
         td = as_timedelta(timeout)
         try:
@@ -68,10 +69,11 @@ class Store:
                 missing = [k for k in keys if not self.c10d.check([k])]
                 raise CommTimeoutError(
                     f"waited {td.total_seconds() if td else self.c10d.timeout.total_seconds():g} s on "
-                    f"{self.description} for keys {missing}; the ranks that should set them did not") from exc
+                    f"{self.description} for keys {missing}; the ranks that should set them did not"
+                ) from exc
             raise
 
-    def prefixed(self, prefix: str) -> "Store":
+    def prefixed(self, prefix: str) -> Store:
         """A view of this store whose keys all start with ``prefix/`` (used per subgroup)."""
         return Store(tdist.PrefixStore(prefix + "/", self.c10d), f"{self.description}[{prefix}]")
 
@@ -84,7 +86,7 @@ class RendezvousInfo:
     rank: int
     world_size: int
     init_method: str
-    master_addr: Optional[str] = None
+    master_addr: str | None = None
 
 
 def _env_int(name: str, given: int, init_method: str) -> int:
@@ -95,7 +97,8 @@ def _env_int(name: str, given: int, init_method: str) -> int:
         raise RendezvousError(
             f"init_method={init_method!r} needs {name} in the environment (or pass "
             f"{name.lower()}= to init_process_group); it is not set. Launch with `torchrun`, "
-            "`python -m ddptrain`, or set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK yourself.")
+            "`python -m ddptrain`, or set MASTER_ADDR, MASTER_PORT, WORLD_SIZE and RANK yourself."
+        )
     try:
         return int(value)
     except ValueError:
@@ -108,13 +111,13 @@ def _check_rank(rank: int, world_size: int, init_method: str) -> None:
     if not 0 <= rank < world_size:
         raise RendezvousError(
             f"rank {rank} is out of range for world_size {world_size}: ranks run from 0 to "
-            f"{world_size - 1} (init_method={init_method!r}). Check RANK/WORLD_SIZE or the rank= argument.")
+            f"{world_size - 1} (init_method={init_method!r}). Check RANK/WORLD_SIZE or the rank= argument."
+        )
 
 
 def is_loopback(host: str) -> bool:
     try:
-        return all(info[4][0].startswith("127.") or info[4][0] == "::1"
-                   for info in socket.getaddrinfo(host, None))
+        return all(info[4][0].startswith("127.") or info[4][0] == "::1" for info in socket.getaddrinfo(host, None))
     except socket.gaierror:
         return False
 
@@ -137,36 +140,49 @@ def _listen_socket(host: str, port: int, init_method: str) -> socket.socket:
             raise RendezvousError(
                 f"rank 0 cannot listen on {host}:{port} for init_method={init_method!r}: the port is "
                 f"already in use (another job, or a previous run still alive). Pick a free port "
-                f"(MASTER_PORT) or stop the process using it (`ss -ltnp | grep {port}`).") from exc
+                f"(MASTER_PORT) or stop the process using it (`ss -ltnp | grep {port}`)."
+            ) from exc
         raise RendezvousError(
             f"rank 0 cannot listen on {host}:{port} for init_method={init_method!r}: {exc}. "
-            "MASTER_ADDR must be an address of the machine running rank 0.") from exc
+            "MASTER_ADDR must be an address of the machine running rank 0."
+        ) from exc
     sock.listen(1024)
     return sock
 
 
-def _tcp_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta,
-               init_method: str, serve: bool = True) -> Store:
+def _tcp_store(
+    host: str, port: int, rank: int, world_size: int, timeout: timedelta, init_method: str, serve: bool = True
+) -> Store:
     is_server = serve and rank == 0
     listener = _listen_socket(host, port, init_method) if is_server else None
     try:
-        c10d = tdist.TCPStore(host, port, world_size, is_server, timeout, wait_for_workers=False,
-                              master_listen_fd=None if listener is None else listener.fileno())
+        c10d = tdist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_server,
+            timeout,
+            wait_for_workers=False,
+            master_listen_fd=None if listener is None else listener.fileno(),
+        )
     except Exception as exc:  # DistNetworkError / RuntimeError: translate what users can act on
         text = str(exc)
         if rank == 0 and ("address already in use" in text.lower() or "EADDRINUSE" in text):
             raise RendezvousError(
                 f"rank 0 cannot listen on {host}:{port} for init_method={init_method!r}: the port is "
                 f"already in use (another job, or a previous run still alive). Pick a free port "
-                f"(MASTER_PORT) or stop the process using it (`ss -ltnp | grep {port}`).") from exc
+                f"(MASTER_PORT) or stop the process using it (`ss -ltnp | grep {port}`)."
+            ) from exc
         if "timed out" in text.lower() or "timeout" in text.lower():
             raise CommTimeoutError(
                 f"rank {rank} could not reach the rendezvous store at {host}:{port} within "
                 f"{timeout.total_seconds():g} s (init_method={init_method!r}, world_size={world_size}): "
                 "rank 0 never started listening there. Check that rank 0 is running and that "
-                "MASTER_ADDR/MASTER_PORT agree on every rank.") from exc
+                "MASTER_ADDR/MASTER_PORT agree on every rank."
+            ) from exc
         raise RendezvousError(
-            f"could not open the TCP store at {host}:{port} (init_method={init_method!r}, rank {rank}): {text}") from exc
+            f"could not open the TCP store at {host}:{port} (init_method={init_method!r}, rank {rank}): {text}"
+        ) from exc
     store = Store(c10d, f"tcp store {host}:{port}")
     store._listener = listener  # the C++ server uses this socket; keep it open as long as the store
     return store
@@ -177,25 +193,29 @@ def _file_store(path: str, world_size: int, init_method: str) -> Store:
     if not os.path.isdir(directory):
         raise RendezvousError(
             f"init_method={init_method!r}: directory {directory!r} does not exist; the shared file "
-            "must live in an existing directory that every rank can write (e.g. a shared filesystem).")
+            "must live in an existing directory that every rank can write (e.g. a shared filesystem)."
+        )
     if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise RendezvousError(
             f"init_method={init_method!r}: {path!r} is not writable by this process; every rank "
-            "must be able to create and lock that file. Choose a writable path.")
+            "must be able to create and lock that file. Choose a writable path."
+        )
     try:  # os.access trusts root; only creating the file proves torch's FileStore can (else it retries 300 s)
         os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
     except OSError as exc:
         raise RendezvousError(
             f"init_method={init_method!r}: cannot create {path!r} ({exc.strerror}); every rank must be "
-            "able to create and lock that file. Choose a path on a writable filesystem.") from exc
+            "able to create and lock that file. Choose a path on a writable filesystem."
+        ) from exc
     try:
         return Store(tdist.FileStore(path, world_size), f"file store {path}")
     except Exception as exc:
         raise RendezvousError(f"init_method={init_method!r}: could not open the file store: {exc}") from exc
 
 
-def rendezvous(init_method: Optional[str], rank: int = -1, world_size: int = -1,
-               timeout: Union[float, timedelta, None] = None) -> RendezvousInfo:
+def rendezvous(
+    init_method: str | None, rank: int = -1, world_size: int = -1, timeout: float | timedelta | None = None
+) -> RendezvousInfo:
     """Meet the other ranks and return the shared store once all ``world_size`` have arrived.
 
     Args:
@@ -223,7 +243,8 @@ def rendezvous(init_method: Optional[str], rank: int = -1, world_size: int = -1,
             raise RendezvousError(
                 f"init_method='env://' needs {' and '.join(missing)} in the environment: the address "
                 "and a free port of the machine running rank 0 (e.g. MASTER_ADDR=127.0.0.1 "
-                "MASTER_PORT=29500), or use a launcher (`torchrun`, `python -m ddptrain`).")
+                "MASTER_PORT=29500), or use a launcher (`torchrun`, `python -m ddptrain`)."
+            )
         try:
             port_num = int(port)
         except ValueError:
@@ -253,15 +274,15 @@ def rendezvous(init_method: Optional[str], rank: int = -1, world_size: int = -1,
         store = _file_store(path, world_size, init_method)
         store.c10d.set_timeout(timeout)
     else:
-        raise RendezvousError(
-            f"unknown init_method {init_method!r}: use env://, tcp://HOST:PORT or file:///PATH")
+        raise RendezvousError(f"unknown init_method {init_method!r}: use env://, tcp://HOST:PORT or file:///PATH")
     store.c10d.set_timeout(timeout)
     wait_for_all_ranks(store, rank, world_size, timeout, f"init_method={init_method!r}")
     return RendezvousInfo(store, rank, world_size, init_method, master_addr)
 
 
-def wait_for_all_ranks(store: Store, rank: int, world_size: int, timeout: timedelta, what: str,
-                       key: str = "ddptrain/rendezvous") -> None:
+def wait_for_all_ranks(
+    store: Store, rank: int, world_size: int, timeout: timedelta, what: str, key: str = "ddptrain/rendezvous"
+) -> None:
     """Count this rank in under ``key`` and wait until ``world_size`` ranks have; explain a timeout."""
     store.set(f"{key}/rank{rank}", b"1")
     arrived = store.add(f"{key}/arrived", 1)
@@ -273,7 +294,8 @@ def wait_for_all_ranks(store: Store, rank: int, world_size: int, timeout: timede
             raise CommTimeoutError(
                 f"rendezvous timed out after {timeout.total_seconds():g} s ({what}): expected world "
                 f"size {world_size}, {arrived} rank(s) arrived; missing rank(s) {missing}. Start every "
-                "rank with the same init method and world size, or raise the timeout.")
+                "rank with the same init method and world size, or raise the timeout."
+            )
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
         arrived = store.add(f"{key}/arrived", 0)

@@ -4,12 +4,14 @@ Every backend returns a :class:`Work` from every operation, so that callers (the
 reducer, the functional API, the ring all-reduce) never care whether the bytes move on a
 torch/gloo thread, on NCCL streams or on an MPI communication thread.
 """
+
 from __future__ import annotations
 
 import enum
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -36,6 +38,7 @@ def to_reduce_op(op) -> ReduceOp:
             return ReduceOp[op.upper()]
     else:
         import torch.distributed as tdist
+
         for ours in ReduceOp:
             if op == getattr(tdist.ReduceOp, ours.name):
                 return ours
@@ -48,7 +51,8 @@ def check_avg_dtype(op: ReduceOp, tensor: torch.Tensor, op_name: str) -> None:
         raise TypeError(
             f"{op_name} with ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}: an "
             "integer average would be silently truncated. Reduce with SUM and divide, or convert "
-            "the tensor to a float dtype first.")
+            "the tensor to a float dtype first."
+        )
 
 
 class CommError(RuntimeError):
@@ -67,7 +71,7 @@ class GroupError(CommError, ValueError):
     """A group was used wrongly: destroyed, not initialised, or by a rank outside it."""
 
 
-def as_timedelta(timeout: Any, default: Optional[timedelta] = None) -> Optional[timedelta]:
+def as_timedelta(timeout: Any, default: timedelta | None = None) -> timedelta | None:
     """Accept seconds (int/float) or a timedelta; ``None`` gives ``default``."""
     if timeout is None:
         return default
@@ -116,7 +120,7 @@ class Work:
         self._finalize()
         return True
 
-    def _wait(self, timeout: Optional[timedelta]) -> None:
+    def _wait(self, timeout: timedelta | None) -> None:
         raise NotImplementedError
 
     def is_completed(self) -> bool:
@@ -126,7 +130,7 @@ class Work:
         """A future completed with ``self.outputs`` once the operation (and its post-processing) is done."""
         raise NotImplementedError
 
-    def exception(self) -> Optional[BaseException]:
+    def exception(self) -> BaseException | None:
         return None
 
 
@@ -156,9 +160,15 @@ class FutureWork(Work):
     backend) and by composite operations such as the ring all-reduce.
     """
 
-    def __init__(self, op_name: str, outputs: list[torch.Tensor], future: torch.futures.Future,
-                 default_timeout: Optional[timedelta] = None, describe: str = "",
-                 explain_timeout: Optional[Callable[[], str]] = None):
+    def __init__(
+        self,
+        op_name: str,
+        outputs: list[torch.Tensor],
+        future: torch.futures.Future,
+        default_timeout: timedelta | None = None,
+        describe: str = "",
+        explain_timeout: Callable[[], str] | None = None,
+    ):
         """``explain_timeout`` (optional) is asked, when the group's timeout expires, for a sentence
         on who is missing (the MPI backend asks its peers which collective they reached)."""
         super().__init__(op_name, outputs)
@@ -174,13 +184,16 @@ class FutureWork(Work):
         if not self._done.wait(None if own is None else own.total_seconds()):
             seconds = f"{own.total_seconds():g} s"
             if timeout is not None:  # the caller's own wait: peers may just be slower
-                raise CommTimeoutError(f"{self.op_name} {self._describe}did not complete within the {seconds} "
-                                       "given to wait(); the operation may still finish.")
+                raise CommTimeoutError(
+                    f"{self.op_name} {self._describe}did not complete within the {seconds} "
+                    "given to wait(); the operation may still finish."
+                )
             why = self._explain_timeout() if self._explain_timeout else ""
             raise CommTimeoutError(
                 f"{self.op_name} {self._describe}timed out after {seconds}: a peer rank may have died, be stuck, "
                 f"or never have called the same operation.{why} Raise the timeout "
-                "(init_process_group(timeout=...)) if the step is just slow.")
+                "(init_process_group(timeout=...)) if the step is just slow."
+            )
         self._future.wait()  # re-raises the operation's error
 
     def is_completed(self) -> bool:
@@ -200,4 +213,5 @@ class FutureWork(Work):
             fut.wait()
             self._finalize()
             return self.outputs
+
         return self._future.then(finish)

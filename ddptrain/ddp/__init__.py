@@ -1,9 +1,18 @@
 """ddptrain's DistributedDataParallel: buckets, gradient hooks, async all-reduce, comm hooks."""
+
 from .buckets import assign_buckets
-from .comm_hooks import (PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook,
-                         powerSGD_hook)
+from .comm_hooks import PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook, powerSGD_hook
 from .module import DistributedDataParallel
 from .reducer import GradBucket, IterationStats
 
-__all__ = ["DistributedDataParallel", "assign_buckets", "GradBucket", "IterationStats",
-           "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "PowerSGDState", "powerSGD_hook"]
+__all__ = [
+    "DistributedDataParallel",
+    "assign_buckets",
+    "GradBucket",
+    "IterationStats",
+    "allreduce_hook",
+    "fp16_compress_hook",
+    "bf16_compress_hook",
+    "PowerSGDState",
+    "powerSGD_hook",
+]

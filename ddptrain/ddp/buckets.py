@@ -7,10 +7,11 @@ then listed in reverse, because backward produces the gradients of the last laye
 the first iteration the reducer calls it again with the order in which gradients actually became
 ready (``reverse=False``) and a small first bucket, so that communication starts sooner.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
 
 import torch
 
@@ -19,9 +20,14 @@ DEFAULT_BUCKET_CAP_MB = 25.0
 FIRST_BUCKET_CAP_MB = 1.0
 
 
-def assign_buckets(sizes_bytes: Sequence[int], keys: Sequence[tuple], cap_bytes: int,
-                   first_cap_bytes: Optional[int] = None, order: Optional[Sequence[int]] = None,
-                   reverse: bool = True) -> list[list[int]]:
+def assign_buckets(
+    sizes_bytes: Sequence[int],
+    keys: Sequence[tuple],
+    cap_bytes: int,
+    first_cap_bytes: int | None = None,
+    order: Sequence[int] | None = None,
+    reverse: bool = True,
+) -> list[list[int]]:
     """Group parameter indices into buckets.
 
     Args:
@@ -71,10 +77,10 @@ class Bucket:
     offsets: list[int]
     views: list[torch.Tensor] = field(default_factory=list)
     pending: int = 0
-    work: object = None         # Work or torch Future (or a list of them) while reductions are in flight
-    launched_at: Optional[float] = None
+    work: object = None  # Work or torch Future (or a list of them) while reductions are in flight
+    launched_at: float | None = None
     segments: list = field(default_factory=list)  # how the reducer splits it (reducer._segments)
-    direct: dict = field(default_factory=dict)    # position -> tensor reduced on its own this iteration
+    direct: dict = field(default_factory=dict)  # position -> tensor reduced on its own this iteration
 
     @property
     def nbytes(self) -> int:
@@ -92,7 +98,7 @@ def make_buckets(params: Sequence[torch.Tensor], assignment: Sequence[Sequence[i
         for i in members:
             n = params[i].numel()
             offsets.append(offset)
-            views.append(buffer[offset:offset + n].view(params[i].shape))
+            views.append(buffer[offset : offset + n].view(params[i].shape))
             offset += n
         buckets.append(Bucket(b_idx, list(members), buffer, offsets, views))
     return buckets

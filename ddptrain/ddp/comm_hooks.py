@@ -9,10 +9,10 @@ Built in: plain all-reduce (what DDP does without a hook), fp16 and bf16 compres
 before the sum, so the half-precision sum cannot overflow), and PowerSGD (low-rank compression
 with error feedback).
 """
+
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 
@@ -44,7 +44,9 @@ def _compress_hook(dtype: torch.dtype):
         def decompress(fut):
             buffer.copy_(fut.value()[0])
             return buffer
+
         return pg.all_reduce(compressed, ReduceOp.SUM).get_future().then(decompress)
+
     hook.__name__ = f"{str(dtype).split('.')[-1]}_compress_hook"
     hook.__doc__ = f"Send the bucket as {dtype} (half the bytes), divided by the world size before the sum."
     return hook
@@ -67,9 +69,15 @@ class PowerSGDState:
         seed: seed of the random initial Q (same on every rank).
     """
 
-    def __init__(self, process_group: Optional[ProcessGroup] = None, matrix_approximation_rank: int = 1,
-                 start_powerSGD_iter: int = 1000, use_error_feedback: bool = True,
-                 warm_start: bool = True, seed: int = 0):
+    def __init__(
+        self,
+        process_group: ProcessGroup | None = None,
+        matrix_approximation_rank: int = 1,
+        start_powerSGD_iter: int = 1000,
+        use_error_feedback: bool = True,
+        warm_start: bool = True,
+        seed: int = 0,
+    ):
         if matrix_approximation_rank < 1:
             raise ValueError(f"matrix_approximation_rank must be >= 1, got {matrix_approximation_rank}")
         self.process_group = process_group

@@ -14,11 +14,13 @@ Synchronisation points, each a collective that every rank must reach:
 So a forward that only one rank runs (e.g. validation on rank 0) must run under
 ``torch.no_grad()``, or on ``ddp.module``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -39,16 +41,20 @@ def resolve_process_group(process_group=None) -> ProcessGroup:
         return process_group
     if process_group is not None:  # a torch.distributed group object
         from ..comm.backends.torch_c10d import TorchProcessGroup
+
         return TorchProcessGroup.from_torch(process_group)
     if comm_api.is_initialized():
         return comm_api.get_process_group()
     import torch.distributed as tdist
+
     if tdist.is_available() and tdist.is_initialized():
         from ..comm.backends.torch_c10d import TorchProcessGroup
+
         return TorchProcessGroup.from_torch(None)
     raise RuntimeError(
         "DistributedDataParallel needs a process group: call ddptrain.comm.init_process_group(...) "
-        "(or torch.distributed.init_process_group) first, or pass process_group=.")
+        "(or torch.distributed.init_process_group) first, or pass process_group=."
+    )
 
 
 class DistributedDataParallel(nn.Module):
@@ -66,10 +72,21 @@ class DistributedDataParallel(nn.Module):
     (buckets, launch times, time spent waiting for communication).
     """
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
-                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
-                 bucket_cap_mb: Optional[float] = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False, **kwargs):
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids=None,
+        output_device=None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        init_sync: bool = True,
+        process_group=None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        **kwargs,
+    ):
         super().__init__()
         unsupported = sorted(set(kwargs) - _IGNORED_TORCH_KWARGS)
         if unsupported:
@@ -77,10 +94,13 @@ class DistributedDataParallel(nn.Module):
                 f"DistributedDataParallel got keyword(s) {unsupported} that ddptrain does not support; "
                 "supported: device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, "
                 "bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, static_graph. "
-                "Remove the keyword or use torch.nn.parallel.DistributedDataParallel for it.")
+                "Remove the keyword or use torch.nn.parallel.DistributedDataParallel for it."
+            )
         if dim != 0:
-            raise ValueError(f"dim={dim}: ddptrain's DistributedDataParallel does not scatter inputs; "
-                             "each rank feeds its own batch. Leave dim=0.")
+            raise ValueError(
+                f"dim={dim}: ddptrain's DistributedDataParallel does not scatter inputs; "
+                "each rank feeds its own batch. Leave dim=0."
+            )
         self.module = module
         self.process_group = resolve_process_group(process_group)
         self._check_devices(device_ids, output_device)
@@ -101,33 +121,44 @@ class DistributedDataParallel(nn.Module):
             raise ValueError(
                 f"DistributedDataParallel was given a module with no parameter that requires a gradient "
                 f"({len(named)} parameter(s), all frozen or none at all): there is nothing to train or "
-                "synchronise. Unfreeze some parameters, or don't wrap this module in DDP.")
+                "synchronise. Unfreeze some parameters, or don't wrap this module in DDP."
+            )
         self._param_names = [n for n, _ in trainable]
         self._buffers_to_sync = [b for b in module.buffers()]
         self._verify_same_model(named)
         if init_sync:
             self._broadcast_coalesced([p.detach() for _, p in named] + self._buffers_to_sync)
-        self.reducer = Reducer([p for _, p in trainable], self._param_names, self.process_group,
-                               int(self.bucket_cap_mb * MB), gradient_as_bucket_view,
-                               find_unused_parameters)
+        self.reducer = Reducer(
+            [p for _, p in trainable],
+            self._param_names,
+            self.process_group,
+            int(self.bucket_cap_mb * MB),
+            gradient_as_bucket_view,
+            find_unused_parameters,
+        )
 
     # -- construction checks ----------------------------------------------------------------
     def _check_devices(self, device_ids, output_device) -> None:
         devices = {p.device for p in self.module.parameters()}
         if len(devices) > 1:
-            raise ValueError(f"the module's parameters live on several devices {sorted(map(str, devices))}; "
-                             "DistributedDataParallel needs one device per process (move the module first).")
+            raise ValueError(
+                f"the module's parameters live on several devices {sorted(map(str, devices))}; "
+                "DistributedDataParallel needs one device per process (move the module first)."
+            )
         if device_ids is not None:
             ids = list(device_ids)
             if len(ids) > 1:
-                raise ValueError(f"device_ids={ids}: one device per process, as in torch DDP; "
-                                 "start one process per GPU instead.")
+                raise ValueError(
+                    f"device_ids={ids}: one device per process, as in torch DDP; start one process per GPU instead."
+                )
             if ids and devices:
                 want = torch.device(ids[0]) if not isinstance(ids[0], int) else torch.device("cuda", ids[0])
                 have = next(iter(devices))
                 if want != have:
-                    raise ValueError(f"device_ids={ids} but the module is on {have}; call "
-                                     f"module.to({str(want)!r}) before wrapping it.")
+                    raise ValueError(
+                        f"device_ids={ids} but the module is on {have}; call "
+                        f"module.to({str(want)!r}) before wrapping it."
+                    )
 
     def _verify_same_model(self, named) -> None:
         """Fail with the first parameter that differs, naming it and the ranks that disagree."""
@@ -151,12 +182,15 @@ class DistributedDataParallel(nn.Module):
                 detail = f"rank 0 has {len(ref)} parameters, rank {pg.global_ranks[rank]} has {len(other)}"
             else:
                 i = next(i for i, (a, b) in enumerate(zip(ref, other)) if a != b)
-                detail = (f"parameter #{i}: rank 0 has {ref[i][0]} shape {ref[i][1]} {ref[i][2]} "
-                          f"requires_grad={ref[i][3]}, rank {pg.global_ranks[rank]} has {other[i][0]} "
-                          f"shape {other[i][1]} {other[i][2]} requires_grad={other[i][3]}")
+                detail = (
+                    f"parameter #{i}: rank 0 has {ref[i][0]} shape {ref[i][1]} {ref[i][2]} "
+                    f"requires_grad={ref[i][3]}, rank {pg.global_ranks[rank]} has {other[i][0]} "
+                    f"shape {other[i][1]} {other[i][2]} requires_grad={other[i][3]}"
+                )
             raise ValueError(
                 "DistributedDataParallel needs the same model on every rank, and ranks disagree: "
-                f"{detail}. Build the model identically on every rank (same config, same code path).")
+                f"{detail}. Build the model identically on every rank (same config, same code path)."
+            )
 
     def _broadcast_coalesced(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Broadcast tensors from group rank ``src`` with one collective per dtype."""
@@ -172,7 +206,7 @@ class DistributedDataParallel(nn.Module):
                 pg.broadcast(flat, src).wait()
                 offset = 0
                 for t in group:
-                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    t.copy_(flat[offset : offset + t.numel()].view_as(t))
                     offset += t.numel()
 
     # -- forward ----------------------------------------------------------------------------
@@ -249,10 +283,11 @@ class DistributedDataParallel(nn.Module):
             f"parameters are no longer identical on every rank: rank(s) {diverged} diverged from the "
             f"others (checksums {sums}). Something changed a replica outside DDP's control (an "
             "optimizer step on one rank only, rank-dependent code that writes parameters, a "
-            "non-deterministic buffer update). Resume from the last checkpoint and fix that code path.")
+            "non-deterministic buffer update). Resume from the last checkpoint and fix that code path."
+        )
 
     @property
-    def last_iteration_stats(self) -> Optional[IterationStats]:
+    def last_iteration_stats(self) -> IterationStats | None:
         return self.reducer.last_stats
 
     @property

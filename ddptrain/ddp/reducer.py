@@ -23,11 +23,12 @@ many). So, without a comm hook and without ``gradient_as_bucket_view``, a gradie
 bucket's small gradients still travel together through the flat buffer. Which tensors go direct
 depends only on the bucket layout, so every rank issues the same collectives in the same order.
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -52,12 +53,12 @@ class IterationStats:
     bucket_num_params: list[int]
     backward_start: float = 0.0
     backward_end: float = 0.0
-    launch_times: list[Optional[float]] = field(default_factory=list)
+    launch_times: list[float | None] = field(default_factory=list)
     finalize_wait_s: float = 0.0
     rebuilt_buckets: bool = False
 
     @property
-    def launch_offsets_s(self) -> list[Optional[float]]:
+    def launch_offsets_s(self) -> list[float | None]:
         return [None if t is None else t - self.backward_start for t in self.launch_times]
 
     @property
@@ -72,8 +73,7 @@ class GradBucket:
     ``parameters()``, ``gradients()`` (views into the buffer) and ``set_buffer()``.
     """
 
-    def __init__(self, bucket: Bucket, params: Sequence[torch.Tensor], is_last: bool,
-                 process_group: ProcessGroup):
+    def __init__(self, bucket: Bucket, params: Sequence[torch.Tensor], is_last: bool, process_group: ProcessGroup):
         self._bucket = bucket
         self._params = [params[i] for i in bucket.param_indices]
         self._is_last = is_last
@@ -104,9 +104,15 @@ CommHook = Callable[[object, GradBucket], torch.futures.Future]
 class Reducer:
     """Averages gradients across ``process_group`` while backward runs."""
 
-    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], process_group: ProcessGroup,
-                 bucket_cap_bytes: int, gradient_as_bucket_view: bool = False,
-                 find_unused_parameters: bool = False):
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        names: Sequence[str],
+        process_group: ProcessGroup,
+        bucket_cap_bytes: int,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+    ):
         self.params = list(params)
         self.names = list(names)
         self.pg = process_group
@@ -114,7 +120,7 @@ class Reducer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.as_view = gradient_as_bucket_view
         self.find_unused = find_unused_parameters
-        self.comm_hook: Optional[CommHook] = None
+        self.comm_hook: CommHook | None = None
         self.comm_hook_state: object = None
         self.all_reduce_fn: Callable[[torch.Tensor], object] = lambda t: self.pg.all_reduce(t, ReduceOp.SUM)
         self.direct_min_bytes = DIRECT_MIN_BYTES
@@ -131,11 +137,12 @@ class Reducer:
         self._callback_queued = False
         self._next_bucket = 0
         self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
-        self._incomplete: Optional[list[str]] = None
-        self.last_stats: Optional[IterationStats] = None
-        self._stats: Optional[IterationStats] = None
-        self._hook_handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                              for i, p in enumerate(self.params)]
+        self._incomplete: list[str] | None = None
+        self.last_stats: IterationStats | None = None
+        self._stats: IterationStats | None = None
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
+        ]
 
     # -- buckets ----------------------------------------------------------------------------
     def _install_buckets(self, assignment: list[list[int]]) -> None:
@@ -163,10 +170,16 @@ class Reducer:
             order_t = order_t.cuda()
         self.pg.broadcast(order_t, 0).wait()
         order = order_t.cpu().tolist()
-        self._install_buckets(assign_buckets(
-            self._sizes, self._keys, self.bucket_cap_bytes,
-            first_cap_bytes=min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes),
-            order=order, reverse=False))
+        self._install_buckets(
+            assign_buckets(
+                self._sizes,
+                self._keys,
+                self.bucket_cap_bytes,
+                first_cap_bytes=min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes),
+                order=order,
+                reverse=False,
+            )
+        )
         self.rebuilt = True
         self._should_rebuild = False
 
@@ -181,7 +194,8 @@ class Reducer:
                 "gradients would be wrong. Either make the forward use these parameters, or "
                 "construct DistributedDataParallel(..., find_unused_parameters=True) (slower: it "
                 "walks the autograd graph every iteration), or set requires_grad=False on "
-                "parameters that should not train.")
+                "parameters that should not train."
+            )
         if self._should_rebuild and not self.rebuilt:
             self._rebuild()
             return True
@@ -201,9 +215,12 @@ class Reducer:
         self._ready = [False] * len(self.params)
         self._ready_order = []
         self._next_bucket = 0
-        self._stats = IterationStats(self.iteration, [b.nbytes for b in self.buckets],
-                                     [len(b.param_indices) for b in self.buckets],
-                                     launch_times=[None] * len(self.buckets))
+        self._stats = IterationStats(
+            self.iteration,
+            [b.nbytes for b in self.buckets],
+            [len(b.param_indices) for b in self.buckets],
+            launch_times=[None] * len(self.buckets),
+        )
         if self.find_unused:
             self._locally_used.zero_()
             reached = _reachable_params(outputs)
@@ -222,15 +239,17 @@ class Reducer:
                 self._stats.backward_start = time.perf_counter()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._mark_ready(index, used=True)
+
         return hook
 
     def _raise_ready_twice(self, i: int) -> None:
         raise RuntimeError(
-                f"parameter {self.names[i]!r} was marked ready twice in one backward pass: its "
-                "gradient hook fired again after its bucket was already counted. This happens with "
-                "reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) "
-                "or when a parameter takes part in two backward passes of one forward. Use "
-                "use_reentrant=False, or run the extra backward inside no_sync().")
+            f"parameter {self.names[i]!r} was marked ready twice in one backward pass: its "
+            "gradient hook fired again after its bucket was already counted. This happens with "
+            "reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) "
+            "or when a parameter takes part in two backward passes of one forward. Use "
+            "use_reentrant=False, or run the extra backward inside no_sync()."
+        )
 
     def _mark_ready(self, i: int, used: bool) -> None:
         if self._ready[i]:
@@ -278,14 +297,16 @@ class Reducer:
             if self._stats is not None:
                 self._stats.launch_times[bucket.index] = bucket.launched_at
             if self.comm_hook is None and self._direct_mode():
-                bucket.work = [self.all_reduce_fn(self._segment_tensor(bucket, pos, seg))
-                               for pos, seg in enumerate(bucket.segments) if seg != "in-run"]
+                bucket.work = [
+                    self.all_reduce_fn(self._segment_tensor(bucket, pos, seg))
+                    for pos, seg in enumerate(bucket.segments)
+                    if seg != "in-run"
+                ]
             elif self.comm_hook is None:
                 bucket.work = self.all_reduce_fn(bucket.buffer)  # already divided in _mark_ready
             else:
                 is_last = self._next_bucket == len(self.buckets) - 1
-                bucket.work = self.comm_hook(self.comm_hook_state,
-                                             GradBucket(bucket, self.params, is_last, self.pg))
+                bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, self.params, is_last, self.pg))
             self._next_bucket += 1
 
     def _finalize(self) -> None:
@@ -348,12 +369,18 @@ class Reducer:
         if not self.rebuilt:
             self._should_rebuild = True
 
-    def _owns_its_storage(self, grad: Optional[torch.Tensor], view: torch.Tensor) -> bool:
+    def _owns_its_storage(self, grad: torch.Tensor | None, view: torch.Tensor) -> bool:
         """Whether ``grad`` may be averaged and reduced in place: a dense, contiguous tensor of the
         bucket's dtype and device that is the whole of a storage no other gradient of this
         iteration uses (autograd may hand two parameters views of one tensor as gradients)."""
-        if grad is None or grad.layout != torch.strided or not grad.is_contiguous() \
-                or grad.dtype != view.dtype or grad.device != view.device or grad.storage_offset() != 0:
+        if (
+            grad is None
+            or grad.layout != torch.strided
+            or not grad.is_contiguous()
+            or grad.dtype != view.dtype
+            or grad.device != view.device
+            or grad.storage_offset() != 0
+        ):
             return False
         storage = grad.untyped_storage()
         if storage.nbytes() != grad.numel() * grad.element_size():
@@ -376,7 +403,7 @@ class Reducer:
             return bucket.direct[pos].view(-1)
         end = seg  # a run of small gradients: one contiguous slice of the flat buffer
         stop = bucket.offsets[end] + bucket.views[end].numel()
-        return bucket.buffer[bucket.offsets[pos]:stop]
+        return bucket.buffer[bucket.offsets[pos] : stop]
 
     def remove_hooks(self) -> None:
         for h in self._hook_handles:

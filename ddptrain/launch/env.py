@@ -35,8 +35,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 DETECTION_ORDER: tuple[str, ...] = ("torchrun", "mpi", "slurm", "local")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -75,27 +75,31 @@ class ClusterEnvironment:
         return self.name != "local"
 
 
-def _int(env: Mapping[str, str], var: str, source: str, *, minimum: int = 0,
-         maximum: int | None = None) -> int:
+def _int(env: Mapping[str, str], var: str, source: str, *, minimum: int = 0, maximum: int | None = None) -> int:
     """Read ``env[var]`` as an integer in ``[minimum, maximum]``; explain any failure."""
     raw = env[var]
     if not re.fullmatch(r"\s*-?\d+\s*", raw):
-        raise ValueError(f"{var}={raw!r} is not an integer ({source} environment): the "
-                         f"launcher sets a whole number; unset it or fix the command that set it")
+        raise ValueError(
+            f"{var}={raw!r} is not an integer ({source} environment): the "
+            f"launcher sets a whole number; unset it or fix the command that set it"
+        )
     value = int(raw)
     if value < minimum or (maximum is not None and value > maximum):
         bounds = f"at least {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        raise ValueError(f"{var}={value} must be {bounds} ({source} environment); "
-                         f"unset it or fix the command that set it")
+        raise ValueError(
+            f"{var}={value} must be {bounds} ({source} environment); unset it or fix the command that set it"
+        )
     return value
 
 
 def _below(var: str, value: int, limit_var: str, limit: int, source: str) -> None:
     """Raise unless ``value < limit``: every rank runs from 0 to its size minus one."""
     if value >= limit:
-        raise ValueError(f"{var}={value} is not below {limit_var}={limit} ({source} "
-                         f"environment): ranks run from 0 to {limit_var}-1. Check the "
-                         f"launcher's process counts, or unset stale variables of another run")
+        raise ValueError(
+            f"{var}={value} is not below {limit_var}={limit} ({source} "
+            f"environment): ranks run from 0 to {limit_var}-1. Check the "
+            f"launcher's process counts, or unset stale variables of another run"
+        )
 
 
 def _port(env: Mapping[str, str], source: str) -> int:
@@ -106,8 +110,14 @@ def _missing(var: str, source: str, why: str) -> ValueError:
     return ValueError(f"{var} is not set ({source} environment): {why}")
 
 
-def _build(name: str, env: Mapping[str, str], keys: tuple[str, str, str, str],
-           node_rank: int | None, addr: str | None, port: int | None) -> ClusterEnvironment:
+def _build(
+    name: str,
+    env: Mapping[str, str],
+    keys: tuple[str, str, str, str],
+    node_rank: int | None,
+    addr: str | None,
+    port: int | None,
+) -> ClusterEnvironment:
     """Read and cross-check rank, size, local rank and local size named by ``keys``."""
     rank_var, size_var, local_rank_var, local_size_var = keys
     world_size = _int(env, size_var, name, minimum=1)
@@ -117,35 +127,48 @@ def _build(name: str, env: Mapping[str, str], keys: tuple[str, str, str, str],
     local_size = _int(env, local_size_var, name, minimum=1)
     _below(local_rank_var, local_rank, local_size_var, local_size, name)
     if local_size > world_size:
-        raise ValueError(f"{local_size_var}={local_size} exceeds {size_var}={world_size} "
-                         f"({name} environment): a node cannot hold more processes than the "
-                         f"job; fix the launcher's per-node process count")
+        raise ValueError(
+            f"{local_size_var}={local_size} exceeds {size_var}={world_size} "
+            f"({name} environment): a node cannot hold more processes than the "
+            f"job; fix the launcher's per-node process count"
+        )
     node_rank = rank // local_size if node_rank is None else node_rank
-    return ClusterEnvironment(name, rank, world_size, local_rank, local_size, node_rank,
-                              addr, port)
+    return ClusterEnvironment(name, rank, world_size, local_rank, local_size, node_rank, addr, port)
 
 
 def _torchrun(env: Mapping[str, str]) -> ClusterEnvironment:
     for var in _TORCHRUN_VARS:
         if var not in env:
-            raise _missing(var, "torchrun", "torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and "
-                           "MASTER_PORT for every worker; launch with torchrun or set all four")
+            raise _missing(
+                var,
+                "torchrun",
+                "torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and "
+                "MASTER_PORT for every worker; launch with torchrun or set all four",
+            )
     if "LOCAL_RANK" in env and "LOCAL_WORLD_SIZE" not in env:
-        raise _missing("LOCAL_WORLD_SIZE", "torchrun", f"LOCAL_RANK={env['LOCAL_RANK']} is set, "
-                       "so set LOCAL_WORLD_SIZE to the number of processes on this node")
+        raise _missing(
+            "LOCAL_WORLD_SIZE",
+            "torchrun",
+            f"LOCAL_RANK={env['LOCAL_RANK']} is set, so set LOCAL_WORLD_SIZE to the number of processes on this node",
+        )
     env = {"LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", **env}
     node_var = next((v for v in ("GROUP_RANK", "NODE_RANK") if v in env), None)
     node_rank = None if node_var is None else _int(env, node_var, "torchrun")
     port = _port(env, "torchrun")
-    return _build("torchrun", env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
-                  node_rank, env["MASTER_ADDR"], port)
+    return _build(
+        "torchrun", env, ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"), node_rank, env["MASTER_ADDR"], port
+    )
 
 
 def _mpi(env: Mapping[str, str], keys: tuple[str, str, str, str]) -> ClusterEnvironment:
     for var in keys:
         if var not in env:
-            raise _missing(var, "mpi", f"{keys[0]} is set, so this MPI must also set {var}; "
-                           "launch with a current mpirun/mpiexec (Open MPI, MPICH or Intel MPI)")
+            raise _missing(
+                var,
+                "mpi",
+                f"{keys[0]} is set, so this MPI must also set {var}; "
+                "launch with a current mpirun/mpiexec (Open MPI, MPICH or Intel MPI)",
+            )
     port = _port(env, "mpi") if "MASTER_PORT" in env else None
     return _build("mpi", env, keys, None, env.get("MASTER_ADDR"), port)
 
@@ -156,20 +179,25 @@ def _tasks_on_node(var: str, spec: str, node: int) -> int:
     for part in spec.split(","):
         match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
         if match is None:
-            raise ValueError(f"{var}={spec!r} is malformed (slurm environment): expected "
-                             f"counts like '2(x3),1'; unset it or fix the srun command")
+            raise ValueError(
+                f"{var}={spec!r} is malformed (slurm environment): expected "
+                f"counts like '2(x3),1'; unset it or fix the srun command"
+            )
         counts += [int(match[1])] * int(match[2] or 1)
     if node >= len(counts):
-        raise ValueError(f"SLURM_NODEID={node} is not below the {len(counts)} node(s) listed in "
-                         f"{var}={spec!r} (slurm environment): node ids run from 0; unset stale "
-                         f"SLURM variables or start this via srun")
+        raise ValueError(
+            f"SLURM_NODEID={node} is not below the {len(counts)} node(s) listed in "
+            f"{var}={spec!r} (slurm environment): node ids run from 0; unset stale "
+            f"SLURM variables or start this via srun"
+        )
     return counts[node]
 
 
 def _slurm(env: Mapping[str, str]) -> ClusterEnvironment:
     size_var = "SLURM_NTASKS" if "SLURM_NTASKS" in env else "SLURM_NPROCS"
-    spec_var = next((v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-                     if v in env), "SLURM_STEP_TASKS_PER_NODE")
+    spec_var = next(
+        (v for v in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE") if v in env), "SLURM_STEP_TASKS_PER_NODE"
+    )
     for var in ("SLURM_LOCALID", "SLURM_NODEID", spec_var):
         if var not in env:
             raise _missing(var, "slurm", "srun sets it for every task; start this via srun")
@@ -182,19 +210,23 @@ def _slurm(env: Mapping[str, str]) -> ClusterEnvironment:
     else:
         nodelist_var = next((v for v in _SLURM_NODELIST_VARS if v in env), None)
         if nodelist_var is None:
-            raise _missing("SLURM_STEP_NODELIST", "slurm", "the master address is the first "
-                           "host of the node list; set MASTER_ADDR or start this via srun")
+            raise _missing(
+                "SLURM_STEP_NODELIST",
+                "slurm",
+                "the master address is the first host of the node list; set MASTER_ADDR or start this via srun",
+            )
         addr = parse_slurm_nodelist(env[nodelist_var])[0]
     if "MASTER_PORT" in env:
         port = _port(env, "slurm")
     elif "SLURM_JOB_ID" in env:
         port = _SLURM_PORT_BASE + _int(env, "SLURM_JOB_ID", "slurm") % _SLURM_PORT_SPAN
     else:
-        raise _missing("SLURM_JOB_ID", "slurm", "the master port is derived from it; set "
-                       "MASTER_PORT or start this via srun")
-    return _build("slurm", {**env, **per_node},
-                  ("SLURM_PROCID", size_var, "SLURM_LOCALID", local_size_var),
-                  node_rank, addr, port)
+        raise _missing(
+            "SLURM_JOB_ID", "slurm", "the master port is derived from it; set MASTER_PORT or start this via srun"
+        )
+    return _build(
+        "slurm", {**env, **per_node}, ("SLURM_PROCID", size_var, "SLURM_LOCALID", local_size_var), node_rank, addr, port
+    )
 
 
 def detect_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvironment:
@@ -215,19 +247,28 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvir
     if "TORCHELASTIC_RUN_ID" in env or all(v in env for v in _TORCHRUN_VARS):
         return _torchrun(env)
     if "OMPI_COMM_WORLD_RANK" in env:
-        return _mpi(env, ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
-                          "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"))
+        return _mpi(
+            env,
+            (
+                "OMPI_COMM_WORLD_RANK",
+                "OMPI_COMM_WORLD_SIZE",
+                "OMPI_COMM_WORLD_LOCAL_RANK",
+                "OMPI_COMM_WORLD_LOCAL_SIZE",
+            ),
+        )
     if "PMI_RANK" in env and "MPI_LOCALRANKID" in env:
         return _mpi(env, ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
     if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env):
         return _slurm(env)
     stray = [f"{v}={env[v]}" for v in _HALF_LAUNCHED_VARS if v in env]
     if stray:
-        raise ValueError(f"{', '.join(stray)} set, but no launcher environment is complete: "
-                         f"torchrun needs all of {', '.join(_TORCHRUN_VARS)}; MPICH/Intel MPI "
-                         f"needs PMI_RANK with MPI_LOCALRANKID. Running as one local process "
-                         f"would be a guess: set the missing variables, launch with "
-                         f"torchrun/mpirun/srun, or unset these")
+        raise ValueError(
+            f"{', '.join(stray)} set, but no launcher environment is complete: "
+            f"torchrun needs all of {', '.join(_TORCHRUN_VARS)}; MPICH/Intel MPI "
+            f"needs PMI_RANK with MPI_LOCALRANKID. Running as one local process "
+            f"would be a guess: set the missing variables, launch with "
+            f"torchrun/mpirun/srun, or unset these"
+        )
     return ClusterEnvironment("local", 0, 1, 0, 1, 0, None, None)
 
 
@@ -250,9 +291,11 @@ def parse_slurm_nodelist(nodelist: str) -> list[str]:
     """
 
     def fail(rule: str) -> ValueError:
-        return ValueError(f"SLURM node list {nodelist!r} is malformed: {rule}. Expected host "
-                          f"lists like 'node[01-03,07],gpu5'; check the SLURM_*NODELIST "
-                          f"variable (or set MASTER_ADDR)")
+        return ValueError(
+            f"SLURM node list {nodelist!r} is malformed: {rule}. Expected host "
+            f"lists like 'node[01-03,07],gpu5'; check the SLURM_*NODELIST "
+            f"variable (or set MASTER_ADDR)"
+        )
 
     hosts: list[str] = []
     # Split on commas at bracket depth 0, then each host into text and [..] groups.

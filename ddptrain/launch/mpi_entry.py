@@ -5,6 +5,7 @@ the launching process; each rank pickles ``("ok", result)`` or ``("error", messa
 to ``REPORT_DIR/rank<r>.pkl``. A failing rank then exits non-zero at once, so that mpiexec stops
 the other ranks instead of leaving them waiting in a collective.
 """
+
 import os
 import pickle
 import sys
@@ -13,8 +14,11 @@ import traceback
 
 def mpi_rank_and_size() -> tuple[int, int]:
     """This rank and the job's size, from the MPI launcher's environment (Open MPI, MPICH/PMI)."""
-    for rank_var, size_var in (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"), ("PMI_RANK", "PMI_SIZE"),
-                               ("PMIX_RANK", "PMIX_SIZE")):
+    for rank_var, size_var in (
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
+        ("PMI_RANK", "PMI_SIZE"),
+        ("PMIX_RANK", "PMIX_SIZE"),
+    ):
         if rank_var in os.environ and size_var in os.environ:
             return int(os.environ[rank_var]), int(os.environ[size_var])
     raise RuntimeError("ddptrain.launch.mpi_entry must be started by mpiexec (no MPI rank in the environment)")
@@ -38,6 +42,7 @@ def _import_as_main(kind: str, where: str) -> None:
     does; ``kind`` is "module" (``python -m``) or "file"."""
     import runpy
     import types
+
     module = types.ModuleType("__mp_main__")
     sys.modules["__mp_main__"] = module
     if kind == "module":
@@ -58,9 +63,11 @@ def main() -> None:
             _import_as_main(*envelope["main"])
         job = pickle.loads(envelope["call"])
         import torch
+
         torch.set_num_threads(job["threads"])
         if job["init_group"]:
             from ..comm import destroy_process_group, init_process_group
+
             init_process_group("mpi", timeout=job["comm_timeout_s"])
         try:
             result = job["fn"](rank, size, *job["args"], **job["kwargs"])
@@ -70,6 +77,7 @@ def main() -> None:
         _report(report_dir, rank, ("ok", result))
     except BaseException as exc:  # noqa: BLE001 - report, then end this rank so mpiexec ends the job
         from .spawn import describe_exception
+
         _report(report_dir, rank, ("error", describe_exception(exc), traceback.format_exc()))
         sys.stderr.flush()
         os._exit(1)

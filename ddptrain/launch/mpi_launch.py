@@ -10,6 +10,7 @@ non-zero and mpiexec stops the others) and :class:`WorkerFailedError` names it w
 a rank killed by a signal is named from mpiexec's own report; a job past ``timeout_s`` is killed
 with everything it started. As root, Open MPI's two ``OMPI_ALLOW_RUN_AS_ROOT*`` variables are set.
 """
+
 from __future__ import annotations
 
 import logging
@@ -23,16 +24,25 @@ import sys
 import tempfile
 import threading
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from .spawn import LaunchTimeoutError, WorkerFailedError, describe_exitcode, is_secondary, root_cause
 
 _log = logging.getLogger("ddptrain.launch")
 
 # Variables of other launchers: a rank must detect MPI, not a stale torchrun-like environment.
-_FOREIGN_LAUNCH_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                        "GROUP_RANK", "TORCHELASTIC_RUN_ID")
+_FOREIGN_LAUNCH_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "TORCHELASTIC_RUN_ID",
+)
 # Open MPI's report of a rank that died by a signal, e.g. "prterun noticed that process rank 1
 # with PID 123 on node n exited on signal 9 (Killed)."
 _SIGNAL_REPORT = re.compile(r"process rank (\d+) with PID (\d+) .*?exited on\s+signal (\d+)", re.S)
@@ -42,12 +52,14 @@ def find_mpiexec() -> str:
     """The ``mpiexec`` next to this Python (the ``mpi`` extra's Open MPI), else on ``PATH``."""
     found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
     if found is None:
-        raise FileNotFoundError("backend 'mpi' needs mpiexec: `pip install 'ddptrain[mpi]'` installs mpi4py and "
-                                "Open MPI (or install your cluster's MPI), or use backend 'gloo'")
+        raise FileNotFoundError(
+            "backend 'mpi' needs mpiexec: `pip install 'ddptrain[mpi]'` installs mpi4py and "
+            "Open MPI (or install your cluster's MPI), or use backend 'gloo'"
+        )
     return found
 
 
-def mpiexec_environment(extra: Optional[dict] = None) -> dict:
+def mpiexec_environment(extra: dict | None = None) -> dict:
     """This process's environment, cleaned of other launchers' variables, ready for ``mpiexec``."""
     env = {k: v for k, v in os.environ.items() if k not in _FOREIGN_LAUNCH_VARS}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -60,10 +72,18 @@ def mpiexec_environment(extra: Optional[dict] = None) -> dict:
     return env
 
 
-def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[dict] = None, *,
-                         init_group: bool = True, timeout_s: Optional[float] = None,
-                         comm_timeout_s: Optional[float] = None, env: Optional[dict] = None,
-                         threads_per_worker: Optional[int] = None) -> list[Any]:
+def launch_under_mpiexec(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    *,
+    init_group: bool = True,
+    timeout_s: float | None = None,
+    comm_timeout_s: float | None = None,
+    env: dict | None = None,
+    threads_per_worker: int | None = None,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks started by ``mpiexec``.
 
     Args:
@@ -88,15 +108,37 @@ def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwa
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="ddptrain-mpi-") as tmp:
         job = Path(tmp) / "job.pkl"
-        call = pickle.dumps({"fn": fn, "args": tuple(args), "kwargs": dict(kwargs or {}),
-                             "init_group": init_group, "comm_timeout_s": comm_timeout_s, "threads": threads})
+        call = pickle.dumps(
+            {
+                "fn": fn,
+                "args": tuple(args),
+                "kwargs": dict(kwargs or {}),
+                "init_group": init_group,
+                "comm_timeout_s": comm_timeout_s,
+                "threads": threads,
+            }
+        )
         job.write_bytes(pickle.dumps({"main": _main_reference(call), "call": call}))
-        cmd = [mpiexec, "-n", str(world_size), "--oversubscribe", sys.executable, "-m",
-               "ddptrain.launch.mpi_entry", str(job), tmp]
+        cmd = [
+            mpiexec,
+            "-n",
+            str(world_size),
+            "--oversubscribe",
+            sys.executable,
+            "-m",
+            "ddptrain.launch.mpi_entry",
+            str(job),
+            tmp,
+        ]
         _log.info("starting %d rank(s): %s", world_size, " ".join(cmd))
-        proc = subprocess.Popen(cmd, env=mpiexec_environment({"OMP_NUM_THREADS": str(threads), **(env or {})}),
-                                stdin=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                                preexec_fn=_terminate_with_parent)
+        proc = subprocess.Popen(
+            cmd,
+            env=mpiexec_environment({"OMP_NUM_THREADS": str(threads), **(env or {})}),
+            stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=_terminate_with_parent,
+        )
         stderr_tail = _tee(proc.stderr)
         try:
             code = proc.wait(timeout=timeout_s)
@@ -104,15 +146,23 @@ def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwa
             running = [r for r in range(world_size) if not (Path(tmp) / f"rank{r}.pkl").exists()]
             raise LaunchTimeoutError(
                 f"the mpiexec job did not finish within {timeout_s:g} s; rank(s) {running} still running were "
-                "killed. A rank may be stuck in a collective its peers never call.") from None
+                "killed. A rank may be stuck in a collective its peers never call."
+            ) from None
         finally:
             _kill_tree(proc)
             stderr_tail.join(5)
-        reports = {r: pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes())
-                   for r in range(world_size) if (Path(tmp) / f"rank{r}.pkl").exists()}
-    failures = {r: WorkerFailedError(r, f"rank {r} failed: {msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}",
-                                     worker_traceback=msg[2])
-                for r, msg in sorted(reports.items()) if msg[0] == "error"}
+        reports = {
+            r: pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes())
+            for r in range(world_size)
+            if (Path(tmp) / f"rank{r}.pkl").exists()
+        }
+    failures = {
+        r: WorkerFailedError(
+            r, f"rank {r} failed: {msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}", worker_traceback=msg[2]
+        )
+        for r, msg in sorted(reports.items())
+        if msg[0] == "error"
+    }
     tail = stderr_tail.text()
     killed = _SIGNAL_REPORT.search(tail)
     if failures and not (killed and all(is_secondary(f) for f in failures.values())):
@@ -121,12 +171,19 @@ def launch_under_mpiexec(fn: Callable, world_size: int, args: Sequence = (), kwa
         return [reports[r][1] for r in range(world_size)]
     if killed:  # a rank died by a signal (its peers' timeouts, if any, are the consequence)
         rank, pid, signum = (int(g) for g in killed.groups())
-        raise WorkerFailedError(rank, f"rank {rank} (pid {pid}) {describe_exitcode(-signum, pid)} without reporting a "
-                                      "result; mpiexec stopped the other ranks.", -signum)
+        raise WorkerFailedError(
+            rank,
+            f"rank {rank} (pid {pid}) {describe_exitcode(-signum, pid)} without reporting a "
+            "result; mpiexec stopped the other ranks.",
+            -signum,
+        )
     silent = [r for r in range(world_size) if r not in reports]
-    raise WorkerFailedError(silent[0] if silent else -1,
-                            f"mpiexec exited with code {code} and rank(s) {silent} reported no result. "
-                            f"The end of mpiexec's output:\n{tail[-3000:]}", code)
+    raise WorkerFailedError(
+        silent[0] if silent else -1,
+        f"mpiexec exited with code {code} and rank(s) {silent} reported no result. "
+        f"The end of mpiexec's output:\n{tail[-3000:]}",
+        code,
+    )
 
 
 class _Tee(threading.Thread):
@@ -149,7 +206,7 @@ class _Tee(threading.Thread):
             return "".join(self.lines)
 
 
-def _main_reference(call: bytes) -> Optional[tuple[str, str]]:
+def _main_reference(call: bytes) -> tuple[str, str] | None:
     """How the ranks can import this program's ``__main__`` when the pickled call refers to it
     (a function, class or partial defined in the launching script), as multiprocessing's spawn
     does: ("module", name) for ``python -m pkg.mod``, ("file", path) for ``python script.py``."""
@@ -168,6 +225,7 @@ def _terminate_with_parent() -> None:
     if the launching process dies without cleaning up, e.g. killed by a scheduler."""
     try:
         import ctypes
+
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: best effort only

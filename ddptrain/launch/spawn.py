@@ -9,6 +9,7 @@ worker fails (raises, is killed by a signal, exits non-zero) the others are stop
 Workers use the ``spawn`` start method, so ``fn`` and its arguments must be picklable (a module
 level function, not a lambda).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -19,16 +20,16 @@ import signal
 import socket
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait as wait_any
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 
 class WorkerFailedError(RuntimeError):
     """A worker failed; ``rank``, ``exitcode`` and ``worker_traceback`` say how."""
 
-    def __init__(self, rank: int, message: str, exitcode: Optional[int] = None,
-                 worker_traceback: str = ""):
+    def __init__(self, rank: int, message: str, exitcode: int | None = None, worker_traceback: str = ""):
         super().__init__(message)
         self.rank = rank
         self.exitcode = exitcode
@@ -46,7 +47,7 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def describe_exitcode(code: Optional[int], pid: Optional[int] = None) -> str:
+def describe_exitcode(code: int | None, pid: int | None = None) -> str:
     """How a process ended, as a phrase: ``exited with code 1``, ``killed by signal SIGTERM``...
 
     SIGKILL is also how the kernel's out-of-memory killer ends a process. Given the dead
@@ -80,13 +81,15 @@ def describe_exitcode(code: Optional[int], pid: Optional[int] = None) -> str:
 # The kernel's OOM-kill records (mm/oom_kill.c): the first is logged before the SIGKILL is sent,
 # the second right after it.
 _OOM_SUMMARY = re.compile(r"oom-kill:.*?task_memcg=([^,]*),task=.*,pid=(\d+),uid=\d+")
-_OOM_KILLED = re.compile(r"((?:Memory cgroup out of memory|Out of memory[^:]*): Killed process (\d+) \(.*?\)"
-                         r"(?: total-vm:\d+kB, anon-rss:\d+kB)?)")
+_OOM_KILLED = re.compile(
+    r"((?:Memory cgroup out of memory|Out of memory[^:]*): Killed process (\d+) \(.*?\)"
+    r"(?: total-vm:\d+kB, anon-rss:\d+kB)?)"
+)
 
 _INITIAL_PID_NAMESPACE = 0xEFFFFFFC  # the inode of the host's PID namespace (PROC_PID_INIT_INO)
 
 
-def _kernel_oom_kill(pid: int, max_age_s: float = 600.0) -> Optional[str]:
+def _kernel_oom_kill(pid: int, max_age_s: float = 600.0) -> str | None:
     """What the kernel log says about its OOM killer ending ``pid`` recently, or None.
 
     None also when the log cannot be read (no ``/dev/kmsg`` in the container, no permission), and
@@ -100,7 +103,7 @@ def _kernel_oom_kill(pid: int, max_age_s: float = 600.0) -> Optional[str]:
     except OSError:
         return None
     now_us = time.clock_gettime(time.CLOCK_MONOTONIC) * 1e6  # the clock of the log's timestamps
-    found: Optional[tuple] = None  # (memory cgroup, "Killed process ..." text): the latest for pid
+    found: tuple | None = None  # (memory cgroup, "Killed process ..." text): the latest for pid
     try:
         for _ in range(1_000_000):  # a bound, not a limit: the log holds far fewer records
             try:
@@ -132,10 +135,13 @@ def _kernel_oom_kill(pid: int, max_age_s: float = 600.0) -> Optional[str]:
     return "; ".join(parts)
 
 
-def _memory_cgroup_file(path: str, v1_name: str, v2_name: str) -> Optional[str]:
+def _memory_cgroup_file(path: str, v1_name: str, v2_name: str) -> str | None:
     """The text of a memory cgroup's file (cgroup v1 or v2 name), or None if it cannot be read."""
-    for root, name in (("/sys/fs/cgroup/memory", v1_name), ("/sys/fs/cgroup", v2_name),
-                       ("/sys/fs/cgroup/unified", v2_name)):
+    for root, name in (
+        ("/sys/fs/cgroup/memory", v1_name),
+        ("/sys/fs/cgroup", v2_name),
+        ("/sys/fs/cgroup/unified", v2_name),
+    ):
         try:
             with open(f"{root}{path.rstrip('/')}/{name}") as f:
                 return f.read()
@@ -144,7 +150,7 @@ def _memory_cgroup_file(path: str, v1_name: str, v2_name: str) -> Optional[str]:
     return None
 
 
-def _memory_cgroup_limit(path: str) -> Optional[int]:
+def _memory_cgroup_limit(path: str) -> int | None:
     """A memory cgroup's limit in bytes; None if it has none or it cannot be read."""
     text = _memory_cgroup_file(path, "memory.limit_in_bytes", "memory.max")
     if text is None or not text.strip().isdigit() or int(text) >= 2**62:  # "max" or v1's "unlimited"
@@ -152,7 +158,7 @@ def _memory_cgroup_limit(path: str) -> Optional[int]:
     return int(text)
 
 
-def _memory_cgroup_oom_kills(pid: str = "self") -> Optional[tuple[str, int]]:
+def _memory_cgroup_oom_kills(pid: str = "self") -> tuple[str, int] | None:
     """``pid``'s memory cgroup and the OOM kills it has counted (v1 ``memory.oom_control``, v2
     ``memory.events``); None if that cannot be read."""
     try:
@@ -184,8 +190,8 @@ class _WorkerSpec:
     rank: int
     world_size: int
     env: dict
-    backend: Optional[str]
-    comm_timeout_s: Optional[float]
+    backend: str | None
+    comm_timeout_s: float | None
     threads: int
 
 
@@ -194,9 +200,11 @@ def _worker_main(spec: _WorkerSpec, fn: Callable, args: Sequence, kwargs: dict, 
     status: tuple
     try:
         import torch
+
         torch.set_num_threads(spec.threads)
         if spec.backend:
             from ..comm import destroy_process_group, init_process_group
+
             init_process_group(spec.backend, timeout=spec.comm_timeout_s)
         try:
             result = fn(spec.rank, spec.world_size, *args, **kwargs)
@@ -222,11 +230,18 @@ def _worker_main(spec: _WorkerSpec, fn: Callable, args: Sequence, kwargs: dict, 
 # After the first failure, how long the other workers may still report theirs: a rank that
 # raises usually breaks its peers' connections, and the launcher must blame the cause, not them.
 _FAILURE_GRACE_S = 1.0
-_SECONDARY = ("closed its connection", "connection closed", "connection reset", "broken pipe",
-              "timed out", "CommTimeoutError", "peer")
+_SECONDARY = (
+    "closed its connection",
+    "connection closed",
+    "connection reset",
+    "broken pipe",
+    "timed out",
+    "CommTimeoutError",
+    "peer",
+)
 
 
-def _read_report(reader) -> Optional[tuple]:
+def _read_report(reader) -> tuple | None:
     """A worker's pickled report, or None if it died without one (EOF)."""
     try:
         return pickle.loads(reader.recv_bytes())
@@ -234,7 +249,7 @@ def _read_report(reader) -> Optional[tuple]:
         return None
 
 
-def _record(rank: int, msg: Optional[tuple], proc, results: dict, failures: dict) -> None:
+def _record(rank: int, msg: tuple | None, proc, results: dict, failures: dict) -> None:
     """File a worker's outcome: its result, its reported error, or how it died."""
     if rank in results or rank in failures:
         return
@@ -242,13 +257,16 @@ def _record(rank: int, msg: Optional[tuple], proc, results: dict, failures: dict
         results[rank] = msg[1]
     elif msg is not None:
         failures[rank] = WorkerFailedError(
-            rank, f"rank {rank} failed: {msg[1]}\n--- traceback of rank {rank} ---\n{msg[2]}",
-            worker_traceback=msg[2])
+            rank, f"rank {rank} failed: {msg[1]}\n--- traceback of rank {rank} ---\n{msg[2]}", worker_traceback=msg[2]
+        )
     else:
         proc.join(5)
         failures[rank] = WorkerFailedError(
-            rank, f"rank {rank} (pid {proc.pid}) {describe_exitcode(proc.exitcode, proc.pid)} without reporting a "
-                  "result; the other ranks were stopped.", proc.exitcode)
+            rank,
+            f"rank {rank} (pid {proc.pid}) {describe_exitcode(proc.exitcode, proc.pid)} without reporting a "
+            "result; the other ranks were stopped.",
+            proc.exitcode,
+        )
 
 
 def is_secondary(failure: Exception) -> bool:
@@ -257,7 +275,7 @@ def is_secondary(failure: Exception) -> bool:
     return any(k.lower() in str(failure).lower() for k in _SECONDARY)
 
 
-def root_cause(failures: dict) -> "WorkerFailedError":
+def root_cause(failures: dict) -> WorkerFailedError:
     """The failure that started it: one that is not a broken connection or a timeout, if any."""
     primary = [f for f in failures.values() if not is_secondary(f)]
     return (primary or list(failures.values()))[0]
@@ -276,11 +294,20 @@ def _stop(procs: Sequence[mp.Process], grace_s: float = 3.0) -> None:
             p.join(5)
 
 
-def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[dict] = None, *,
-           backend: Optional[str] = None, timeout_s: Optional[float] = None,
-           comm_timeout_s: Optional[float] = None, master_addr: str = "127.0.0.1",
-           master_port: Optional[int] = None, env: Optional[dict] = None,
-           threads_per_worker: Optional[int] = None) -> list[Any]:
+def launch(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    kwargs: dict | None = None,
+    *,
+    backend: str | None = None,
+    timeout_s: float | None = None,
+    comm_timeout_s: float | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    env: dict | None = None,
+    threads_per_worker: int | None = None,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local processes.
 
     Args:
@@ -305,23 +332,38 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     if backend == "mpi":  # MPI ranks must be started by MPI's own launcher
         from .mpi_launch import launch_under_mpiexec
-        return launch_under_mpiexec(fn, world_size, args, kwargs, timeout_s=timeout_s, comm_timeout_s=comm_timeout_s,
-                                    env=env, threads_per_worker=threads_per_worker)
+
+        return launch_under_mpiexec(
+            fn,
+            world_size,
+            args,
+            kwargs,
+            timeout_s=timeout_s,
+            comm_timeout_s=comm_timeout_s,
+            env=env,
+            threads_per_worker=threads_per_worker,
+        )
     port = master_port or find_free_port(master_addr)
     threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
     ctx = mp.get_context("spawn")
     procs, readers = [], {}
     for rank in range(world_size):
         worker_env = {
-            "MASTER_ADDR": master_addr, "MASTER_PORT": str(port), "RANK": str(rank),
-            "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0",
-            "OMP_NUM_THREADS": str(threads), **(env or {}),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "OMP_NUM_THREADS": str(threads),
+            **(env or {}),
         }
         spec = _WorkerSpec(rank, world_size, worker_env, backend, comm_timeout_s, threads)
         reader, writer = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker_main, args=(spec, fn, tuple(args), dict(kwargs or {}), writer),
-                        name=f"ddptrain-rank{rank}")
+        p = ctx.Process(
+            target=_worker_main, args=(spec, fn, tuple(args), dict(kwargs or {}), writer), name=f"ddptrain-rank{rank}"
+        )
         p.start()
         writer.close()
         procs.append(p)
@@ -329,7 +371,7 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
     results: dict[int, Any] = {}
     failures: dict[int, WorkerFailedError] = {}
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    first_failure_at: Optional[float] = None
+    first_failure_at: float | None = None
     try:
         pending = dict(readers)
         sentinels = {p.sentinel: r for r, p in enumerate(procs)}
@@ -341,10 +383,16 @@ def launch(fn: Callable, world_size: int, args: Sequence = (), kwargs: Optional[
                 running = [r for r in range(world_size) if r not in results and r not in failures]
                 raise LaunchTimeoutError(
                     f"the job did not finish within {timeout_s:g} s; rank(s) {running} still running "
-                    "were killed. A rank may be stuck in a collective its peers never call.")
-            limits = [t for t in (None if deadline is None else deadline - now,
-                                  None if first_failure_at is None else first_failure_at + _FAILURE_GRACE_S - now)
-                      if t is not None]
+                    "were killed. A rank may be stuck in a collective its peers never call."
+                )
+            limits = [
+                t
+                for t in (
+                    None if deadline is None else deadline - now,
+                    None if first_failure_at is None else first_failure_at + _FAILURE_GRACE_S - now,
+                )
+                if t is not None
+            ]
             ready = wait_any(list(pending) + list(sentinels), timeout=min(limits) if limits else None)
             for obj in ready:
                 if obj in pending:

@@ -7,6 +7,7 @@ digest first: a crash leaves either the previous state or a complete pair, never
 under the final name. ``torch.load`` alone notices truncation but not a flipped byte inside a
 tensor; the digest catches both.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,19 +17,28 @@ import re
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 import torch
 
-__all__ = ["CheckpointError", "CheckpointWarning", "FORMAT_VERSION", "save_checkpoint", "load_checkpoint",
-           "list_checkpoints", "latest_valid_checkpoint", "resolve_resume_path", "prune_checkpoints",
-           "checkpoint_name"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
+    "FORMAT_VERSION",
+    "save_checkpoint",
+    "load_checkpoint",
+    "list_checkpoints",
+    "latest_valid_checkpoint",
+    "resolve_resume_path",
+    "prune_checkpoints",
+    "checkpoint_name",
+]
 
 FORMAT_VERSION = 1
 """Version of the dictionary layout written by ``Trainer.checkpoint_state``."""
 REQUIRED_KEYS = ("format_version", "step", "epoch", "world_size", "model", "optimizer", "sampler", "rng")
 _NAME = re.compile(r"^step_(\d+)\.pt$")
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on Python 3.10
 
 
 class CheckpointError(RuntimeError):
@@ -97,10 +107,14 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]
             raise CheckpointError(
                 f"checkpoint {path} is corrupt or truncated: its SHA-256 is {actual[:16]}..., but "
                 f"{sidecar.name} records {expected[:16] or 'nothing'}... ({len(data)} bytes on disk). "
-                f"It was not loaded and nothing was deleted.{_others(path)}")
+                f"It was not loaded and nothing was deleted.{_others(path)}"
+            )
     else:
-        warnings.warn(f"checkpoint {path} has no {sidecar.name}: its integrity cannot be verified "
-                      "beyond what torch.load checks", CheckpointWarning, stacklevel=2)
+        warnings.warn(
+            f"checkpoint {path} has no {sidecar.name}: its integrity cannot be verified beyond what torch.load checks",
+            CheckpointWarning,
+            stacklevel=2,
+        )
     try:
         state = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises RuntimeError, EOFError, UnpicklingError... for bad files
@@ -110,17 +124,20 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]
                 f"checkpoint {path} carries pickled Python objects (code) beyond tensors and plain "
                 f"values, and ddptrain never runs code from a checkpoint (torch.load(weights_only=True) "
                 f"refused it: {_unsafe_global(str(exc))}). Load it yourself only if you trust its author, "
-                "and re-save the state dicts as plain tensors.") from exc
+                "and re-save the state dicts as plain tensors."
+            ) from exc
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {detail}): "
             f"it is truncated, corrupt, or not a torch checkpoint. It was not loaded and nothing was "
-            f"deleted.{_others(path)}") from exc
+            f"deleted.{_others(path)}"
+        ) from exc
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
         missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
         raise CheckpointError(f"{path} is not a ddptrain checkpoint: keys {missing} are missing.{_others(path)}")
     if state["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"{path} has checkpoint format {state['format_version']!r}; this ddptrain "
-                              f"reads format {FORMAT_VERSION}")
+        raise CheckpointError(
+            f"{path} has checkpoint format {state['format_version']!r}; this ddptrain reads format {FORMAT_VERSION}"
+        )
     return state
 
 
@@ -137,8 +154,10 @@ def _others(path: Path) -> str:
     if not others:
         return ""
     names = ", ".join(p.name for p in reversed(others[-3:]))
-    return (f" Other checkpoints in {path.parent}: {names}; resume from one with "
-            f"trainer.resume=<path>, or trainer.resume=latest to take the newest valid one.")
+    return (
+        f" Other checkpoints in {path.parent}: {names}; resume from one with "
+        f"trainer.resume=<path>, or trainer.resume=latest to take the newest valid one."
+    )
 
 
 def list_checkpoints(directory: PathLike) -> list[Path]:
@@ -150,7 +169,7 @@ def list_checkpoints(directory: PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest_valid_checkpoint(directory: PathLike) -> Optional[Path]:
+def latest_valid_checkpoint(directory: PathLike) -> Path | None:
     """The newest checkpoint in ``directory`` that loads and verifies; ``None`` if there is none.
 
     Corrupt newer ones are skipped with a :class:`CheckpointWarning` naming each and why.
@@ -168,16 +187,20 @@ def latest_valid_checkpoint(directory: PathLike) -> Optional[Path]:
             warnings.warn(f"skipping checkpoint {path}: {exc}", CheckpointWarning, stacklevel=2)
             continue
         if problems:
-            warnings.warn(f"resuming from {path.name}, the newest valid checkpoint in {directory}",
-                          CheckpointWarning, stacklevel=2)
+            warnings.warn(
+                f"resuming from {path.name}, the newest valid checkpoint in {directory}",
+                CheckpointWarning,
+                stacklevel=2,
+            )
         return path
     if candidates:
-        raise CheckpointError(f"none of the {len(candidates)} checkpoint(s) in {directory} is valid:\n  "
-                              + "\n  ".join(problems))
+        raise CheckpointError(
+            f"none of the {len(candidates)} checkpoint(s) in {directory} is valid:\n  " + "\n  ".join(problems)
+        )
     return None
 
 
-def resolve_resume_path(resume: str, checkpoint_dir: PathLike) -> Optional[Path]:
+def resolve_resume_path(resume: str, checkpoint_dir: PathLike) -> Path | None:
     """Turn ``trainer.resume`` into a checkpoint file.
 
     Args:
@@ -198,11 +221,13 @@ def resolve_resume_path(resume: str, checkpoint_dir: PathLike) -> Optional[Path]
         for directory in (path, path / "checkpoints"):
             if list_checkpoints(directory):
                 return latest_valid_checkpoint(directory)
-        raise CheckpointError(f"trainer.resume={resume}: the directory holds no checkpoint (step_*.pt), "
-                              "nor does its checkpoints/ folder")
+        raise CheckpointError(
+            f"trainer.resume={resume}: the directory holds no checkpoint (step_*.pt), nor does its checkpoints/ folder"
+        )
     if not path.is_file():
-        raise CheckpointError(f"trainer.resume={resume}: no such file or directory. Pass a checkpoint "
-                              "file, a run directory, or 'latest'")
+        raise CheckpointError(
+            f"trainer.resume={resume}: no such file or directory. Pass a checkpoint file, a run directory, or 'latest'"
+        )
     return path
 
 

@@ -10,6 +10,7 @@ the wrong type, naming the dotted key, so a typo never silently falls back to a 
 :func:`validate` checks what needs the world size (the global batch split) and the machine
 (CUDA), with errors that name the knob to change. Nothing here imports Hydra.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,11 +19,27 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
-__all__ = ["ConfigError", "Config", "RecipeConfig", "DistConfig", "LauncherConfig", "DataConfig",
-           "OptimizerConfig", "SchedulerConfig", "TrainerConfig", "validate", "resolve_backend",
-           "per_rank_batch_size", "check_device", "locate", "LAUNCHERS", "OPTIMIZERS", "SCHEDULERS"]
+__all__ = [
+    "ConfigError",
+    "Config",
+    "RecipeConfig",
+    "DistConfig",
+    "LauncherConfig",
+    "DataConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "TrainerConfig",
+    "validate",
+    "resolve_backend",
+    "per_rank_batch_size",
+    "check_device",
+    "locate",
+    "LAUNCHERS",
+    "OPTIMIZERS",
+    "SCHEDULERS",
+]
 
 LAUNCHERS = ("local", "torchrun", "mpirun")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -63,7 +80,7 @@ class DistConfig:
     algorithm: str = "native"
     """How DDP all-reduces its buckets: ``native`` (the backend's own all-reduce) or ``ring``
     (ddptrain's ring over point-to-point messages, on any backend)."""
-    job_timeout_s: Optional[float] = None
+    job_timeout_s: float | None = None
     """Local launcher only: kill the whole job after this many seconds (``None``: no limit)."""
     threads_per_worker: int = 0
     """torch intra-op threads per rank; 0 means ``cores // ranks on this machine`` (at least 1)."""
@@ -98,7 +115,7 @@ class DataConfig:
 
     name: str = "mnist"
     """Dataset for the default ``Trainer.train_dataset``: ``mnist``, ``fashion_mnist`` or ``synthetic``."""
-    root: Optional[str] = None
+    root: str | None = None
     """Data root (a writable cache); ``None`` means ``$DDPTRAIN_DATA``, else ``./data``."""
     download: bool = False
     """Let torchvision download a dataset found nowhere locally."""
@@ -163,14 +180,14 @@ class TrainerConfig:
 
     epochs: int = 10
     """Passes over the training set."""
-    max_steps: Optional[int] = None
+    max_steps: int | None = None
     """Stop after this many optimizer steps in total (also the horizon of ``cosine``)."""
-    stop_after_steps: Optional[int] = None
+    stop_after_steps: int | None = None
     """Stop (and checkpoint) once this many optimizer steps are done, as if preempted; unlike
     ``max_steps`` it does not change the schedule, so a resumed run continues exactly."""
     grad_accum_steps: int = 1
     """Micro-batches per optimizer step; all but the last run under ``no_sync()``."""
-    grad_clip_norm: Optional[float] = None
+    grad_clip_norm: float | None = None
     """Clip the global gradient norm to this value (``None``: no clipping)."""
     seed: int = 1234
     """Base seed: rank ``r`` seeds with ``seed + r``; the sampler shuffles with ``seed + epoch``."""
@@ -188,13 +205,13 @@ class TrainerConfig:
     """Write a checkpoint when training stops, if the last one is older."""
     keep_last_checkpoints: int = 3
     """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
-    resume: Optional[str] = None
+    resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), or ``latest``
     (this run's checkpoint directory; starts fresh with a warning when it holds none)."""
     allow_world_size_change: bool = False
     """Accept a checkpoint written by another number of ranks (the epoch continues from the same
     global sample position)."""
-    output_dir: Optional[str] = None
+    output_dir: str | None = None
     """Directory for checkpoints, TensorBoard logs and metrics; the CLI sets Hydra's run dir.
     ``None`` means the working directory. Rank 0's value is used on every rank."""
     tensorboard: bool = True
@@ -230,7 +247,7 @@ class Config:
     """Loop, evaluation, logging, checkpoints."""
 
     @classmethod
-    def from_dict(cls, data: Optional[dict] = None) -> "Config":
+    def from_dict(cls, data: dict | None = None) -> Config:
         """Build a Config from nested dictionaries, refusing unknown keys and wrong types.
 
         Raises:
@@ -246,8 +263,10 @@ class Config:
 # -- building and type checks ------------------------------------------------------------------
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'the config'} must be a mapping of keys to values, "
-                          f"got {type(data).__name__} {data!r}")
+        raise ConfigError(
+            f"{prefix.rstrip('.') or 'the config'} must be a mapping of keys to values, "
+            f"got {type(data).__name__} {data!r}"
+        )
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
@@ -255,8 +274,10 @@ def _build(cls, data: Any, prefix: str):
         key = unknown[0]
         close = difflib.get_close_matches(str(key), names, n=1)
         hint = f" Did you mean {prefix}{close[0]}?" if close else ""
-        raise ConfigError(f"unknown config key {prefix}{key}.{hint} Known keys under "
-                          f"{prefix.rstrip('.') or 'the root'}: {', '.join(names)}.")
+        raise ConfigError(
+            f"unknown config key {prefix}{key}.{hint} Known keys under "
+            f"{prefix.rstrip('.') or 'the root'}: {', '.join(names)}."
+        )
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -313,16 +334,20 @@ def per_rank_batch_size(config: Config, world_size: int) -> int:
     parts = world_size * accum
     if global_bs % parts:
         divisors = [d for d in range(1, min(global_bs, 64) + 1) if global_bs % (d * accum) == 0]
-        what = (f"dist.world_size={world_size}" if accum == 1 else
-                f"dist.world_size={world_size} x trainer.grad_accum_steps={accum} = {parts}")
+        what = (
+            f"dist.world_size={world_size}"
+            if accum == 1
+            else f"dist.world_size={world_size} x trainer.grad_accum_steps={accum} = {parts}"
+        )
         raise ConfigError(
             f"data.global_batch_size={global_bs} is not divisible by {what}: every rank must take the "
             f"same number of samples per step. Use a world size that divides it ({', '.join(map(str, divisors))}), "
-            f"or set data.global_batch_size to a multiple of {parts} (e.g. {(global_bs // parts + 1) * parts}).")
+            f"or set data.global_batch_size to a multiple of {parts} (e.g. {(global_bs // parts + 1) * parts})."
+        )
     return global_bs // parts
 
 
-def resolve_backend(config: Config, launcher_env: str = "local", master_addr: Optional[str] = None) -> str:
+def resolve_backend(config: Config, launcher_env: str = "local", master_addr: str | None = None) -> str:
     """The backend to use: ``dist.backend``, or for ``auto`` the one the device and launcher need."""
     backend = config.dist.backend
     if backend != "auto":
@@ -355,18 +380,22 @@ def validate(config: Config, world_size: int) -> None:
     for key, value in (("trainer.max_steps", t.max_steps), ("trainer.stop_after_steps", t.stop_after_steps)):
         if value is not None and value < 1:
             raise ConfigError(f"{key}={value} must be at least 1, or null for no limit")
-    for key, value in (("trainer.eval_every_epochs", t.eval_every_epochs),
-                       ("trainer.checkpoint_every_epochs", t.checkpoint_every_epochs),
-                       ("trainer.checkpoint_every_steps", t.checkpoint_every_steps),
-                       ("data.num_workers", d.num_workers),
-                       ("dist.threads_per_worker", config.dist.threads_per_worker),
-                       ("trainer.check_sync_every_n_steps", t.check_sync_every_n_steps)):
+    for key, value in (
+        ("trainer.eval_every_epochs", t.eval_every_epochs),
+        ("trainer.checkpoint_every_epochs", t.checkpoint_every_epochs),
+        ("trainer.checkpoint_every_steps", t.checkpoint_every_steps),
+        ("data.num_workers", d.num_workers),
+        ("dist.threads_per_worker", config.dist.threads_per_worker),
+        ("trainer.check_sync_every_n_steps", t.check_sync_every_n_steps),
+    ):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off / picks the default)")
     if t.keep_last_checkpoints < 1:
-        raise ConfigError(f"trainer.keep_last_checkpoints={t.keep_last_checkpoints} must be at least 1; "
-                          "to write no checkpoints set trainer.checkpoint_every_epochs=0 and "
-                          "trainer.checkpoint_at_end=false")
+        raise ConfigError(
+            f"trainer.keep_last_checkpoints={t.keep_last_checkpoints} must be at least 1; "
+            "to write no checkpoints set trainer.checkpoint_every_epochs=0 and "
+            "trainer.checkpoint_at_end=false"
+        )
     if t.grad_clip_norm is not None and t.grad_clip_norm <= 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be positive, or null for no clipping")
     _one_of("optimizer.name", o.name, OPTIMIZERS)
@@ -384,22 +413,31 @@ def check_device(config: Config, local_world_size: int = 1) -> None:
     device = config.trainer.device
     if device == "cpu":
         if resolve_backend(config) == "nccl":
-            raise ConfigError("dist.backend=nccl needs trainer.device=cuda (NCCL moves CUDA tensors only); "
-                              "use dist.backend=gloo for CPU training")
+            raise ConfigError(
+                "dist.backend=nccl needs trainer.device=cuda (NCCL moves CUDA tensors only); "
+                "use dist.backend=gloo for CPU training"
+            )
         return
     if device != "cuda":
-        raise ConfigError(f"trainer.device={device!r}: use 'cpu' or 'cuda' (each rank then takes "
-                          "cuda:{local_rank}; pick GPUs with CUDA_VISIBLE_DEVICES)")
+        raise ConfigError(
+            f"trainer.device={device!r}: use 'cpu' or 'cuda' (each rank then takes "
+            "cuda:{local_rank}; pick GPUs with CUDA_VISIBLE_DEVICES)"
+        )
     import torch
+
     if not torch.cuda.is_available():
-        raise ConfigError("trainer.device=cuda but torch.cuda.is_available() is False on this machine "
-                          f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
-                          f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Train on CPU with "
-                          "trainer.device=cpu, or run on a machine with a GPU and a CUDA build of torch.")
+        raise ConfigError(
+            "trainer.device=cuda but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Train on CPU with "
+            "trainer.device=cpu, or run on a machine with a GPU and a CUDA build of torch."
+        )
     count = torch.cuda.device_count()
     if local_world_size > count:
-        raise ConfigError(f"{local_world_size} ranks on this machine but only {count} CUDA device(s): each "
-                          f"rank needs its own GPU. Use dist.world_size<={count}.")
+        raise ConfigError(
+            f"{local_world_size} ranks on this machine but only {count} CUDA device(s): each "
+            f"rank needs its own GPU. Use dist.world_size<={count}."
+        )
 
 
 def _positive(key: str, value) -> None:
@@ -428,8 +466,10 @@ def locate(path: str, key: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(f"{key}={path}: cannot import module {module_name!r} ({exc}). The module must be "
-                          "importable from the working directory or the installed packages.") from exc
+        raise ConfigError(
+            f"{key}={path}: cannot import module {module_name!r} ({exc}). The module must be "
+            "importable from the working directory or the installed packages."
+        ) from exc
     try:
         return getattr(module, attr)
     except AttributeError:

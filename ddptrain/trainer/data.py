@@ -5,10 +5,12 @@ with a whole batch of sampler indices at once: one gather per tensor instead of 
 and a collate per sample. For MNIST this is what makes a CPU epoch cost the model's time, not
 the input pipeline's. Other datasets go through a ``DataLoader``.
 """
+
 from __future__ import annotations
 
 import itertools
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
@@ -26,8 +28,13 @@ def preload(dataset: Dataset) -> TensorDataset:
     if isinstance(dataset, TensorDataset):
         return dataset
     data, targets = getattr(dataset, "data", None), getattr(dataset, "targets", None)
-    if (isinstance(data, torch.Tensor) and isinstance(targets, torch.Tensor) and data.is_floating_point()
-            and getattr(dataset, "transform", None) is None and len(data) == len(targets) == len(dataset)):
+    if (
+        isinstance(data, torch.Tensor)
+        and isinstance(targets, torch.Tensor)
+        and data.is_floating_point()
+        and getattr(dataset, "transform", None) is None
+        and len(data) == len(targets) == len(dataset)
+    ):
         return TensorDataset(data, targets)
     items = [dataset[i] for i in range(len(dataset))]
     if not items:
@@ -60,8 +67,9 @@ class TensorBatches:
             yield tuple(t[index] for t in self.dataset.tensors)
 
 
-def make_batches(dataset: Dataset, sampler: Sampler, batch_size: int, num_workers: int = 0,
-                 pin_memory: bool = False, seed: int = 0) -> Iterable:
+def make_batches(
+    dataset: Dataset, sampler: Sampler, batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0
+) -> Iterable:
     """An iterable of batches of ``dataset`` in the sampler's order.
 
     The DataLoader gets a generator of its own: otherwise creating its iterator draws from the
@@ -70,9 +78,15 @@ def make_batches(dataset: Dataset, sampler: Sampler, batch_size: int, num_worker
     """
     if isinstance(dataset, TensorDataset):
         return TensorBatches(dataset, sampler, batch_size)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed),
-                      persistent_workers=num_workers > 0)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        generator=torch.Generator().manual_seed(seed),
+        persistent_workers=num_workers > 0,
+    )
 
 
 def batch_size_of(batch: Any) -> int:
@@ -83,8 +97,10 @@ def batch_size_of(batch: Any) -> int:
         return batch_size_of(next(iter(batch.values())))
     if isinstance(batch, (list, tuple)) and batch:
         return batch_size_of(batch[0])
-    raise TypeError(f"cannot tell the batch size of a {type(batch).__name__}; batches must be tensors, "
-                    "or tuples/lists/dicts whose first entry is a tensor")
+    raise TypeError(
+        f"cannot tell the batch size of a {type(batch).__name__}; batches must be tensors, "
+        "or tuples/lists/dicts whose first entry is a tensor"
+    )
 
 
 def move_to(batch: Any, device: torch.device, non_blocking: bool = False) -> Any:

@@ -1,8 +1,9 @@
 """Optimizers and learning-rate schedules built from :class:`OptimizerConfig`."""
+
 from __future__ import annotations
 
 import math
-from typing import Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 
@@ -15,8 +16,9 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter
     """SGD, Adam or AdamW with the config's hyper-parameters."""
     params = [p for p in params if p.requires_grad]
     if config.name == "sgd":
-        return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov,
-                               weight_decay=config.weight_decay)
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay
+        )
     betas = tuple(float(b) for b in config.betas)
     if len(betas) != 2:
         raise ConfigError(f"optimizer.betas={list(config.betas)} must hold two numbers")
@@ -27,8 +29,9 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter
     raise ConfigError(f"optimizer.name={config.name!r} is not one of sgd, adam, adamw")
 
 
-def build_scheduler(config: OptimizerConfig, optimizer: torch.optim.Optimizer,
-                    total_steps: int) -> Optional[torch.optim.lr_scheduler.LRScheduler]:
+def build_scheduler(
+    config: OptimizerConfig, optimizer: torch.optim.Optimizer, total_steps: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
     """A ``LambdaLR`` stepped once per optimizer step, or ``None`` for a constant rate.
 
     Its state (the step count) round-trips through checkpoints; the schedule itself is rebuilt

@@ -4,10 +4,11 @@ States are stored as tensors and plain Python types only, so a checkpoint holdin
 with ``torch.load(weights_only=True)``: Python's ``random`` state becomes an int64 tensor, numpy's
 its key tensor plus integers.
 """
+
 from __future__ import annotations
 
 import random
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ def seed_everything(seed: int) -> None:
         np.random.seed(seed % 2**32)
 
 
-def capture_rng_state(device: Optional[torch.device] = None) -> dict[str, Any]:
+def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """This process's generator states, as tensors and plain types."""
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
@@ -38,14 +39,19 @@ def capture_rng_state(device: Optional[torch.device] = None) -> dict[str, Any]:
     }
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        state["numpy"] = {"name": str(name), "keys": torch.from_numpy(keys.astype("int64")),
-                          "pos": int(pos), "has_gauss": int(has_gauss), "cached": float(cached)}
+        state["numpy"] = {
+            "name": str(name),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        }
     if device is not None and device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def restore_rng_state(state: dict[str, Any], device: Optional[torch.device] = None) -> None:
+def restore_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     """Put back what :func:`capture_rng_state` returned."""
     torch.set_rng_state(state["torch"])
     py = state["python"]

@@ -5,6 +5,7 @@ call it too. Before any worker starts it checks everything it can in this one pr
 device, data, the checkpoint to resume from), so a mistake costs a second and prints one error
 instead of one traceback per rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +25,14 @@ __all__ = ["run", "load_trainer_class"]
 
 _log = logging.getLogger("ddptrain.runner")
 
-_EXPECTED_ENV = {"torchrun": ("torchrun", "torchrun --nproc-per-node=2 -m ddptrain recipe=mnist launcher=torchrun"),
-                 "mpirun": ("mpi", "mpirun -n 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 "
-                                   ".venv/bin/python -m ddptrain recipe=mnist launcher=mpirun")}
+_EXPECTED_ENV = {
+    "torchrun": ("torchrun", "torchrun --nproc-per-node=2 -m ddptrain recipe=mnist launcher=torchrun"),
+    "mpirun": (
+        "mpi",
+        "mpirun -n 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29500 "
+        ".venv/bin/python -m ddptrain recipe=mnist launcher=mpirun",
+    ),
+}
 
 
 def load_trainer_class(config: Config) -> type:
@@ -35,8 +41,9 @@ def load_trainer_class(config: Config) -> type:
 
     cls = locate(config.recipe.trainer_class, "recipe.trainer_class")
     if not (isinstance(cls, type) and issubclass(cls, Trainer)):
-        raise ConfigError(f"recipe.trainer_class={config.recipe.trainer_class} is {cls!r}, not a subclass of "
-                          "ddptrain.Trainer")
+        raise ConfigError(
+            f"recipe.trainer_class={config.recipe.trainer_class} is {cls!r}, not a subclass of ddptrain.Trainer"
+        )
     return cls
 
 
@@ -61,9 +68,11 @@ def run(config: Config) -> dict[str, Any]:
         return _run_rank(env.rank, env.world_size, config)
     if config.launcher.name != "local":
         name = config.launcher.name
-        raise ConfigError(f"launcher={name}, but this process was not started by {name} (no {_EXPECTED_ENV[name][0]} "
-                          f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
-                          "to spawn the workers here.")
+        raise ConfigError(
+            f"launcher={name}, but this process was not started by {name} (no {_EXPECTED_ENV[name][0]} "
+            f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
+            "to spawn the workers here."
+        )
     world_size = config.dist.world_size
     validate(config, world_size)
     check_device(config, world_size)
@@ -76,17 +85,27 @@ def run(config: Config) -> dict[str, Any]:
     restarts = 0
     while True:
         try:
-            results = start(_run_rank, world_size, args=(config,), timeout_s=config.dist.job_timeout_s,
-                            threads_per_worker=config.dist.threads_per_worker or None)
+            results = start(
+                _run_rank,
+                world_size,
+                args=(config,),
+                timeout_s=config.dist.job_timeout_s,
+                threads_per_worker=config.dist.threads_per_worker or None,
+            )
             return results[0]
         except WorkerFailedError as exc:
             if restarts >= config.launcher.max_restarts:
                 raise
             restarts += 1
             config = _resume_from_latest(config)
-            _log.warning("rank %d failed (%s); restart %d of %d, resuming from %s", exc.rank,
-                         str(exc).splitlines()[0], restarts, config.launcher.max_restarts,
-                         config.trainer.resume or "the start (no checkpoint yet)")
+            _log.warning(
+                "rank %d failed (%s); restart %d of %d, resuming from %s",
+                exc.rank,
+                str(exc).splitlines()[0],
+                restarts,
+                config.launcher.max_restarts,
+                config.trainer.resume or "the start (no checkpoint yet)",
+            )
 
 
 def _resume_from_latest(config: Config) -> Config:
@@ -124,15 +143,20 @@ def preflight_resume(config: Config, world_size: int) -> None:
 def _check_launcher(config: Config, env: ClusterEnvironment) -> None:
     name = config.launcher.name
     if name != "local" and env.name != _EXPECTED_ENV[name][0]:
-        raise ConfigError(f"launcher={name}, but this process was started by {env.name}; use launcher={env.name} "
-                          "or launcher=local (which accepts any external launcher)")
+        raise ConfigError(
+            f"launcher={name}, but this process was started by {env.name}; use launcher={env.name} "
+            "or launcher=local (which accepts any external launcher)"
+        )
     if env.name == "mpi" and config.dist.world_size != env.world_size:
         # mpirun's -n and the config disagree: refuse rather than guess which one the user meant
-        raise ConfigError(f"mpirun started {env.world_size} rank(s) but dist.world_size={config.dist.world_size}; "
-                          f"run `mpirun -n {config.dist.world_size} ...` or pass dist.world_size={env.world_size}")
+        raise ConfigError(
+            f"mpirun started {env.world_size} rank(s) but dist.world_size={config.dist.world_size}; "
+            f"run `mpirun -n {config.dist.world_size} ...` or pass dist.world_size={env.world_size}"
+        )
     if config.dist.world_size != env.world_size and env.rank == 0:
         logging.getLogger("ddptrain.runner").info(
-            "%s started %d rank(s); dist.world_size=%d is ignored", env.name, env.world_size, config.dist.world_size)
+            "%s started %d rank(s); dist.world_size=%d is ignored", env.name, env.world_size, config.dist.world_size
+        )
 
 
 def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:

@@ -15,6 +15,7 @@ Subclasses override any of: ``configure_model``, ``configure_optimizers``, ``tra
 ``val_dataset``, ``training_step``, ``validation_step``, ``configure_callbacks`` and the class
 method ``prepare_data`` (runs once, before workers start).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,9 +24,10 @@ import json
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +43,7 @@ from ..ddp import DistributedDataParallel
 from ..launch.env import detect_environment
 from ..launch.spawn import find_free_port
 from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback
-from .checkpoint_io import (FORMAT_VERSION, CheckpointError, load_checkpoint, resolve_resume_path,
-                            save_checkpoint)
+from .checkpoint_io import FORMAT_VERSION, CheckpointError, load_checkpoint, resolve_resume_path, save_checkpoint
 from .config import Config, ConfigError, check_device, locate, per_rank_batch_size, resolve_backend
 from .data import batch_size_of, make_batches, move_to, num_batches, preload
 from .optim import build_optimizer, build_scheduler
@@ -72,7 +73,7 @@ class TrainState:
         return (self.step, self.epoch, self.samples_in_epoch)
 
 
-def check_world_size(saved: int, current: int, allow: bool, path: Union[str, Path]) -> None:
+def check_world_size(saved: int, current: int, allow: bool, path: str | Path) -> None:
     """Refuse a checkpoint of another world size unless ``trainer.allow_world_size_change``."""
     if saved != current and not allow:
         raise CheckpointError(
@@ -80,7 +81,8 @@ def check_world_size(saved: int, current: int, allow: bool, path: Union[str, Pat
             f"each rank's position in the epoch and its RNG state only continue exactly on the same "
             f"world size. Relaunch with dist.world_size={saved}, or set trainer.allow_world_size_change=true "
             f"to continue from the same global sample position (ranks beyond the saved ones get fresh "
-            f"RNG seeds; at most {current - 1} sample(s) of the epoch are seen twice).")
+            f"RNG seeds; at most {current - 1} sample(s) of the epoch are seen twice)."
+        )
 
 
 class _Window:
@@ -113,17 +115,17 @@ class Trainer:
     ``steps_per_epoch``, ``total_steps``, ``state`` (:class:`TrainState`), ``output_dir``.
     """
 
-    def __init__(self, config: Optional[Config] = None, callbacks: Sequence[Callback] = ()):
+    def __init__(self, config: Config | None = None, callbacks: Sequence[Callback] = ()):
         self.config = config if config is not None else Config()
         self.extra_callbacks = list(callbacks)
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
         self.process_group = None
-        self.model: Optional[DistributedDataParallel] = None
-        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.model: DistributedDataParallel | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
-        self.train_sampler: Optional[DistributedSampler] = None
-        self.val_sampler: Optional[DistributedSampler] = None
+        self.train_sampler: DistributedSampler | None = None
+        self.val_sampler: DistributedSampler | None = None
         self.output_dir = Path(self.config.trainer.output_dir or os.getcwd())
         self.state = TrainState()
         self.callbacks: list[Callback] = []
@@ -149,8 +151,10 @@ class Trainer:
         spec = dict(self.config.model)
         target = spec.pop("_target_", None)
         if not target:
-            raise ConfigError("model._target_ is not set: choose a model (e.g. model=tutorial_net) or override "
-                              f"{type(self).__name__}.configure_model")
+            raise ConfigError(
+                "model._target_ is not set: choose a model (e.g. model=tutorial_net) or override "
+                f"{type(self).__name__}.configure_model"
+            )
         kwargs = {k: v for k, v in spec.items() if not k.startswith("_")}
         return locate(target, "model._target_")(**kwargs)
 
@@ -163,7 +167,7 @@ class Trainer:
         """The training set (every rank builds all of it; the sampler picks this rank's share)."""
         return self._default_dataset(train=True)
 
-    def val_dataset(self) -> Optional[Dataset]:
+    def val_dataset(self) -> Dataset | None:
         """The evaluation set, or ``None`` for no evaluation."""
         return self._default_dataset(train=False)
 
@@ -180,8 +184,10 @@ class Trainer:
         """
         inputs, targets = batch
         logits = model(inputs)
-        return {"loss": F.cross_entropy(logits, targets, reduction="none"),
-                "accuracy": (logits.argmax(dim=1) == targets).float()}
+        return {
+            "loss": F.cross_entropy(logits, targets, reduction="none"),
+            "accuracy": (logits.argmax(dim=1) == targets).float(),
+        }
 
     def configure_callbacks(self) -> list[Callback]:
         """The built-in callbacks the config asks for: progress, TensorBoard, checkpoints."""
@@ -190,9 +196,14 @@ class Trainer:
         if t.tensorboard:
             callbacks.append(TensorBoardCallback())
         if t.checkpoint_every_epochs or t.checkpoint_every_steps or t.checkpoint_at_end:
-            callbacks.append(CheckpointCallback(
-                every_epochs=t.checkpoint_every_epochs, every_steps=t.checkpoint_every_steps,
-                at_end=t.checkpoint_at_end, keep_last=t.keep_last_checkpoints))
+            callbacks.append(
+                CheckpointCallback(
+                    every_epochs=t.checkpoint_every_epochs,
+                    every_steps=t.checkpoint_every_steps,
+                    at_end=t.checkpoint_at_end,
+                    keep_last=t.keep_last_checkpoints,
+                )
+            )
         return callbacks
 
     # == the loop =================================================================================
@@ -200,38 +211,41 @@ class Trainer:
         """Train to the end (epochs, ``max_steps`` or ``stop_after_steps``); the final metrics on every rank."""
         cfg = self.config
         fit_start = time.perf_counter()
-        self._reset()                                          # a Trainer may fit more than once
-        owns_group = self.setup_distributed()                 # ranks: launcher env, or an existing group
+        self._reset()  # a Trainer may fit more than once
+        owns_group = self.setup_distributed()  # ranks: launcher env, or an existing group
         try:
-            seed_everything(cfg.trainer.seed + self.rank)      # per-rank seed (dropout); DDP syncs weights
-            self.output_dir = self._agree_on_output_dir()      # rank 0's choice, on every rank
+            seed_everything(cfg.trainer.seed + self.rank)  # per-rank seed (dropout); DDP syncs weights
+            self.output_dir = self._agree_on_output_dir()  # rank 0's choice, on every rank
             self.model = DistributedDataParallel(
-                self.configure_model().to(self.device), process_group=self.process_group,
-                bucket_cap_mb=cfg.dist.bucket_cap_mb, broadcast_buffers=cfg.dist.broadcast_buffers,
+                self.configure_model().to(self.device),
+                process_group=self.process_group,
+                bucket_cap_mb=cfg.dist.bucket_cap_mb,
+                broadcast_buffers=cfg.dist.broadcast_buffers,
                 find_unused_parameters=cfg.dist.find_unused_parameters,
-                gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view)
+                gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
+            )
             if cfg.dist.algorithm == "ring":
                 self.model.set_all_reduce(RingAllReducer(self.process_group))
-            self._setup_data()                                 # datasets, samplers, batch sizes, step counts
+            self._setup_data()  # datasets, samplers, batch sizes, step counts
             self.optimizer, self.scheduler = self._optimizers()
             self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
             resume = cfg.trainer.resume or self._elastic_restart_resume()
             if resume:
-                self.resume(resume)                            # weights, optimizer, sampler, step, RNG
+                self.resume(resume)  # weights, optimizer, sampler, step, RNG
             self._call("on_fit_start")
             metrics: dict[str, Any] = {}
             while self.state.epoch < cfg.trainer.epochs and not self.should_stop():
                 epoch = self.state.epoch
-                self.train_sampler.set_epoch(epoch)            # new shuffle per epoch; keeps a resumed position
+                self.train_sampler.set_epoch(epoch)  # new shuffle per epoch; keeps a resumed position
                 self._call("on_epoch_start", epoch)
                 metrics = {"epoch": epoch + 1}
                 finished = self.train_epoch(metrics)
                 if not finished:
-                    break                                      # stopped mid-epoch (max_steps / stop_after_steps)
+                    break  # stopped mid-epoch (max_steps / stop_after_steps)
                 self.state.epoch, self.state.samples_in_epoch = epoch + 1, 0
-                self.train_sampler.set_epoch(epoch + 1)        # a checkpoint now resumes at the next epoch's start
+                self.train_sampler.set_epoch(epoch + 1)  # a checkpoint now resumes at the next epoch's start
                 if cfg.trainer.eval_every_epochs and (epoch + 1) % cfg.trainer.eval_every_epochs == 0:
-                    metrics.update(self.evaluate())            # exact over the validation set, all ranks
+                    metrics.update(self.evaluate())  # exact over the validation set, all ranks
                 self._call("on_epoch_end", epoch, metrics)
             final = self._final_metrics(fit_start)
             self._call("on_fit_end", final)
@@ -240,7 +254,7 @@ class Trainer:
             return final
         except BaseException as exc:
             for callback in self.callbacks:
-                with contextlib.suppress(Exception):           # never hide the original error
+                with contextlib.suppress(Exception):  # never hide the original error
                     callback.on_exception(self, exc)
             raise
         finally:
@@ -291,7 +305,7 @@ class Trainer:
         return self.state.samples_in_epoch >= len(self.train_sampler)
 
     @staticmethod
-    def _elastic_restart_resume() -> Optional[str]:
+    def _elastic_restart_resume() -> str | None:
         """Under ``torchrun --max-restarts``, a restarted worker resumes from the run's last checkpoint.
 
         torchrun restarts every worker with the same arguments and counts restarts in
@@ -299,8 +313,9 @@ class Trainer:
         checkpoints of the attempt that failed.
         """
         if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-            log.info("torchrun restart %s: resuming from the latest checkpoint",
-                     os.environ["TORCHELASTIC_RESTART_COUNT"])
+            log.info(
+                "torchrun restart %s: resuming from the latest checkpoint", os.environ["TORCHELASTIC_RESTART_COUNT"]
+            )
             return "latest"
         return None
 
@@ -325,16 +340,23 @@ class Trainer:
         sums: dict[str, float] = {}
         position = 0
         with torch.no_grad():
-            for batch in make_batches(self.val_set, self.val_sampler, self.config.data.eval_batch_size,
-                                      self.config.data.num_workers, self.device.type == "cuda"):
+            for batch in make_batches(
+                self.val_set,
+                self.val_sampler,
+                self.config.data.eval_batch_size,
+                self.config.data.num_workers,
+                self.device.type == "cuda",
+            ):
                 n = batch_size_of(batch)
-                keep = (~padding[position:position + n]).to(torch.float64)
+                keep = (~padding[position : position + n]).to(torch.float64)
                 position += n
                 for name, values in self.validation_step(module, move_to(batch, self.device)).items():
                     values = values.detach().reshape(-1).to("cpu", torch.float64)
                     if len(values) != n:
-                        raise ValueError(f"validation_step returned {len(values)} value(s) for metric {name!r} on a "
-                                         f"batch of {n}: return one value per sample (reduction='none')")
+                        raise ValueError(
+                            f"validation_step returned {len(values)} value(s) for metric {name!r} on a "
+                            f"batch of {n}: return one value per sample (reduction='none')"
+                        )
                     sums[name] = sums.get(name, 0.0) + float((values * keep).sum())
                 sums[" count"] = sums.get(" count", 0.0) + float(keep.sum())
         module.train(was_training)
@@ -375,7 +397,7 @@ class Trainer:
             "trainer_class": f"{cls.__module__}.{cls.__qualname__}",
         }
 
-    def save_checkpoint(self, path: Union[str, Path]) -> Path:
+    def save_checkpoint(self, path: str | Path) -> Path:
         """Write a checkpoint (collective; rank 0 writes, atomically). Returns ``path``."""
         state = self.checkpoint_state()
         path = Path(path)
@@ -399,15 +421,16 @@ class Trainer:
             raise CheckpointError(error)
         if path is None:
             if self.is_main:
-                log.warning("trainer.resume=latest: no checkpoint in %s yet; starting from scratch",
-                            self.checkpoint_dir)
+                log.warning(
+                    "trainer.resume=latest: no checkpoint in %s yet; starting from scratch", self.checkpoint_dir
+                )
             return False
         self.load_checkpoint_state(load_checkpoint(path), path)
         if self.is_main:
             log.info("resumed from %s: step %d, epoch %d", path, self.state.step, self.state.epoch + 1)
         return True
 
-    def load_checkpoint_state(self, ckpt: dict[str, Any], path: Union[str, Path] = "<checkpoint>") -> None:
+    def load_checkpoint_state(self, ckpt: dict[str, Any], path: str | Path = "<checkpoint>") -> None:
         """Restore weights, optimizer, schedule, sampler position, step and this rank's RNG."""
         allow = self.config.trainer.allow_world_size_change
         check_world_size(ckpt["world_size"], self.world_size, allow, path)
@@ -417,8 +440,9 @@ class Trainer:
             self.scheduler.load_state_dict(ckpt["scheduler"])
         self.train_sampler.load_state_dict(ckpt["sampler"], allow_world_size_change=allow)
         same_epoch = self.train_sampler.epoch == ckpt["epoch"]
-        self.state = TrainState(step=ckpt["step"], epoch=ckpt["epoch"],
-                                samples_in_epoch=self.train_sampler.consumed if same_epoch else 0)
+        self.state = TrainState(
+            step=ckpt["step"], epoch=ckpt["epoch"], samples_in_epoch=self.train_sampler.consumed if same_epoch else 0
+        )
         self.last_eval = dict(ckpt.get("metrics") or {})
         # the logged losses so far: a resumed run reports the run's first loss, not its own
         self.loss_history = [(int(step), float(loss)) for step, loss in ckpt.get("loss_history") or []]
@@ -469,8 +493,9 @@ class Trainer:
             timeout, init_timeout = cfg.dist.timeout_s, cfg.dist.init_timeout_s
             if not env.is_launched_externally():
                 # A plain `python script.py`: a job of one, so the same code runs unchanged.
-                dist.init_process_group(backend, f"tcp://127.0.0.1:{find_free_port()}", timeout, 1, 0,
-                                        init_timeout=init_timeout)
+                dist.init_process_group(
+                    backend, f"tcp://127.0.0.1:{find_free_port()}", timeout, 1, 0, init_timeout=init_timeout
+                )
             elif backend == "mpi":
                 dist.init_process_group("mpi", timeout=timeout)
             elif env.name == "torchrun":
@@ -478,12 +503,20 @@ class Trainer:
                 # MASTER_PORT and the comm layer joins it as a client (TORCHELASTIC_USE_AGENT_STORE).
                 dist.init_process_group(backend, "env://", timeout, init_timeout=init_timeout)
             elif env.master_addr is None or env.master_port is None:
-                raise ConfigError(f"the {env.name} launcher gave no rendezvous address: set MASTER_ADDR and "
-                                  "MASTER_PORT for every rank (mpirun -x MASTER_ADDR=<host of rank 0> -x "
-                                  "MASTER_PORT=29500), or use dist.backend=mpi")
+                raise ConfigError(
+                    f"the {env.name} launcher gave no rendezvous address: set MASTER_ADDR and "
+                    "MASTER_PORT for every rank (mpirun -x MASTER_ADDR=<host of rank 0> -x "
+                    "MASTER_PORT=29500), or use dist.backend=mpi"
+                )
             else:
-                dist.init_process_group(backend, f"tcp://{env.master_addr}:{env.master_port}", timeout,
-                                        env.world_size, env.rank, init_timeout=init_timeout)
+                dist.init_process_group(
+                    backend,
+                    f"tcp://{env.master_addr}:{env.master_port}",
+                    timeout,
+                    env.world_size,
+                    env.rank,
+                    init_timeout=init_timeout,
+                )
         self.process_group = dist.get_process_group()
         self.rank, self.world_size = self.process_group.rank(), self.process_group.size()
         return owns
@@ -508,10 +541,19 @@ class Trainer:
         self.batch_size = per_rank_batch_size(cfg, self.world_size)
         self.train_set = self.train_dataset()
         self.val_set = self.val_dataset()
-        self.train_sampler = DistributedSampler(self.train_set, self.world_size, self.rank, shuffle=True,
-                                                seed=cfg.trainer.seed, drop_last=cfg.data.drop_last)
-        self.val_sampler = (None if self.val_set is None else
-                            DistributedSampler(self.val_set, self.world_size, self.rank, shuffle=False))
+        self.train_sampler = DistributedSampler(
+            self.train_set,
+            self.world_size,
+            self.rank,
+            shuffle=True,
+            seed=cfg.trainer.seed,
+            drop_last=cfg.data.drop_last,
+        )
+        self.val_sampler = (
+            None
+            if self.val_set is None
+            else DistributedSampler(self.val_set, self.world_size, self.rank, shuffle=False)
+        )
         micro = num_batches(len(self.train_sampler), self.batch_size)
         self.steps_per_epoch = num_batches(micro, cfg.trainer.grad_accum_steps)
         self.total_steps = self.steps_per_epoch * cfg.trainer.epochs
@@ -520,8 +562,14 @@ class Trainer:
 
     def train_batches(self):
         """The rest of this epoch's micro-batches for this rank (``iter`` once per epoch)."""
-        return make_batches(self.train_set, self.train_sampler, self.batch_size, self.config.data.num_workers,
-                            self.device.type == "cuda", seed=self.config.trainer.seed + self.rank)
+        return make_batches(
+            self.train_set,
+            self.train_sampler,
+            self.batch_size,
+            self.config.data.num_workers,
+            self.device.type == "cuda",
+            seed=self.config.trainer.seed + self.rank,
+        )
 
     def _optimizers(self):
         result = self.configure_optimizers(self.model.module)
@@ -557,10 +605,12 @@ class Trainer:
         w = self._window
         loss_sum, steps, samples = self._all_reduce_sum([w.loss_sum, w.steps, w.samples])
         elapsed = max(time.perf_counter() - w.start, 1e-9)
-        scalars = {"train/loss": loss_sum / max(steps, 1),
-                   "train/lr": float(self.optimizer.param_groups[0]["lr"]),
-                   "train/samples_per_s": samples / elapsed,
-                   "train/comm_wait_s": w.comm_wait_s / max(w.steps, 1)}
+        scalars = {
+            "train/loss": loss_sum / max(steps, 1),
+            "train/lr": float(self.optimizer.param_groups[0]["lr"]),
+            "train/samples_per_s": samples / elapsed,
+            "train/comm_wait_s": w.comm_wait_s / max(w.steps, 1),
+        }
         self.loss_history.append((self.state.step, scalars["train/loss"]))
         w.reset()
         self._call("on_log", scalars)
@@ -598,13 +648,21 @@ class Trainer:
             problems.append("the parameters differ between ranks (checksums all-gathered at the end)")
         first, last = final.get("train/loss_first"), final.get("train/loss_last")
         if first is None or len(self.loss_history) < 2:
-            problems.append(f"fewer than two logged losses ({len(self.loss_history)}); run more steps than "
-                            f"trainer.log_every_steps={self.config.trainer.log_every_steps}")
+            problems.append(
+                f"fewer than two logged losses ({len(self.loss_history)}); run more steps than "
+                f"trainer.log_every_steps={self.config.trainer.log_every_steps}"
+            )
         elif not last < first:
-            problems.append(f"the training loss did not fall: {first:.4f} at step {self.loss_history[0][0]} -> "
-                            f"{last:.4f} at step {self.loss_history[-1][0]}")
+            problems.append(
+                f"the training loss did not fall: {first:.4f} at step {self.loss_history[0][0]} -> "
+                f"{last:.4f} at step {self.loss_history[-1][0]}"
+            )
         if problems:
             raise SmokeCheckError("smoke check failed: " + "; ".join(problems))
         if self.is_main:
-            log.info("smoke check passed: loss %.4f -> %.4f, parameters identical on %d rank(s)",
-                     first, last, self.world_size)
+            log.info(
+                "smoke check passed: loss %.4f -> %.4f, parameters identical on %d rank(s)",
+                first,
+                last,
+                self.world_size,
+            )

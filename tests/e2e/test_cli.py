@@ -3,6 +3,7 @@
 Runs happen in a temporary working directory, so a stray output folder would show. MNIST comes
 from the shared read-only copy, decompressed once into a session cache (``$DDPTRAIN_DATA``).
 """
+
 import json
 import os
 import subprocess
@@ -17,8 +18,9 @@ REPO = Path(__file__).resolve().parents[2]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 TORCHRUN = Path(PYTHON).parent / "torchrun"
 SHARED_MNIST = REPO.parent / "shared" / "data" / "MNIST" / "raw"
-needs_mnist = pytest.mark.skipif(not (SHARED_MNIST / "train-images-idx3-ubyte.gz").is_file(),
-                                 reason=f"real MNIST not found in {SHARED_MNIST}")
+needs_mnist = pytest.mark.skipif(
+    not (SHARED_MNIST / "train-images-idx3-ubyte.gz").is_file(), reason=f"real MNIST not found in {SHARED_MNIST}"
+)
 # Small synthetic runs: 8 steps of 128 per epoch, a 200-sample evaluation.
 TINY = ["recipe=synthetic", "data.num_train_samples=1024", "data.num_val_samples=200", "trainer.epochs=1"]
 
@@ -47,8 +49,13 @@ def _short_error(proc, *words):
 @needs_mnist
 def test_smoke_run_mnist(tmp_path, data_cache):
     run_dir = tmp_path / "run"
-    proc = ddptrain("recipe=mnist", "trainer=smoke", f"hydra.run.dir={run_dir}", cwd=tmp_path,
-                    env={"DDPTRAIN_DATA": str(data_cache)})
+    proc = ddptrain(
+        "recipe=mnist",
+        "trainer=smoke",
+        f"hydra.run.dir={run_dir}",
+        cwd=tmp_path,
+        env={"DDPTRAIN_DATA": str(data_cache)},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "smoke check passed" in proc.stdout and "finished on 2 rank(s) at step 40" in proc.stdout
     metrics = json.loads((run_dir / "metrics.json").read_text())
@@ -62,8 +69,15 @@ def test_smoke_run_mnist(tmp_path, data_cache):
 def test_cfg_job_prints_the_composed_config(tmp_path):
     proc = ddptrain("recipe=mnist", "dist.world_size=4", "trainer.epochs=1", "--cfg", "job", cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    for line in ("trainer_class: recipes.mnist.MnistTrainer", "world_size: 4", "epochs: 1", "lr: 0.01",
-                 "momentum: 0.5", "global_batch_size: 128", "_target_: recipes.mnist.Net"):
+    for line in (
+        "trainer_class: recipes.mnist.MnistTrainer",
+        "world_size: 4",
+        "epochs: 1",
+        "lr: 0.01",
+        "momentum: 0.5",
+        "global_batch_size: 128",
+        "_target_: recipes.mnist.Net",
+    ):
         assert line in proc.stdout
     helped = ddptrain("--help", cwd=tmp_path, timeout=60)
     assert helped.returncode == 0 and "recipe: fashion_mnist, mnist, synthetic" in helped.stdout, helped.stderr
@@ -93,15 +107,30 @@ def test_dataset_missing_offline(tmp_path):
     # root and the (empty) list of sources, so the real command must say what to put where.
     empty = tmp_path / "empty-root"
     empty.mkdir()
-    proc = ddptrain("recipe=mnist", f"data.root={empty}", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=90,
-                    env={"DDPTRAIN_DATA_SOURCES": "", "DDPTRAIN_DATA_SOURCES_ONLY": "1"})
-    _short_error(proc, "MNIST was not found", "train-images-idx3-ubyte.gz", str(empty / "MNIST" / "raw"),
-                 "DDPTRAIN_DATA_SOURCES")
+    proc = ddptrain(
+        "recipe=mnist",
+        f"data.root={empty}",
+        f"hydra.run.dir={tmp_path / 'r'}",
+        cwd=tmp_path,
+        timeout=90,
+        env={"DDPTRAIN_DATA_SOURCES": "", "DDPTRAIN_DATA_SOURCES_ONLY": "1"},
+    )
+    _short_error(
+        proc, "MNIST was not found", "train-images-idx3-ubyte.gz", str(empty / "MNIST" / "raw"), "DDPTRAIN_DATA_SOURCES"
+    )
 
 
 def test_sweep_runs_every_point(tmp_path):
-    proc = ddptrain("-m", *TINY, "dist.world_size=1", "trainer.max_steps=3", "trainer.seed=1,2",
-                    f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=200)
+    proc = ddptrain(
+        "-m",
+        *TINY,
+        "dist.world_size=1",
+        "trainer.max_steps=3",
+        "trainer.seed=1,2",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        timeout=200,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     digests = []
     for job in ("0", "1"):
@@ -117,9 +146,20 @@ def torchrun_run(tmp_path_factory):
     """A 2-rank job started by torchrun: every process runs the CLI, rank 0 picks the directory."""
     cwd = tmp_path_factory.mktemp("torchrun")
     run_dir = cwd / "run"
-    proc = ddptrain("--standalone", "--nproc-per-node=2", "-m", "ddptrain", *TINY, "trainer.max_steps=6",
-                    "trainer.checkpoint_every_steps=3", f"hydra.run.dir={run_dir}", "launcher=torchrun", cwd=cwd,
-                    timeout=200, prefix=[str(TORCHRUN)])
+    proc = ddptrain(
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ddptrain",
+        *TINY,
+        "trainer.max_steps=6",
+        "trainer.checkpoint_every_steps=3",
+        f"hydra.run.dir={run_dir}",
+        "launcher=torchrun",
+        cwd=cwd,
+        timeout=200,
+        prefix=[str(TORCHRUN)],
+    )
     return cwd, run_dir, proc
 
 
@@ -129,7 +169,10 @@ def test_torchrun_job_uses_one_directory(torchrun_run):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "finished on 2 rank(s) at step 6" in proc.stdout
     assert sorted(p.name for p in cwd.iterdir()) == ["run"]
-    assert [p.name for p in sorted((run_dir / "checkpoints").glob("*.pt"))] == ["step_000000003.pt", "step_000000006.pt"]
+    assert [p.name for p in sorted((run_dir / "checkpoints").glob("*.pt"))] == [
+        "step_000000003.pt",
+        "step_000000006.pt",
+    ]
     assert json.loads((run_dir / "metrics.json").read_text())["params_agree"]
 
 
@@ -139,8 +182,9 @@ def test_resume_errors_and_fallback(torchrun_run):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     newest = run_dir / "checkpoints" / "step_000000006.pt"
     # Another world size: refused before any worker starts, with both sizes and the way out.
-    refused = ddptrain(*TINY, "dist.world_size=1", f"trainer.resume={run_dir}", f"hydra.run.dir={cwd / 'ws1'}",
-                       cwd=cwd, timeout=90)
+    refused = ddptrain(
+        *TINY, "dist.world_size=1", f"trainer.resume={run_dir}", f"hydra.run.dir={cwd / 'ws1'}", cwd=cwd, timeout=90
+    )
     _short_error(refused, "2 rank(s)", "this job has 1", "trainer.allow_world_size_change=true")
     # A truncated checkpoint: refused, and nothing deleted.
     newest.write_bytes(newest.read_bytes()[:1000])
@@ -148,21 +192,36 @@ def test_resume_errors_and_fallback(torchrun_run):
     _short_error(corrupt, "is corrupt or truncated", "step_000000003.pt")
     assert newest.is_file() and (run_dir / "checkpoints" / "step_000000003.pt").is_file()
     # resume=latest in the same directory: skips the corrupt one with a warning, continues from step 3.
-    resumed = ddptrain(*TINY, "trainer.max_steps=8", "trainer.resume=latest", f"hydra.run.dir={run_dir}",
-                       cwd=cwd, timeout=150)
+    resumed = ddptrain(
+        *TINY, "trainer.max_steps=8", "trainer.resume=latest", f"hydra.run.dir={run_dir}", cwd=cwd, timeout=150
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "skipping checkpoint" in resumed.stderr and "step_000000006.pt" in resumed.stderr
     assert "resumed from" in resumed.stdout and "step_000000003.pt" in resumed.stdout
     assert "at step 8" in resumed.stdout
 
 
-@pytest.mark.skipif(not (Path(PYTHON).parent / "mpirun").exists(), reason="mpirun is not installed next to the Python used")
+@pytest.mark.skipif(
+    not (Path(PYTHON).parent / "mpirun").exists(), reason="mpirun is not installed next to the Python used"
+)
 def test_mpirun_job_on_the_mpi_backend(tmp_path):
     """Under mpirun (no MASTER_ADDR) backend=auto picks mpi; every rank runs the CLI, one directory."""
-    proc = ddptrain("-n", "2", "--oversubscribe", PYTHON, "-m", "ddptrain", *TINY, "trainer.max_steps=4",
-                    "launcher=mpirun", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, timeout=150,
-                    prefix=[str(Path(PYTHON).parent / "mpirun")],
-                    env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    proc = ddptrain(
+        "-n",
+        "2",
+        "--oversubscribe",
+        PYTHON,
+        "-m",
+        "ddptrain",
+        *TINY,
+        "trainer.max_steps=4",
+        "launcher=mpirun",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+        timeout=150,
+        prefix=[str(Path(PYTHON).parent / "mpirun")],
+        env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "finished on 2 rank(s) at step 4" in proc.stdout
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["params_agree"]

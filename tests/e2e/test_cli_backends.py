@@ -1,5 +1,6 @@
 """Smoke runs through the CLI on the other communication paths: ring buckets with the
 desynchronisation guard, and backend=mpi started by the local launcher through mpiexec."""
+
 import shutil
 import subprocess
 import sys
@@ -13,8 +14,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cli(tmp_path, *overrides):
-    cmd = [sys.executable, "-m", "ddptrain", "recipe=mnist", "trainer=smoke", "trainer.progress=false",
-           f"hydra.run.dir={tmp_path / 'run'}", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddptrain",
+        "recipe=mnist",
+        "trainer=smoke",
+        "trainer.progress=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=200)
 
 
@@ -25,8 +34,10 @@ def test_ring_all_reduce_with_the_sync_guard(tmp_path):
     assert "smoke check passed" in out
 
 
-@pytest.mark.skipif(shutil.which("mpiexec", path=str(Path(sys.executable).parent)) is None,
-                    reason="mpiexec not installed next to this Python (pip install 'ddptrain[mpi]')")
+@pytest.mark.skipif(
+    shutil.which("mpiexec", path=str(Path(sys.executable).parent)) is None,
+    reason="mpiexec not installed next to this Python (pip install 'ddptrain[mpi]')",
+)
 def test_backend_mpi_with_the_local_launcher_goes_through_mpiexec(tmp_path):
     proc = _cli(tmp_path, "backend=mpi")
     out = proc.stdout + proc.stderr

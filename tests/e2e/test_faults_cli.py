@@ -5,6 +5,7 @@ spawned (workers start in rank order) and is killed with SIGKILL once the first 
 Most use recipe=synthetic; one runs an epoch of real MNIST next to an uninterrupted twin and
 checks the restarted job ends with the same accuracy and parameters.
 """
+
 import json
 import os
 import re
@@ -41,11 +42,23 @@ def _workers(pid):
 
 
 def _start(run_dir, *overrides):
-    cmd = [sys.executable, "-m", "ddptrain", "recipe=synthetic", "trainer.epochs=6", "data.num_train_samples=6000",
-           "trainer.checkpoint_every_steps=10", "trainer.progress=false", "trainer.tensorboard=false",
-           "dist.timeout_s=30", f"hydra.run.dir={run_dir}", *overrides]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddptrain",
+        "recipe=synthetic",
+        "trainer.epochs=6",
+        "data.num_train_samples=6000",
+        "trainer.checkpoint_every_steps=10",
+        "trainer.progress=false",
+        "trainer.tensorboard=false",
+        "dist.timeout_s=30",
+        f"hydra.run.dir={run_dir}",
+        *overrides,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
 
 
 def _kill_rank_1_after_first_checkpoint(proc, run_dir, timeout_s=120):
@@ -76,8 +89,12 @@ def test_kill_9_of_rank_1_ends_the_job_naming_it(tmp_path):
     assert time.monotonic() - killed_at < 30
     assert proc.returncode != 0
     assert "rank 1" in out and "SIGKILL" in out, out[-3000:]
-    alive = [pid for pid in workers if Path(f"/proc/{pid}").exists()
-             and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    alive = [
+        pid
+        for pid in workers
+        if Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    ]
     assert alive == [], f"workers {alive} outlived the job"
 
 
@@ -107,12 +124,28 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
     """torchrun restarts the workers; the trainer sees TORCHELASTIC_RESTART_COUNT and resumes."""
     run_dir = tmp_path / "run"
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [torchrun, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "ddptrain",
-           "recipe=synthetic", "launcher=torchrun", "trainer.epochs=6", "data.num_train_samples=6000",
-           "trainer.checkpoint_every_steps=10", "trainer.progress=false", "trainer.tensorboard=false",
-           "dist.timeout_s=30", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    cmd = [
+        torchrun,
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "-m",
+        "ddptrain",
+        "recipe=synthetic",
+        "launcher=torchrun",
+        "trainer.epochs=6",
+        "data.num_train_samples=6000",
+        "trainer.checkpoint_every_steps=10",
+        "trainer.progress=false",
+        "trainer.tensorboard=false",
+        "dist.timeout_s=30",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 120
         killed = False
@@ -136,8 +169,14 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
 
 # -- the must-show on real MNIST: kill -9 of rank 1 with launcher.max_restarts=1 ------------------
 SHARED_MNIST = ROOT.parent / "shared" / "data" / "MNIST" / "raw"
-MNIST_ONE_EPOCH = ["recipe=mnist", "trainer.epochs=1", "trainer.checkpoint_every_steps=100", "trainer.progress=false",
-                   "trainer.tensorboard=false", "dist.timeout_s=30"]
+MNIST_ONE_EPOCH = [
+    "recipe=mnist",
+    "trainer.epochs=1",
+    "trainer.checkpoint_every_steps=100",
+    "trainer.progress=false",
+    "trainer.tensorboard=false",
+    "dist.timeout_s=30",
+]
 
 
 def _session_processes(sid):
@@ -159,8 +198,9 @@ def _final_accuracy(out):
     return int(found.group(1)), float(found.group(2))
 
 
-@pytest.mark.skipif(not (SHARED_MNIST / "train-images-idx3-ubyte.gz").is_file(),
-                    reason=f"real MNIST not found in {SHARED_MNIST}")
+@pytest.mark.skipif(
+    not (SHARED_MNIST / "train-images-idx3-ubyte.gz").is_file(), reason=f"real MNIST not found in {SHARED_MNIST}"
+)
 def test_mnist_kill_9_with_max_restarts_ends_like_an_uninterrupted_run(tmp_path):
     """One epoch of the MNIST recipe, rank 1 SIGKILLed after the step-100 checkpoint: the job
     restarts once, resumes from that checkpoint, and ends with the accuracy and the parameters
@@ -169,11 +209,17 @@ def test_mnist_kill_9_with_max_restarts_ends_like_an_uninterrupted_run(tmp_path)
     try:
         # Both jobs at once: on 2 cores they overlap their start-ups (single-threaded imports).
         for name, extra in (("ref", []), ("run", ["launcher.max_restarts=1"])):
-            started.append(subprocess.Popen([sys.executable, "-m", "ddptrain", *MNIST_ONE_EPOCH, *extra,
-                                             f"hydra.run.dir={tmp_path / name}"], cwd=ROOT,
-                                            env={**os.environ, "DDPTRAIN_DATA": str(tmp_path / f"data-{name}")},
-                                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                            start_new_session=True))
+            started.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "ddptrain", *MNIST_ONE_EPOCH, *extra, f"hydra.run.dir={tmp_path / name}"],
+                    cwd=ROOT,
+                    env={**os.environ, "DDPTRAIN_DATA": str(tmp_path / f"data-{name}")},
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                )
+            )
         reference, proc = started
         run_dir = tmp_path / "run"
         _, first_workers = _kill_rank_1_after_first_checkpoint(proc, run_dir)
@@ -185,8 +231,11 @@ def test_mnist_kill_9_with_max_restarts_ends_like_an_uninterrupted_run(tmp_path)
                 os.killpg(job.pid, signal.SIGKILL)
     assert reference.returncode == 0, reference_out[-3000:]
     assert proc.returncode == 0, out[-4000:]
-    assert re.search(r"rank 1 failed \(rank 1 \(pid %d\) killed by signal SIGKILL.*\); restart 1 of 1, "
-                     r"resuming from latest" % first_workers[1], out), out[-4000:]
+    assert re.search(
+        rf"rank 1 failed \(rank 1 \(pid {first_workers[1]}\) killed by signal SIGKILL.*\); restart 1 of 1, "
+        r"resuming from latest",
+        out,
+    ), out[-4000:]
     resumed = re.search(r"resumed from \S+step_0*(\d+)\.pt: step (\d+), epoch 1", out)
     assert resumed and int(resumed.group(2)) == int(resumed.group(1)) >= 100, out[-4000:]
     assert "restart 1 of 1" in (run_dir / "ddptrain.log").read_text()  # the launching process's log file

@@ -7,6 +7,7 @@ moves itself into one made under this process's own cgroup (v1 ``memory.limit_in
 ``memory.max``) and allocates past it. Where no cgroup can be made (not root, no writable
 cgroupfs) that test skips, saying why.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,6 @@ import resource
 import signal
 import time
 from pathlib import Path
-from typing import Optional
 
 import pytest
 
@@ -45,6 +45,7 @@ def _allocate_past_an_address_space_limit(how: str) -> None:
         bytearray(4 << 30)
     else:
         import torch
+
         torch.empty(4 << 30, dtype=torch.uint8)
 
 
@@ -56,8 +57,9 @@ def _rank_1_runs_out_of_memory(rank, world_size, how, pid_dir):
     time.sleep(60)
 
 
-@pytest.mark.parametrize("how, cause", [("python", "MemoryError (the worker ran out of memory)"),
-                                        ("torch", "can't allocate memory")])
+@pytest.mark.parametrize(
+    "how, cause", [("python", "MemoryError (the worker ran out of memory)"), ("torch", "can't allocate memory")]
+)
 def test_allocation_failure_in_a_worker_names_the_rank_and_the_cause(tmp_path, how, cause):
     t0 = time.monotonic()
     with pytest.raises(WorkerFailedError) as info:
@@ -73,7 +75,7 @@ def test_allocation_failure_in_a_worker_names_the_rank_and_the_cause(tmp_path, h
 
 
 # -- the kernel's OOM killer --------------------------------------------------------------------
-def _own_memory_cgroup() -> Optional[tuple[str, Path]]:
+def _own_memory_cgroup() -> tuple[str, Path] | None:
     """("v1"|"v2", directory) of this process's memory cgroup, if its cgroupfs is mounted here."""
     lines = Path("/proc/self/cgroup").read_text().splitlines()
     for line in lines:
@@ -108,8 +110,9 @@ def small_memory_cgroup():
     except OSError as exc:
         if child.exists():
             child.rmdir()
-        pytest.skip(f"cannot make a memory cgroup with a {LIMIT_MIB} MiB limit under {parent} "
-                    f"(cgroup {version}): {exc}")
+        pytest.skip(
+            f"cannot make a memory cgroup with a {LIMIT_MIB} MiB limit under {parent} (cgroup {version}): {exc}"
+        )
     for name, value in (("memory.swappiness", "0"), ("memory.swap.max", "0")):  # OOM, not swap
         try:
             (child / name).write_text(value)

@@ -1,4 +1,5 @@
 """Bucket assignment is a pure function: check it against hand-computed layouts."""
+
 import pytest
 import torch
 
@@ -49,6 +50,7 @@ def test_make_buckets_views_alias_the_flat_buffer():
 
 def test_segments_split_a_bucket_into_direct_tensors_and_runs_of_small_ones():
     from ddptrain.ddp.reducer import _segments
+
     assert _segments([]) == []
     assert _segments([True]) == [None]
     assert _segments([False]) == [0]

@@ -18,22 +18,39 @@ from ddptrain.launch.env import (
 )
 
 TORCHRUN = {
-    "TORCHELASTIC_RUN_ID": "job-7", "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-    "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+    "TORCHELASTIC_RUN_ID": "job-7",
+    "RANK": "5",
+    "WORLD_SIZE": "8",
+    "LOCAL_RANK": "1",
+    "LOCAL_WORLD_SIZE": "4",
+    "GROUP_RANK": "1",
+    "MASTER_ADDR": "10.0.0.1",
+    "MASTER_PORT": "29500",
 }
 OMPI = {
-    "OMPI_COMM_WORLD_RANK": "6", "OMPI_COMM_WORLD_SIZE": "8",
-    "OMPI_COMM_WORLD_LOCAL_RANK": "2", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+    "OMPI_COMM_WORLD_RANK": "6",
+    "OMPI_COMM_WORLD_SIZE": "8",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
 }
 PMI = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
 SLURM = {
-    "SLURM_JOB_ID": "123456", "SLURM_PROCID": "3", "SLURM_NTASKS": "6", "SLURM_LOCALID": "1",
-    "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "2(x3)",
-    "SLURM_STEP_NODELIST": "gpu[07-09]", "SLURM_JOB_NODELIST": "other[1-9]",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "6",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_TASKS_PER_NODE": "2(x3)",
+    "SLURM_STEP_NODELIST": "gpu[07-09]",
+    "SLURM_JOB_NODELIST": "other[1-9]",
 }
 SALLOC = {  # an interactive allocation, before any srun: no SLURM_PROCID
-    "SLURM_JOB_ID": "99", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NODELIST": "node[1-2]",
-    "SLURM_NNODES": "2", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NTASKS": "8",
+    "SLURM_JOB_ID": "99",
+    "SLURM_JOB_NODELIST": "node[1-2]",
+    "SLURM_NODELIST": "node[1-2]",
+    "SLURM_NNODES": "2",
+    "SLURM_TASKS_PER_NODE": "4(x2)",
+    "SLURM_NTASKS": "8",
 }
 
 
@@ -54,8 +71,15 @@ def test_detection_order_is_written_down():
 
 def test_torchrun_reads_every_field():
     assert detect_environment(TORCHRUN) == ClusterEnvironment(
-        "torchrun", rank=5, world_size=8, local_rank=1, local_world_size=4, node_rank=1,
-        master_addr="10.0.0.1", master_port=29500)
+        "torchrun",
+        rank=5,
+        world_size=8,
+        local_rank=1,
+        local_world_size=4,
+        node_rank=1,
+        master_addr="10.0.0.1",
+        master_port=29500,
+    )
 
 
 def test_env_convention_without_elastic_id_defaults_local_rank_and_derives_node_rank():
@@ -103,16 +127,21 @@ def test_slurm_port_stays_in_documented_range_and_env_overrides():
 
 def test_slurm_fallback_variables():
     env = env_of(SLURM, SLURM_NPROCS="6", SLURM_TASKS_PER_NODE="3,3", SLURM_NODELIST="z[5-6]")
-    for var in ("SLURM_NTASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST",
-                "SLURM_JOB_NODELIST"):
+    for var in ("SLURM_NTASKS", "SLURM_STEP_TASKS_PER_NODE", "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"):
         del env[var]
     got = detect_environment(env)
     assert (got.world_size, got.local_world_size, got.master_addr) == (6, 3, "z5")
 
 
 def test_slurm_uneven_tasks_per_node():
-    env = env_of(SLURM, SLURM_STEP_TASKS_PER_NODE="4(x2),1", SLURM_NTASKS="9",
-                 SLURM_NODEID="2", SLURM_PROCID="8", SLURM_LOCALID="0")
+    env = env_of(
+        SLURM,
+        SLURM_STEP_TASKS_PER_NODE="4(x2),1",
+        SLURM_NTASKS="9",
+        SLURM_NODEID="2",
+        SLURM_PROCID="8",
+        SLURM_LOCALID="0",
+    )
     got = detect_environment(env)
     assert (got.local_world_size, got.node_rank) == (1, 2)
 
@@ -160,84 +189,115 @@ def test_torchrun_beats_mpi_beats_slurm():
 # --- hostlist parser ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("nodelist, hosts", [
-    ("gpu5", ["gpu5"]),
-    ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
-    ("a[1-2]-ib,b", ["a1-ib", "a2-ib", "b"]),
-    ("n[008-010]", ["n008", "n009", "n010"]),
-    ("n[9-11]", ["n9", "n10", "n11"]),
-    ("rack[1-2]-node[3-4]", ["rack1-node3", "rack1-node4", "rack2-node3", "rack2-node4"]),
-    ("x[1],y[2,4],z", ["x1", "y2", "y4", "z"]),
-    (" a , b ", ["a", "b"]),
-    ("c[3]", ["c3"]),
-])
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("gpu5", ["gpu5"]),
+        ("node[01-03,07],gpu5", ["node01", "node02", "node03", "node07", "gpu5"]),
+        ("a[1-2]-ib,b", ["a1-ib", "a2-ib", "b"]),
+        ("n[008-010]", ["n008", "n009", "n010"]),
+        ("n[9-11]", ["n9", "n10", "n11"]),
+        ("rack[1-2]-node[3-4]", ["rack1-node3", "rack1-node4", "rack2-node3", "rack2-node4"]),
+        ("x[1],y[2,4],z", ["x1", "y2", "y4", "z"]),
+        (" a , b ", ["a", "b"]),
+        ("c[3]", ["c3"]),
+    ],
+)
 def test_parse_slurm_nodelist(nodelist, hosts):
     assert parse_slurm_nodelist(nodelist) == hosts
 
 
-@pytest.mark.parametrize("nodelist, rule", [
-    ("node[01-03", "unbalanced or nested"),
-    ("node01-03]", "unbalanced or nested"),
-    ("a[1,[2]]", "unbalanced or nested"),
-    ("", "empty host name"),
-    ("a,,b", "empty host name"),
-    ("n[5-3]", "'5-3' runs backwards"),
-    ("n[a-b]", "'a-b' is not a number"),
-    ("n[]", "'' is not a number"),
-])
+@pytest.mark.parametrize(
+    "nodelist, rule",
+    [
+        ("node[01-03", "unbalanced or nested"),
+        ("node01-03]", "unbalanced or nested"),
+        ("a[1,[2]]", "unbalanced or nested"),
+        ("", "empty host name"),
+        ("a,,b", "empty host name"),
+        ("n[5-3]", "'5-3' runs backwards"),
+        ("n[a-b]", "'a-b' is not a number"),
+        ("n[]", "'' is not a number"),
+    ],
+)
 def test_parse_slurm_nodelist_rejects_malformed(nodelist, rule):
-    with pytest.raises(ValueError, match=rf"SLURM node list .* is malformed: .*{rule}.*"
-                                         rf"node\[01-03,07\],gpu5"):
+    with pytest.raises(
+        ValueError,
+        match=rf"SLURM node list .* is malformed: .*{rule}.*"
+        rf"node\[01-03,07\],gpu5",
+    ):
         parse_slurm_nodelist(nodelist)
 
 
 # --- errors -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("env, message", [
-    (env_of(TORCHRUN, RANK="8"),
-     r"RANK=8 is not below WORLD_SIZE=8 \(torchrun environment\): ranks run from 0 to "
-     r"WORLD_SIZE-1"),
-    (env_of(TORCHRUN, LOCAL_RANK="4"), r"LOCAL_RANK=4 is not below LOCAL_WORLD_SIZE=4"),
-    (env_of(TORCHRUN, WORLD_SIZE="two"),
-     r"WORLD_SIZE='two' is not an integer \(torchrun environment\).*unset it or fix"),
-    (env_of(TORCHRUN, RANK="1.0"), r"RANK='1.0' is not an integer"),
-    (env_of(TORCHRUN, RANK="-1"), r"RANK=-1 must be at least 0 \(torchrun environment\)"),
-    (env_of(TORCHRUN, WORLD_SIZE="0"), r"WORLD_SIZE=0 must be at least 1"),
-    (env_of(TORCHRUN, GROUP_RANK="-2"), r"GROUP_RANK=-2 must be at least 0"),
-    (env_of(TORCHRUN, MASTER_PORT="70000"), r"MASTER_PORT=70000 must be from 1 to 65535"),
-    (env_of(TORCHRUN, LOCAL_WORLD_SIZE="9", LOCAL_RANK="0"),
-     r"LOCAL_WORLD_SIZE=9 exceeds WORLD_SIZE=8 .*per-node process count"),
-    ({"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1"},
-     r"MASTER_ADDR is not set \(torchrun environment\): .*launch with torchrun or set all four"),
-    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "LOCAL_RANK": "0"},
-     r"LOCAL_WORLD_SIZE is not set .*LOCAL_RANK=0 is set"),
-    (env_of(OMPI, OMPI_COMM_WORLD_RANK="8"),
-     r"OMPI_COMM_WORLD_RANK=8 is not below OMPI_COMM_WORLD_SIZE=8 \(mpi environment\)"),
-    (env_of(OMPI, OMPI_COMM_WORLD_LOCAL_SIZE="x"), r"OMPI_COMM_WORLD_LOCAL_SIZE='x' is not an"),
-    ({"OMPI_COMM_WORLD_RANK": "0"},
-     r"OMPI_COMM_WORLD_SIZE is not set \(mpi environment\): OMPI_COMM_WORLD_RANK is set"),
-    (env_of(PMI, MPI_LOCALRANKID="2"), r"MPI_LOCALRANKID=2 is not below MPI_LOCALNRANKS=2"),
-    (env_of(SLURM, SLURM_PROCID="6"), r"SLURM_PROCID=6 is not below SLURM_NTASKS=6 \(slurm"),
-    (env_of(SLURM, SLURM_LOCALID="2"),
-     r"SLURM_LOCALID=2 is not below SLURM_STEP_TASKS_PER_NODE\[node 1\]=2"),
-    (env_of(SLURM, SLURM_NODEID="3"),
-     r"SLURM_NODEID=3 is not below the 3 node\(s\) listed in SLURM_STEP_TASKS_PER_NODE"),
-    (env_of(SLURM, SLURM_STEP_TASKS_PER_NODE="2x3"),
-     r"SLURM_STEP_TASKS_PER_NODE='2x3' is malformed \(slurm environment\)"),
-    (env_of(SLURM, SLURM_JOB_ID="abc"), r"SLURM_JOB_ID='abc' is not an integer"),
-    (env_of(SLURM, SLURM_STEP_NODELIST="gpu[07-09"), r"SLURM node list 'gpu\[07-09' is malformed"),
-    ({k: v for k, v in SLURM.items() if k != "SLURM_LOCALID"},
-     r"SLURM_LOCALID is not set \(slurm environment\): srun sets it"),
-    ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"},
-     r"SLURM_JOB_ID is not set .*set MASTER_PORT"),
-    ({k: v for k, v in SLURM.items() if "NODELIST" not in k},
-     r"SLURM_STEP_NODELIST is not set .*set MASTER_ADDR"),
-    ({"RANK": "1", "WORLD_SIZE": "2"},
-     r"RANK=1, WORLD_SIZE=2 set, but no launcher environment is complete: torchrun needs all "
-     r"of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.*or unset these"),
-    ({"PMI_RANK": "0"}, r"PMI_RANK=0 set, but no launcher environment is complete"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            env_of(TORCHRUN, RANK="8"),
+            r"RANK=8 is not below WORLD_SIZE=8 \(torchrun environment\): ranks run from 0 to "
+            r"WORLD_SIZE-1",
+        ),
+        (env_of(TORCHRUN, LOCAL_RANK="4"), r"LOCAL_RANK=4 is not below LOCAL_WORLD_SIZE=4"),
+        (
+            env_of(TORCHRUN, WORLD_SIZE="two"),
+            r"WORLD_SIZE='two' is not an integer \(torchrun environment\).*unset it or fix",
+        ),
+        (env_of(TORCHRUN, RANK="1.0"), r"RANK='1.0' is not an integer"),
+        (env_of(TORCHRUN, RANK="-1"), r"RANK=-1 must be at least 0 \(torchrun environment\)"),
+        (env_of(TORCHRUN, WORLD_SIZE="0"), r"WORLD_SIZE=0 must be at least 1"),
+        (env_of(TORCHRUN, GROUP_RANK="-2"), r"GROUP_RANK=-2 must be at least 0"),
+        (env_of(TORCHRUN, MASTER_PORT="70000"), r"MASTER_PORT=70000 must be from 1 to 65535"),
+        (
+            env_of(TORCHRUN, LOCAL_WORLD_SIZE="9", LOCAL_RANK="0"),
+            r"LOCAL_WORLD_SIZE=9 exceeds WORLD_SIZE=8 .*per-node process count",
+        ),
+        (
+            {"TORCHELASTIC_RUN_ID": "x", "RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "1"},
+            r"MASTER_ADDR is not set \(torchrun environment\): .*launch with torchrun or set all four",
+        ),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1", "LOCAL_RANK": "0"},
+            r"LOCAL_WORLD_SIZE is not set .*LOCAL_RANK=0 is set",
+        ),
+        (
+            env_of(OMPI, OMPI_COMM_WORLD_RANK="8"),
+            r"OMPI_COMM_WORLD_RANK=8 is not below OMPI_COMM_WORLD_SIZE=8 \(mpi environment\)",
+        ),
+        (env_of(OMPI, OMPI_COMM_WORLD_LOCAL_SIZE="x"), r"OMPI_COMM_WORLD_LOCAL_SIZE='x' is not an"),
+        (
+            {"OMPI_COMM_WORLD_RANK": "0"},
+            r"OMPI_COMM_WORLD_SIZE is not set \(mpi environment\): OMPI_COMM_WORLD_RANK is set",
+        ),
+        (env_of(PMI, MPI_LOCALRANKID="2"), r"MPI_LOCALRANKID=2 is not below MPI_LOCALNRANKS=2"),
+        (env_of(SLURM, SLURM_PROCID="6"), r"SLURM_PROCID=6 is not below SLURM_NTASKS=6 \(slurm"),
+        (env_of(SLURM, SLURM_LOCALID="2"), r"SLURM_LOCALID=2 is not below SLURM_STEP_TASKS_PER_NODE\[node 1\]=2"),
+        (
+            env_of(SLURM, SLURM_NODEID="3"),
+            r"SLURM_NODEID=3 is not below the 3 node\(s\) listed in SLURM_STEP_TASKS_PER_NODE",
+        ),
+        (
+            env_of(SLURM, SLURM_STEP_TASKS_PER_NODE="2x3"),
+            r"SLURM_STEP_TASKS_PER_NODE='2x3' is malformed \(slurm environment\)",
+        ),
+        (env_of(SLURM, SLURM_JOB_ID="abc"), r"SLURM_JOB_ID='abc' is not an integer"),
+        (env_of(SLURM, SLURM_STEP_NODELIST="gpu[07-09"), r"SLURM node list 'gpu\[07-09' is malformed"),
+        (
+            {k: v for k, v in SLURM.items() if k != "SLURM_LOCALID"},
+            r"SLURM_LOCALID is not set \(slurm environment\): srun sets it",
+        ),
+        ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}, r"SLURM_JOB_ID is not set .*set MASTER_PORT"),
+        ({k: v for k, v in SLURM.items() if "NODELIST" not in k}, r"SLURM_STEP_NODELIST is not set .*set MASTER_ADDR"),
+        (
+            {"RANK": "1", "WORLD_SIZE": "2"},
+            r"RANK=1, WORLD_SIZE=2 set, but no launcher environment is complete: torchrun needs all "
+            r"of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT.*or unset these",
+        ),
+        ({"PMI_RANK": "0"}, r"PMI_RANK=0 set, but no launcher environment is complete"),
+    ],
+)
 def test_errors_name_variable_value_rule_and_fix(env, message):
     with pytest.raises(ValueError, match=message):
         detect_environment(env)

@@ -7,11 +7,12 @@ reduction, lengths that do not divide evenly (chunks of length 0 included), in-p
 non-contiguous tensors, tag isolation, and the bandwidth-optimal message volume
 (each chunk crosses the ring ``2(p-1)`` times: ``2(p-1)·N`` elements in all, ``2(p-1)`` messages a rank).
 """
+
 from __future__ import annotations
 
 import queue
-import zlib
 import threading
+import zlib
 from collections import defaultdict
 from datetime import timedelta
 
@@ -119,8 +120,13 @@ def expected(op: ReduceOp, tensors):
         s = torch.stack([t.double() for t in tensors])
     else:  # reduce in int64, then wrap to the dtype exactly like in-dtype arithmetic does
         s = torch.stack([t.long() for t in tensors])
-    out = {ReduceOp.SUM: lambda: s.sum(0), ReduceOp.PRODUCT: lambda: s.prod(0), ReduceOp.MAX: lambda: s.amax(0),
-           ReduceOp.MIN: lambda: s.amin(0), ReduceOp.AVG: lambda: s.sum(0) / len(tensors)}[op]()
+    out = {
+        ReduceOp.SUM: lambda: s.sum(0),
+        ReduceOp.PRODUCT: lambda: s.prod(0),
+        ReduceOp.MAX: lambda: s.amax(0),
+        ReduceOp.MIN: lambda: s.amin(0),
+        ReduceOp.AVG: lambda: s.sum(0) / len(tensors),
+    }[op]()
     return out.to(dtype)
 
 
@@ -137,8 +143,17 @@ def make(rank, n, dtype, op):
     return vals.to(dtype)
 
 
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int8,
-          torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 @pytest.mark.parametrize("p", range(1, 9))
@@ -206,8 +221,9 @@ def test_non_contiguous_view_is_reduced_in_place(p):
     run_ring(views, ReduceOp.SUM)
     for r, b in enumerate(bases):
         assert torch.equal(b[:, ::2], want[:, ::2]), "the view's elements were not written back"
-        assert torch.equal(b[:, 1::2], (torch.arange(6 * 8, dtype=torch.float64).view(6, 8) * (r + 1))[:, 1::2]), \
+        assert torch.equal(b[:, 1::2], (torch.arange(6 * 8, dtype=torch.float64).view(6, 8) * (r + 1))[:, 1::2]), (
             "elements outside the view were touched"
+        )
 
 
 def test_multi_dimensional_tensor_keeps_its_shape():
@@ -227,7 +243,9 @@ def test_ring_messages_do_not_steal_user_messages():
 
 def test_avg_on_integers_and_unknown_ops_are_refused():
     g = FakeGroup(Network(), 0, 1)
-    with pytest.raises(TypeError, match=r"ring_all_reduce with ReduceOp.AVG needs a floating-point tensor, got torch.int32"):
+    with pytest.raises(
+        TypeError, match=r"ring_all_reduce with ReduceOp.AVG needs a floating-point tensor, got torch.int32"
+    ):
         ring_all_reduce(g, torch.ones(3, dtype=torch.int32), ReduceOp.AVG)
     with pytest.raises(ValueError, match="unknown reduce op 'BAND'"):
         ring_all_reduce(g, torch.ones(3), "BAND")

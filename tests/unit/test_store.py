@@ -1,4 +1,5 @@
 """Rendezvous and store, in one process: safe bind address, clear timeouts, store operations."""
+
 import socket
 import subprocess
 

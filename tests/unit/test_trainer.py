@@ -1,4 +1,5 @@
 """The Trainer in one process (a job of one): hooks, callbacks, data wiring, the smoke check."""
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -9,15 +10,24 @@ from ddptrain.trainer.data import TensorBatches, batch_size_of, preload
 
 
 def _config(tmp_path, **trainer):
-    base = {"epochs": 2, "log_every_steps": 2, "progress": False, "tensorboard": False,
-            "checkpoint_every_epochs": 0, "checkpoint_at_end": False, "output_dir": str(tmp_path)}
+    base = {
+        "epochs": 2,
+        "log_every_steps": 2,
+        "progress": False,
+        "tensorboard": False,
+        "checkpoint_every_epochs": 0,
+        "checkpoint_at_end": False,
+        "output_dir": str(tmp_path),
+    }
     base.update(trainer)
-    return Config.from_dict({
-        "model": {"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 3},
-        "data": {"global_batch_size": 10, "eval_batch_size": 7},
-        "optimizer": {"lr": 0.5, "momentum": 0.0},
-        "trainer": base,
-    })
+    return Config.from_dict(
+        {
+            "model": {"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 3},
+            "data": {"global_batch_size": 10, "eval_batch_size": 7},
+            "optimizer": {"lr": 0.5, "momentum": 0.0},
+            "trainer": base,
+        }
+    )
 
 
 class TinyTrainer(Trainer):
@@ -65,9 +75,30 @@ def test_fit_in_one_process_calls_hooks_in_order(tmp_path):
     recorder = Recorder()
     trainer = TinyTrainer(_config(tmp_path), callbacks=[recorder])
     metrics = trainer.fit()
-    assert recorder.calls == (["fit_start", "epoch_start0", "batch", "batch", "log@2", "batch", "batch", "log@4",
-                               "validation", "epoch_end0", "epoch_start1", "batch", "batch", "log@6", "batch",
-                               "batch", "log@8", "validation", "epoch_end1", "fit_end"])
+    assert recorder.calls == (
+        [
+            "fit_start",
+            "epoch_start0",
+            "batch",
+            "batch",
+            "log@2",
+            "batch",
+            "batch",
+            "log@4",
+            "validation",
+            "epoch_end0",
+            "epoch_start1",
+            "batch",
+            "batch",
+            "log@6",
+            "batch",
+            "batch",
+            "log@8",
+            "validation",
+            "epoch_end1",
+            "fit_end",
+        ]
+    )
     assert metrics["step"] == 8 and metrics["epoch"] == 2 and metrics["world_size"] == 1
     assert metrics["eval/samples"] == 13 and 0.0 <= metrics["eval/accuracy"] <= 1.0
     assert metrics["train/loss_last"] < metrics["train/loss_first"]
@@ -124,12 +155,23 @@ def test_preload_and_tensor_batches_follow_the_sampler():
 def test_run_refuses_a_launcher_that_did_not_start_us(monkeypatch):
     from ddptrain import ConfigError, run
 
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK",
-                "PMI_RANK", "SLURM_PROCID"):
+    for var in (
+        "RANK",
+        "WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "OMPI_COMM_WORLD_RANK",
+        "PMI_RANK",
+        "SLURM_PROCID",
+    ):
         monkeypatch.delenv(var, raising=False)
     config = Config.from_dict({"launcher": {"name": "torchrun"}})
-    with pytest.raises(ConfigError, match=r"launcher=torchrun, but this process was not started by torchrun.*"
-                                          r"torchrun --nproc-per-node=2 -m ddptrain"):
+    with pytest.raises(
+        ConfigError,
+        match=r"launcher=torchrun, but this process was not started by torchrun.*"
+        r"torchrun --nproc-per-node=2 -m ddptrain",
+    ):
         run(config)
     config = Config.from_dict({"recipe": {"trainer_class": "torch.nn.Linear"}})
     with pytest.raises(ConfigError, match="not a subclass of ddptrain.Trainer"):

@@ -1,19 +1,37 @@
 """Checkpoint files: atomic, verified, loadable with weights_only, corrupt ones refused and kept."""
+
 import random
 import warnings
 
 import pytest
 import torch
 
-from ddptrain.trainer.checkpoint_io import (FORMAT_VERSION, CheckpointError, CheckpointWarning, checkpoint_name,
-                                            latest_valid_checkpoint, list_checkpoints, load_checkpoint,
-                                            prune_checkpoints, resolve_resume_path, save_checkpoint)
+from ddptrain.trainer.checkpoint_io import (
+    FORMAT_VERSION,
+    CheckpointError,
+    CheckpointWarning,
+    checkpoint_name,
+    latest_valid_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    prune_checkpoints,
+    resolve_resume_path,
+    save_checkpoint,
+)
 from ddptrain.trainer.rng import capture_rng_state, restore_rng_state
 
 
 def _state(step, **extra):
-    state = {"format_version": FORMAT_VERSION, "step": step, "epoch": 0, "world_size": 2,
-             "model": {"w": torch.full((100,), float(step))}, "optimizer": {}, "sampler": {}, "rng": []}
+    state = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "epoch": 0,
+        "world_size": 2,
+        "model": {"w": torch.full((100,), float(step))},
+        "optimizer": {},
+        "sampler": {},
+        "rng": [],
+    }
     state.update(extra)
     return state
 
@@ -59,7 +77,12 @@ def test_corrupt_checkpoint_refused_and_kept(tmp_path, damage):
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(path)
     msg = str(info.value)
-    assert "corrupt" in msg and "nothing was deleted" in msg and "step_000000001.pt" in msg and "trainer.resume=latest" in msg
+    assert (
+        "corrupt" in msg
+        and "nothing was deleted" in msg
+        and "step_000000001.pt" in msg
+        and "trainer.resume=latest" in msg
+    )
     assert path.is_file() and (tmp_path / "step_000000001.pt").is_file()
 
 
@@ -84,8 +107,10 @@ def test_latest_falls_back_to_newest_valid_with_a_warning(tmp_path):
         _write(tmp_path, step)
     newest = tmp_path / checkpoint_name(3)
     newest.write_bytes(newest.read_bytes()[:50])
-    with pytest.warns(CheckpointWarning, match="skipping checkpoint .*step_000000003.pt"), \
-            pytest.warns(CheckpointWarning, match="resuming from step_000000002.pt"):
+    with (
+        pytest.warns(CheckpointWarning, match="skipping checkpoint .*step_000000003.pt"),
+        pytest.warns(CheckpointWarning, match="resuming from step_000000002.pt"),
+    ):
         assert latest_valid_checkpoint(tmp_path) == tmp_path / checkpoint_name(2)
     assert newest.is_file()  # kept for inspection
     for step in (1, 2):
@@ -117,7 +142,8 @@ def test_prune_keeps_the_newest(tmp_path):
     assert [p.name for p in deleted] == [checkpoint_name(1), checkpoint_name(2)]
     assert [p.name for p in list_checkpoints(tmp_path)] == [checkpoint_name(10), checkpoint_name(30)]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [checkpoint_name(10), checkpoint_name(10) + ".sha256", checkpoint_name(30), checkpoint_name(30) + ".sha256"])
+        [checkpoint_name(10), checkpoint_name(10) + ".sha256", checkpoint_name(30), checkpoint_name(30) + ".sha256"]
+    )
 
 
 class _Payload:

@@ -1,11 +1,11 @@
 """Trainer configuration: dataclasses from dictionaries, validation errors that name the fix."""
+
 import dataclasses
 
 import pytest
 import torch
 
-from ddptrain.trainer.config import (Config, ConfigError, TrainerConfig, per_rank_batch_size, resolve_backend,
-                                     validate)
+from ddptrain.trainer.config import Config, ConfigError, TrainerConfig, per_rank_batch_size, resolve_backend, validate
 
 
 def test_defaults_are_the_tutorial():
@@ -28,13 +28,19 @@ def test_every_field_has_a_docstring():
             for i, stmt in enumerate(body):
                 if isinstance(stmt, ast.AnnAssign):
                     nxt = body[i + 1] if i + 1 < len(body) else None
-                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), \
+                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
                         f"{node.name}.{stmt.target.id} has no docstring"
+                    )
 
 
 def test_from_dict_nested_and_coerced():
-    c = Config.from_dict({"trainer": {"epochs": 3.0, "grad_clip_norm": 1}, "optimizer": {"scheduler": {"name": "cosine"}},
-                          "model": {"_target_": "x.Y", "width": 3}})
+    c = Config.from_dict(
+        {
+            "trainer": {"epochs": 3.0, "grad_clip_norm": 1},
+            "optimizer": {"scheduler": {"name": "cosine"}},
+            "model": {"_target_": "x.Y", "width": 3},
+        }
+    )
     assert c.trainer.epochs == 3 and isinstance(c.trainer.epochs, int)
     assert c.trainer.grad_clip_norm == 1.0 and isinstance(c.trainer.grad_clip_norm, float)
     assert c.optimizer.scheduler.name == "cosine" and c.model["width"] == 3
@@ -48,12 +54,15 @@ def test_unknown_key_suggests_the_closest():
         Config.from_dict({"optimiser": {}})
 
 
-@pytest.mark.parametrize("section,key,value,words", [
-    ("trainer", "epochs", "ten", "must be an integer"),
-    ("trainer", "progress", "yes", "must be true or false"),
-    ("optimizer", "lr", True, "must be a number"),
-    ("trainer", "epochs", 2.5, "must be an integer"),
-])
+@pytest.mark.parametrize(
+    "section,key,value,words",
+    [
+        ("trainer", "epochs", "ten", "must be an integer"),
+        ("trainer", "progress", "yes", "must be true or false"),
+        ("optimizer", "lr", True, "must be a number"),
+        ("trainer", "epochs", 2.5, "must be an integer"),
+    ],
+)
 def test_wrong_types_name_the_key(section, key, value, words):
     with pytest.raises(ConfigError, match=rf"{section}\.{key} {words}"):
         Config.from_dict({section: {key: value}})
@@ -72,15 +81,18 @@ def test_global_batch_not_divisible_names_both_numbers_and_the_fix():
     assert per_rank_batch_size(Config.from_dict({"trainer": {"grad_accum_steps": 2}}), 2) == 32
 
 
-@pytest.mark.parametrize("changes,match", [
-    ({"trainer": {"epochs": 0}}, "trainer.epochs=0 must be at least 1"),
-    ({"optimizer": {"name": "sdg"}}, r"optimizer.name='sdg' is not one of sgd, adam, adamw \(did you mean sgd\?\)"),
-    ({"launcher": {"name": "slurm"}}, "launcher.name='slurm' is not one of local, torchrun, mpirun"),
-    ({"trainer": {"max_steps": 0}}, "trainer.max_steps=0 must be at least 1"),
-    ({"trainer": {"device": "tpu"}}, "trainer.device='tpu': use 'cpu' or 'cuda'"),
-    ({"dist": {"backend": "nccl"}}, "dist.backend=nccl needs trainer.device=cuda"),
-    ({"trainer": {"keep_last_checkpoints": 0}}, "keep_last_checkpoints=0 must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"trainer": {"epochs": 0}}, "trainer.epochs=0 must be at least 1"),
+        ({"optimizer": {"name": "sdg"}}, r"optimizer.name='sdg' is not one of sgd, adam, adamw \(did you mean sgd\?\)"),
+        ({"launcher": {"name": "slurm"}}, "launcher.name='slurm' is not one of local, torchrun, mpirun"),
+        ({"trainer": {"max_steps": 0}}, "trainer.max_steps=0 must be at least 1"),
+        ({"trainer": {"device": "tpu"}}, "trainer.device='tpu': use 'cpu' or 'cuda'"),
+        ({"dist": {"backend": "nccl"}}, "dist.backend=nccl needs trainer.device=cuda"),
+        ({"trainer": {"keep_last_checkpoints": 0}}, "keep_last_checkpoints=0 must be at least 1"),
+    ],
+)
 def test_validation_errors(changes, match):
     with pytest.raises(ConfigError, match=match):
         validate(Config.from_dict(changes), 2)
@@ -88,7 +100,9 @@ def test_validation_errors(changes, match):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 def test_cuda_without_gpu_is_a_clear_error():
-    with pytest.raises(ConfigError, match=r"trainer.device=cuda but torch.cuda.is_available\(\) is False.*trainer.device=cpu"):
+    with pytest.raises(
+        ConfigError, match=r"trainer.device=cuda but torch.cuda.is_available\(\) is False.*trainer.device=cpu"
+    ):
         validate(Config.from_dict({"trainer": {"device": "cuda"}}), 2)
 
 

@@ -13,6 +13,7 @@ for reductions (MPI has no float16/bfloat16 arithmetic), are staged through a fl
 Ranks and size come from the MPI launcher (``mpirun``/``mpiexec``); a configured world size that
 differs is refused.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -20,8 +21,8 @@ import os
 import queue
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable, Optional
 
 import torch
 
@@ -34,8 +35,7 @@ os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
 from mpi4py import MPI  # noqa: E402 - after the MCA default above
 
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
-from ..types import (CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype,
-                     to_reduce_op)
+from ..types import CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype, to_reduce_op
 
 # Tags of the timeout probe, on each group's private control communicator (never the user's).
 _PROBE_QUERY, _PROBE_REPLY = 1, 2
@@ -47,11 +47,18 @@ _IDLE_WAKE_S = 0.05
 # collective inside such calls, so the sleep bounds its latency; but on a rank whose cores are
 # busy with backward, every wake-up is taken from compute (a fixed 0.2 ms cost ~8% of the 18M
 # MLP's step time on 2 cores, measured with scripts/bench_ddp.py --backend mpi).
-_POLL_MIN_S, _POLL_MAX_S = float(os.environ.get("DDPTRAIN_MPI_POLL_MIN_S", "0.0001")), \
-    float(os.environ.get("DDPTRAIN_MPI_POLL_MAX_S", "0.001"))
+_POLL_MIN_S, _POLL_MAX_S = (
+    float(os.environ.get("DDPTRAIN_MPI_POLL_MIN_S", "0.0001")),
+    float(os.environ.get("DDPTRAIN_MPI_POLL_MAX_S", "0.001")),
+)
 
-_MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.AVG: MPI.SUM, ReduceOp.PRODUCT: MPI.PROD,
-            ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN}
+_MPI_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,
+    ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.MIN: MPI.MIN,
+}
 
 
 class _AllOf:
@@ -73,7 +80,7 @@ class _CommThread:
     """
 
     def __init__(self):
-        self._queue: "queue.Queue[Optional[tuple]]" = queue.Queue()
+        self._queue: queue.Queue[tuple | None] = queue.Queue()
         self._pending: list[tuple] = []  # (request, future, on_done, outputs, job keeping its buffers)
         self._groups: dict[int, tuple] = {}  # id(group) -> (control communicator, group)
         self._waiters, self._waiters_lock = 0, threading.Lock()
@@ -135,11 +142,11 @@ class _CommThread:
         self._queue.put(None)
         self._thread.join(timeout_s)
 
-    def register(self, group: "MPIProcessGroup", control) -> None:
+    def register(self, group: MPIProcessGroup, control) -> None:
         """Answer probes about ``group`` arriving on ``control`` (called on this thread)."""
         self._groups[id(group)] = (control, group)
 
-    def unregister(self, group: "MPIProcessGroup") -> None:
+    def unregister(self, group: MPIProcessGroup) -> None:
         self._groups.pop(id(group), None)
 
     def _answer_probes(self) -> None:
@@ -176,7 +183,7 @@ class _CommThread:
         return True
 
 
-_thread: Optional[_CommThread] = None
+_thread: _CommThread | None = None
 
 
 def _comm_thread() -> _CommThread:
@@ -233,6 +240,7 @@ class MPIProcessGroup(ProcessGroup):
             # communicator failed with MPI_ERR_TRUNCATE in testing)
             self._control = comm.Dup()
             self._thread.register(self, self._control)
+
         self._thread.submit(make_control, [])
 
     def _run(self, op_name: str, outputs, fn) -> Work:
@@ -243,8 +251,15 @@ class MPIProcessGroup(ProcessGroup):
             seq = self.collectives_called
             explain = lambda: self._missing_ranks(op_name, seq)  # noqa: E731
         fut = self._thread.submit(fn, outputs)
-        return _MPIWork(self._thread, op_name, outputs, fut, self.timeout, explain_timeout=explain,
-                        describe=f"on group {self.name!r} (mpi, rank {self._rank} of {self._size}) ")
+        return _MPIWork(
+            self._thread,
+            op_name,
+            outputs,
+            fut,
+            self.timeout,
+            explain_timeout=explain,
+            describe=f"on group {self.name!r} (mpi, rank {self._rank} of {self._size}) ",
+        )
 
     def _missing_ranks(self, op: str, seq: int) -> str:
         """Ask every peer how many collectives of this group it has called: those below ``seq``
@@ -267,20 +282,25 @@ class MPIProcessGroup(ProcessGroup):
                 reqs.append(self._control.Isend(query, dest=r, tag=_PROBE_QUERY))
                 reqs.append(self._control.Irecv(answers[r], source=r, tag=_PROBE_REPLY))
             return _AllOf(reqs), None  # this job (kept until done) holds query and answers
+
         done = threading.Event()
         self._thread.submit(post, []).add_done_callback(lambda _f: done.set())
         done.wait(min(_PROBE_WAIT_S, self.timeout.total_seconds()))
         if not posted.is_set():
-            return (" This rank's MPI communication thread is itself blocked (creating a group), so "
-                    "the peers could not be asked which of them are missing.")
+            return (
+                " This rank's MPI communication thread is itself blocked (creating a group), so "
+                "the peers could not be asked which of them are missing."
+            )
         behind = [self.global_ranks[r] for r in peers if 0 <= int(answers[r][0]) < seq]
         silent = [self.global_ranks[r] for r in peers if int(answers[r][0]) < 0]
         parts = []
         if behind:
             parts.append(f" Rank(s) {behind} never arrived at this {op} (collective #{seq} of the group).")
         if silent:
-            parts.append(f" Rank(s) {silent} did not answer within {_PROBE_WAIT_S:g} s (dead, or stuck outside "
-                         "ddptrain's communication thread).")
+            parts.append(
+                f" Rank(s) {silent} did not answer within {_PROBE_WAIT_S:g} s (dead, or stuck outside "
+                "ddptrain's communication thread)."
+            )
         if not parts:
             parts.append(" Every rank reached this collective; it may have called it with different arguments.")
         return "".join(parts)
@@ -318,6 +338,7 @@ class MPIProcessGroup(ProcessGroup):
                 buf[...] /= self._size
             if back:
                 back()
+
         return done
 
     def all_reduce(self, tensor, op=ReduceOp.SUM):
@@ -325,8 +346,9 @@ class MPIProcessGroup(ProcessGroup):
         buf, back = _staged(tensor, True)
 
         done = self._after_reduce(op, buf, back)
-        return self._run("all_reduce", [tensor],
-                         lambda: (self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op]), done))
+        return self._run(
+            "all_reduce", [tensor], lambda: (self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op]), done)
+        )
 
     def reduce(self, tensor, dst, op=ReduceOp.SUM):
         self._check_peer(dst, "reduce", "dst")
@@ -335,8 +357,9 @@ class MPIProcessGroup(ProcessGroup):
 
         if self._rank == dst:
             done = self._after_reduce(op, buf, back)
-            return self._run("reduce", [tensor],
-                             lambda: (self.comm.Ireduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op], root=dst), done))
+            return self._run(
+                "reduce", [tensor], lambda: (self.comm.Ireduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op], root=dst), done)
+            )
         return self._run("reduce", [tensor], lambda: (self.comm.Ireduce(buf, None, op=_MPI_OPS[op], root=dst), None))
 
     def all_gather(self, tensor_list, tensor):
@@ -348,6 +371,7 @@ class MPIProcessGroup(ProcessGroup):
         def unpack():
             for out, row in zip(tensor_list, flat):
                 out.copy_(row.view_as(out))
+
         return self._run("all_gather", tensor_list, lambda: (self.comm.Iallgather(send, flat.numpy()), unpack))
 
     def gather(self, tensor, gather_list, dst):
@@ -357,13 +381,19 @@ class MPIProcessGroup(ProcessGroup):
         if is_root:
             check_list_len("gather", "gather_list", gather_list, self._size)
             check_same_shape("gather", "gather_list", tensor, gather_list)
-        flat = torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype) if is_root else None
+        flat = (
+            torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype) if is_root else None
+        )
 
         def unpack():
             for out, row in zip(gather_list, flat):
                 out.copy_(row.view_as(out))
-        return self._run("gather", gather_list or [], lambda: (
-            self.comm.Igather(send, flat.numpy() if is_root else None, root=dst), unpack if is_root else None))
+
+        return self._run(
+            "gather",
+            gather_list or [],
+            lambda: (self.comm.Igather(send, flat.numpy() if is_root else None, root=dst), unpack if is_root else None),
+        )
 
     def scatter(self, tensor, scatter_list, src):
         self._check_peer(src, "scatter", "src")
@@ -376,8 +406,9 @@ class MPIProcessGroup(ProcessGroup):
             if tensor.dtype == torch.bfloat16:
                 flat = flat.float()
 
-        return self._run("scatter", [tensor],
-                         lambda: (self.comm.Iscatter(flat.numpy() if is_root else None, recv, root=src), back))
+        return self._run(
+            "scatter", [tensor], lambda: (self.comm.Iscatter(flat.numpy() if is_root else None, recv, root=src), back)
+        )
 
     def reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
         check_list_len("reduce_scatter", "input_list", input_list, self._size)
@@ -387,8 +418,11 @@ class MPIProcessGroup(ProcessGroup):
         send = torch.stack([t.detach().cpu() for t in input_list]).to(torch.from_numpy(recv[:0]).dtype).contiguous()
 
         done = self._after_reduce(op, recv, back)
-        return self._run("reduce_scatter", [output],
-                         lambda: (self.comm.Ireduce_scatter_block(send.numpy(), recv, op=_MPI_OPS[op]), done))
+        return self._run(
+            "reduce_scatter",
+            [output],
+            lambda: (self.comm.Ireduce_scatter_block(send.numpy(), recv, op=_MPI_OPS[op]), done),
+        )
 
     def all_to_all(self, output_list, input_list):
         check_list_len("all_to_all", "output_list", output_list, self._size)
@@ -403,8 +437,12 @@ class MPIProcessGroup(ProcessGroup):
         def unpack():
             for out, chunk in zip(output_list, torch.split(recv.view(output_list[0].dtype), r_counts)):
                 out.copy_(chunk.view_as(out))
-        return self._run("all_to_all", output_list, lambda: (
-            self.comm.Ialltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts]), unpack))
+
+        return self._run(
+            "all_to_all",
+            output_list,
+            lambda: (self.comm.Ialltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts]), unpack),
+        )
 
     def barrier(self):
         return self._run("barrier", [], lambda: (self.comm.Ibarrier(), None))
@@ -414,7 +452,10 @@ class MPIProcessGroup(ProcessGroup):
         box = {}
 
         def run():
-            box["comm"] = self.comm.Split(0 if member else MPI.UNDEFINED, key=list(ranks).index(self._rank) if member else 0)
+            box["comm"] = self.comm.Split(
+                0 if member else MPI.UNDEFINED, key=list(ranks).index(self._rank) if member else 0
+            )
+
         self._run("new_group", [], run).wait()
         if not member:
             return None
@@ -430,6 +471,7 @@ class MPIProcessGroup(ProcessGroup):
                     self._control.Free()
                 if comm is not MPI.COMM_WORLD:
                     comm.Free()
+
             freed = threading.Event()
             self._thread.submit(free, []).add_done_callback(lambda _f: freed.set())
             freed.wait(5)  # best effort at teardown: a wedged thread must not hang the exit
@@ -443,13 +485,18 @@ def make_mpi_group(rank: int, size: int, timeout: timedelta) -> MPIProcessGroup:
     if size not in (-1, None) and size != mpi_size:
         raise RendezvousError(
             f"backend 'mpi': the job was configured for world_size={size} but mpirun started "
-            f"{mpi_size} rank(s). Run `mpirun -n {size} ...`, or set the world size to {mpi_size}.")
+            f"{mpi_size} rank(s). Run `mpirun -n {size} ...`, or set the world size to {mpi_size}."
+        )
     if rank not in (-1, None) and rank != mpi_rank:
-        raise RendezvousError(f"backend 'mpi': rank={rank} was given but MPI says this process is "
-                              f"rank {mpi_rank}; let MPI assign ranks (pass rank=-1).")
+        raise RendezvousError(
+            f"backend 'mpi': rank={rank} was given but MPI says this process is "
+            f"rank {mpi_rank}; let MPI assign ranks (pass rank=-1)."
+        )
     if MPI.Query_thread() < MPI.THREAD_SERIALIZED:
-        raise CommError("backend 'mpi' needs an MPI library initialised with at least "
-                        "MPI_THREAD_SERIALIZED (ddptrain calls MPI from a communication thread)")
+        raise CommError(
+            "backend 'mpi' needs an MPI library initialised with at least "
+            "MPI_THREAD_SERIALIZED (ddptrain calls MPI from a communication thread)"
+        )
     _abort_on_uncaught_exception()
     return MPIProcessGroup(comm, list(range(mpi_size)), timeout)
 
@@ -468,5 +515,6 @@ def _abort_on_uncaught_exception() -> None:
         previous(exc_type, exc, tb)
         sys.stderr.flush()
         MPI.COMM_WORLD.Abort(1)
+
     hook._ddptrain_mpi_abort = True
     sys.excepthook = hook

@@ -6,11 +6,12 @@ for user code that initialises ``torch.distributed`` itself, and it adds no Pyth
 hot path (the 1 MiB+ all-reduce goes straight to the C++ backend). :class:`TorchProcessGroup`
 also adapts a group that user code created through ``torch.distributed`` (``from_torch``).
 """
+
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Optional, Sequence
 
 import torch
 import torch.distributed as tdist
@@ -18,8 +19,7 @@ from torch._C import _distributed_c10d as c10d
 
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..store import Store, is_loopback
-from ..types import (CommError, CommTimeoutError, GroupError, ReduceOp, Work, check_avg_dtype,
-                     to_reduce_op)
+from ..types import CommError, CommTimeoutError, ReduceOp, Work, check_avg_dtype, to_reduce_op
 
 _C10D_OPS = {
     ReduceOp.SUM: c10d.ReduceOp.SUM,
@@ -33,7 +33,7 @@ _C10D_OPS = {
 class TorchWork(Work):
     """Wraps a c10d ``Work`` and turns its failures into errors that name the operation."""
 
-    def __init__(self, op_name: str, outputs, c10d_work, group: "TorchProcessGroup", seq: int = 0):
+    def __init__(self, op_name: str, outputs, c10d_work, group: TorchProcessGroup, seq: int = 0):
         super().__init__(op_name, outputs)
         self._work = c10d_work
         self._group = group
@@ -41,7 +41,7 @@ class TorchWork(Work):
         self._waited = False
         self._wait_lock = threading.Lock()
 
-    def _wait(self, timeout: Optional[timedelta]) -> None:
+    def _wait(self, timeout: timedelta | None) -> None:
         # gloo's send/recv works count completions: a second wait() on the same work would block
         # for a message that never comes. Wait on the backend once; later calls return at once.
         with self._wait_lock:
@@ -68,6 +68,7 @@ class TorchWork(Work):
             fut.wait()
             self._finalize()
             return self.outputs
+
         try:
             return self._work.get_future().then(finish)
         except RuntimeError:
@@ -80,6 +81,7 @@ class TorchWork(Work):
                     fut.set_result(self.outputs)
                 except BaseException as exc:  # noqa: BLE001 - deliver the failure to the future
                     fut.set_exception(exc)
+
             threading.Thread(target=waiter, daemon=True, name=f"ddptrain-{self.op_name}-future").start()
             return fut
 
@@ -87,9 +89,19 @@ class TorchWork(Work):
 class TorchProcessGroup(ProcessGroup):
     """A ddptrain group over a torch c10d backend object (gloo or NCCL)."""
 
-    def __init__(self, pg, backend: str, rank: int, size: int, global_ranks: Sequence[int],
-                 timeout: timedelta, store: Optional[Store] = None, master_addr: Optional[str] = None,
-                 name: str = "world", native_avg: bool = False):
+    def __init__(
+        self,
+        pg,
+        backend: str,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        timeout: timedelta,
+        store: Store | None = None,
+        master_addr: str | None = None,
+        name: str = "world",
+        native_avg: bool = False,
+    ):
         super().__init__(rank, size, global_ranks, timeout, name)
         self.pg = pg
         self.backend = backend
@@ -100,13 +112,21 @@ class TorchProcessGroup(ProcessGroup):
         self._collective_seq = 0  # same count on every rank: collectives are called in one order
 
     @classmethod
-    def from_torch(cls, group=None) -> "TorchProcessGroup":
+    def from_torch(cls, group=None) -> TorchProcessGroup:
         """Adapt a ``torch.distributed`` group (default: its world group) to our interface."""
         group = group or tdist.group.WORLD
         backend = str(tdist.get_backend(group))
         ranks = tdist.get_process_group_ranks(group)
-        pg = cls(group, backend, group.rank(), group.size(), ranks,
-                 timeout=timedelta(minutes=30), name="torch.distributed", native_avg=(backend == "nccl"))
+        pg = cls(
+            group,
+            backend,
+            group.rank(),
+            group.size(),
+            ranks,
+            timeout=timedelta(minutes=30),
+            name="torch.distributed",
+            native_avg=(backend == "nccl"),
+        )
         pg._torch_group = group
         return pg
 
@@ -120,6 +140,7 @@ class TorchProcessGroup(ProcessGroup):
         if self.store is None or not seq:
             return ""
         import time
+
         try:
             key = f"timeout/{seq}"
             self.store.set(f"{key}/rank{self._rank}", op)
@@ -135,8 +156,9 @@ class TorchProcessGroup(ProcessGroup):
             return " Every rank reached this collective; it may have called it with different arguments."
         return f" Rank(s) {missing} never arrived at this {op} (collective #{seq} of the group)."
 
-    def translate_error(self, op: str, exc: BaseException, seq: int = 0,
-                        wait_timeout: Optional[timedelta] = None) -> CommError:
+    def translate_error(
+        self, op: str, exc: BaseException, seq: int = 0, wait_timeout: timedelta | None = None
+    ) -> CommError:
         text = str(exc)
         where = f"{op} on group {self.name!r} ({self.backend}, rank {self._rank} of {self._size})"
         low = text.lower()
@@ -144,20 +166,24 @@ class TorchProcessGroup(ProcessGroup):
             # the caller's own, shorter wait: peers may just be slower, so no store probe
             return CommTimeoutError(
                 f"{where} did not complete within the {wait_timeout.total_seconds():g} s given to "
-                f"wait(); the operation may still finish. Backend said: {text.splitlines()[0]}")
+                f"wait(); the operation may still finish. Backend said: {text.splitlines()[0]}"
+            )
         if "timed out" in low or "timeout" in low:
             return CommTimeoutError(
                 f"{where} timed out after {self.timeout.total_seconds():g} s: some rank of "
                 f"{self.global_ranks} did not join the operation (it may be stuck, dead, or calling "
-                f"a different collective).{self._missing_ranks(op, seq)} Backend said: {text.splitlines()[0]}")
+                f"a different collective).{self._missing_ranks(op, seq)} Backend said: {text.splitlines()[0]}"
+            )
         if "connection closed by peer" in low or "connection reset" in low or "broken pipe" in low:
             return CommError(
                 f"{where} failed: a peer closed its connection — a rank of {self.global_ranks} "
-                f"probably exited or crashed. Backend said: {text.splitlines()[0]}")
+                f"probably exited or crashed. Backend said: {text.splitlines()[0]}"
+            )
         if "size" in low or "mismatch" in low or "length" in low:
             return CommError(
                 f"{where} failed because ranks passed tensors of different sizes or dtypes; every "
-                f"rank must pass the same shape and dtype. Backend said: {text.splitlines()[0]}")
+                f"rank must pass the same shape and dtype. Backend said: {text.splitlines()[0]}"
+            )
         return CommError(f"{where} failed: {text}")
 
     def _contiguous(self, tensor: torch.Tensor):
@@ -242,8 +268,9 @@ class TorchProcessGroup(ProcessGroup):
     def all_gather(self, tensor_list, tensor):
         check_list_len("all_gather", "tensor_list", tensor_list, self._size)
         check_same_shape("all_gather", "tensor_list", tensor, tensor_list)
-        return self._run("all_gather", tensor_list,
-                         lambda: self.pg.allgather([list(tensor_list)], [tensor], c10d.AllgatherOptions()))
+        return self._run(
+            "all_gather", tensor_list, lambda: self.pg.allgather([list(tensor_list)], [tensor], c10d.AllgatherOptions())
+        )
 
     def gather(self, tensor, gather_list, dst):
         self._check_peer(dst, "gather", "dst")
@@ -275,8 +302,7 @@ class TorchProcessGroup(ProcessGroup):
         c_op, divide = self._reduce_op(op, output, "reduce_scatter")
         opts = c10d.ReduceScatterOptions()
         opts.reduceOp = c_op
-        work = self._run("reduce_scatter", [output],
-                         lambda: self.pg.reduce_scatter([output], [list(input_list)], opts))
+        work = self._run("reduce_scatter", [output], lambda: self.pg.reduce_scatter([output], [list(input_list)], opts))
         if divide:
             work.add_post_processing(lambda: output.div_(self._size))
         return work
@@ -292,12 +318,16 @@ class TorchProcessGroup(ProcessGroup):
         recv = torch.empty(sum(t.numel() for t in output_list), dtype=dtype, device=send.device)
         in_splits = [t.numel() for t in input_list]
         out_splits = [t.numel() for t in output_list]
-        work = self._run("all_to_all", output_list, lambda: self.pg.alltoall_base(
-            recv, send, out_splits, in_splits, c10d.AllToAllOptions()))
+        work = self._run(
+            "all_to_all",
+            output_list,
+            lambda: self.pg.alltoall_base(recv, send, out_splits, in_splits, c10d.AllToAllOptions()),
+        )
 
         def unpack():
             for out, chunk in zip(output_list, torch.split(recv, out_splits)):
                 out.copy_(chunk.view_as(out))
+
         work.add_post_processing(unpack)
         return work
 
@@ -333,8 +363,9 @@ class TorchProcessGroup(ProcessGroup):
         super().destroy()
 
 
-def _gloo_device(master_addr: Optional[str]):
+def _gloo_device(master_addr: str | None):
     import os
+
     iface = os.environ.get("GLOO_SOCKET_IFNAME")
     if iface:
         return c10d.ProcessGroupGloo.create_device(interface=iface.split(",")[0])
@@ -345,6 +376,7 @@ def _gloo_device(master_addr: Optional[str]):
         # Use the local address that routes to rank 0: the machine's hostname may resolve to an
         # address the peers cannot reach (containers, network namespaces, several NICs).
         import socket
+
         try:
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
                 probe.connect((master_addr, 9))  # UDP connect sends nothing; it only picks a route
@@ -354,8 +386,9 @@ def _gloo_device(master_addr: Optional[str]):
     return c10d.ProcessGroupGloo.create_default_device()
 
 
-def make_gloo_group(store: Store, rank: int, size: int, timeout: timedelta,
-                    master_addr: Optional[str] = None) -> TorchProcessGroup:
+def make_gloo_group(
+    store: Store, rank: int, size: int, timeout: timedelta, master_addr: str | None = None
+) -> TorchProcessGroup:
     opts = c10d.ProcessGroupGloo._Options()
     opts._timeout = timeout
     opts._devices = [_gloo_device(master_addr)]
@@ -365,12 +398,13 @@ def make_gloo_group(store: Store, rank: int, size: int, timeout: timedelta,
 
 def make_nccl_group(store: Store, rank: int, size: int, timeout: timedelta) -> TorchProcessGroup:
     if not torch.cuda.is_available():
-        raise CommError("backend 'nccl' needs CUDA GPUs, and torch.cuda.is_available() is False on "
-                        "this machine; use backend 'gloo' for CPU tensors.")
+        raise CommError(
+            "backend 'nccl' needs CUDA GPUs, and torch.cuda.is_available() is False on "
+            "this machine; use backend 'gloo' for CPU tensors."
+        )
     if not tdist.is_nccl_available():
         raise CommError("this torch build has no NCCL; use backend 'gloo' (or install a CUDA build of torch)")
     opts = c10d.ProcessGroupNCCL.Options()
     opts._timeout = timeout
     pg = c10d.ProcessGroupNCCL(store.c10d, rank, size, opts)
-    return TorchProcessGroup(pg, "nccl", rank, size, list(range(size)), timeout, store,
-                             native_avg=True)
+    return TorchProcessGroup(pg, "nccl", rank, size, list(range(size)), timeout, store, native_avg=True)

@@ -1,4 +1,5 @@
 """Callbacks: the interface and the three built-ins (checkpoints, TensorBoard, progress)."""
+
 from .base import Callback
 from .checkpoint import CheckpointCallback
 from .progress import ProgressCallback

@@ -4,11 +4,12 @@ Saving is collective (every rank contributes its RNG state), so this callback ru
 rank; only rank 0 touches the disk. Older checkpoints are deleted only after the new one is
 written and verified, so a failed write never costs the previous checkpoint.
 """
+
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from ..checkpoint_io import checkpoint_name, load_checkpoint, prune_checkpoints
 from .base import Callback
@@ -30,35 +31,41 @@ class CheckpointCallback(Callback):
         keep_last: how many checkpoints to keep.
     """
 
-    def __init__(self, directory: Optional[Path] = None, every_epochs: int = 1, every_steps: int = 0,
-                 at_end: bool = True, keep_last: int = 3):
+    def __init__(
+        self,
+        directory: Path | None = None,
+        every_epochs: int = 1,
+        every_steps: int = 0,
+        at_end: bool = True,
+        keep_last: int = 3,
+    ):
         self.directory = None if directory is None else Path(directory)
         self.every_epochs = every_epochs
         self.every_steps = every_steps
         self.at_end = at_end
         self.keep_last = keep_last
-        self.last_saved: Optional[tuple[int, int, int]] = None
+        self.last_saved: tuple[int, int, int] | None = None
         self.saved: list[Path] = []
 
-    def on_fit_start(self, trainer: "Trainer") -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if self.directory is None:
             self.directory = trainer.checkpoint_dir
         # A resumed run does not rewrite the checkpoint it started from.
         self.last_saved = trainer.state.position()
 
-    def on_train_batch_end(self, trainer: "Trainer", loss: float) -> None:
+    def on_train_batch_end(self, trainer: Trainer, loss: float) -> None:
         if self.every_steps and trainer.state.step % self.every_steps == 0:
             self.save(trainer)
 
-    def on_epoch_end(self, trainer: "Trainer", epoch: int, metrics: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, Any]) -> None:
         if self.every_epochs and (epoch + 1) % self.every_epochs == 0:
             self.save(trainer)
 
-    def on_fit_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         if self.at_end:
             self.save(trainer)
 
-    def save(self, trainer: "Trainer") -> Optional[Path]:
+    def save(self, trainer: Trainer) -> Path | None:
         """Save now (a collective: every rank must call it at the same step)."""
         if self.last_saved == trainer.state.position():
             return None

@@ -1,9 +1,10 @@
 """Console progress on rank 0: a tqdm bar per epoch on a terminal, one log line per epoch always."""
+
 from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from .base import Callback
 
@@ -30,7 +31,7 @@ class ProgressCallback(Callback):
         bar: ``None`` decides by ``sys.stdout.isatty()``; ``True``/``False`` forces it.
     """
 
-    def __init__(self, bar: Optional[bool] = None):
+    def __init__(self, bar: bool | None = None):
         self.bar_enabled = bar
         self.bar = None
 
@@ -42,42 +43,55 @@ class ProgressCallback(Callback):
         except (AttributeError, ValueError):  # replaced or closed stdout
             return False
 
-    def on_fit_start(self, trainer: "Trainer") -> None:
+    def on_fit_start(self, trainer: Trainer) -> None:
         if trainer.is_main:
             state = trainer.state
             where = f" (resumed at step {state.step}, epoch {state.epoch + 1})" if state.step else ""
-            log.info("training %s on %d rank(s), %s per rank, %d step(s) per epoch, %d epoch(s)%s; output: %s",
-                     type(trainer).__name__, trainer.world_size, trainer.device, trainer.steps_per_epoch,
-                     trainer.config.trainer.epochs, where, trainer.output_dir)
+            log.info(
+                "training %s on %d rank(s), %s per rank, %d step(s) per epoch, %d epoch(s)%s; output: %s",
+                type(trainer).__name__,
+                trainer.world_size,
+                trainer.device,
+                trainer.steps_per_epoch,
+                trainer.config.trainer.epochs,
+                where,
+                trainer.output_dir,
+            )
 
-    def on_epoch_start(self, trainer: "Trainer", epoch: int) -> None:
+    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
         if not trainer.is_main or not self._use_bar():
             return
         from tqdm import tqdm
 
-        self.bar = tqdm(total=trainer.steps_per_epoch, initial=trainer.steps_done_in_epoch,
-                        desc=f"epoch {epoch + 1}/{trainer.config.trainer.epochs}", unit="step",
-                        file=sys.stdout, dynamic_ncols=True, leave=True)
+        self.bar = tqdm(
+            total=trainer.steps_per_epoch,
+            initial=trainer.steps_done_in_epoch,
+            desc=f"epoch {epoch + 1}/{trainer.config.trainer.epochs}",
+            unit="step",
+            file=sys.stdout,
+            dynamic_ncols=True,
+            leave=True,
+        )
 
-    def on_train_batch_end(self, trainer: "Trainer", loss: float) -> None:
+    def on_train_batch_end(self, trainer: Trainer, loss: float) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
-    def on_log(self, trainer: "Trainer", scalars: dict[str, float]) -> None:
+    def on_log(self, trainer: Trainer, scalars: dict[str, float]) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", refresh=False)
 
-    def on_epoch_end(self, trainer: "Trainer", epoch: int, metrics: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, Any]) -> None:
         self._close()
         if trainer.is_main:
             log.info("epoch %d/%d: %s", epoch + 1, trainer.config.trainer.epochs, _fmt(metrics))
 
-    def on_fit_end(self, trainer: "Trainer", metrics: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
         self._close()
         if trainer.is_main:
             log.info("done: %s", _fmt(metrics))
 
-    def on_exception(self, trainer: "Trainer", exc: BaseException) -> None:
+    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
         self._close()
 
     def _close(self) -> None:
