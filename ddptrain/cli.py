@@ -26,6 +26,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from . import envvars
 from .launch.env import detect_environment
 from .launch.spawn import LaunchTimeoutError, WorkerFailedError
 
@@ -56,6 +57,11 @@ _exit_codes: list[int] = []
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddptrain`` and of the ``ddptrain`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    for name in envvars.unknown_variables():
+        print(
+            f"ddptrain: warning: {name} is set but ddptrain knows no such variable; see ddptrain.envvars",
+            file=sys.stderr,
+        )
     _make_recipes_importable()
     try:
         env = detect_environment()
@@ -113,7 +119,7 @@ def _run_config(cfg: DictConfig, output_dir: str | None) -> int:
     from .trainer import CheckpointError, Config, ConfigError, SmokeCheckError, run
 
     user_errors = (DatasetNotFoundError, DatasetCorruptError, CheckpointError, SmokeCheckError, LaunchTimeoutError)
-    full_error = os.environ.get("DDPTRAIN_FULL_ERROR") == "1" or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    full_error = envvars.get_flag("DDPTRAIN_FULL_ERROR") or os.environ.get("HYDRA_FULL_ERROR") == "1"
     try:
         data: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         data.pop("hydra", None)

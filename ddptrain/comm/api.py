@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .. import envvars
 from .backends import create_backend
 from .process_group import ProcessGroup
 from .ring import ring_all_reduce as _ring_all_reduce
@@ -97,7 +98,7 @@ def init_process_group(
             "(gloo for CPU tensors, nccl for CUDA tensors, mpi through mpi4py)"
         )
     if check_collectives is None:
-        check_collectives = os.environ.get("DDPTRAIN_CHECK_COLLECTIVES", "1") not in ("0", "false", "no")
+        check_collectives = envvars.get_flag("DDPTRAIN_CHECK_COLLECTIVES")
     _state.check_collectives = check_collectives
     timeout_td = as_timedelta(timeout, DEFAULT_INIT_TIMEOUT)
     if backend == "mpi":
@@ -247,9 +248,7 @@ def _check_uniform(
         return
     dtype_code = _DTYPE_CODES.get(tensor.dtype, 99)
     fields = torch.tensor([_OP_CODES[op_name], tensor.numel(), dtype_code, detail], dtype=torch.int64)
-    both = torch.cat([fields, -fields])
-    if tensor.is_cuda:
-        both = both.to(tensor.device)
+    both = torch.cat([fields, -fields]).to(pg.device)
     try:
         pg.all_reduce(both, ReduceOp.MAX).wait()
     except CommTimeoutError as exc:  # name the user's collective, not the check's all-reduce
@@ -260,11 +259,8 @@ def _check_uniform(
     both = both.cpu()
     if torch.equal(both[:4], -both[4:]):
         return
-    views = [
-        torch.zeros(4, dtype=torch.int64, device=both.device if not tensor.is_cuda else tensor.device)
-        for _ in range(pg.size())
-    ]
-    pg.all_gather(views, fields.to(views[0].device)).wait()
+    views = [torch.zeros(4, dtype=torch.int64, device=pg.device) for _ in range(pg.size())]
+    pg.all_gather(views, fields.to(pg.device)).wait()
     names = {v: k for k, v in _OP_CODES.items()}
     dtypes = {v: k for k, v in _DTYPE_CODES.items()}
     lines = [

@@ -15,15 +15,11 @@ import torch
 from .process_group import ProcessGroup
 
 
-def _device(pg: ProcessGroup) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if pg.backend == "nccl" else torch.device("cpu")
-
-
 def all_gather_object(pg: ProcessGroup, obj: Any) -> list[Any]:
     """Every rank's ``obj``, in group-rank order, on every rank."""
     if pg.size() == 1:
         return [obj]
-    dev = _device(pg)
+    dev = pg.device
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(dev)
     lengths = [torch.zeros(1, dtype=torch.int64, device=dev) for _ in range(pg.size())]
     pg.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=dev)).wait()
@@ -39,7 +35,7 @@ def broadcast_object(pg: ProcessGroup, obj: Any, src: int = 0) -> Any:
     """``obj`` of group rank ``src``, on every rank."""
     if pg.size() == 1:
         return obj
-    dev = _device(pg)
+    dev = pg.device
     if pg.rank() == src:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(dev)
         length = torch.tensor([payload.numel()], dtype=torch.int64, device=dev)

@@ -27,12 +27,24 @@ class ProcessGroup(abc.ABC):
         backend: backend name (``"gloo"``, ``"nccl"``, ``"mpi"``).
         global_ranks: the global rank of each member, in group-rank order.
         timeout: default timeout of this group's operations.
+        device: where tensors given to this group must live (the CPU, or for nccl the CUDA
+            device that was current when the group was made). Code that makes tensors of its
+            own to exchange (flags, orders, checksums) makes them here.
     """
 
     backend: str = "?"
 
-    def __init__(self, rank: int, size: int, global_ranks: Sequence[int], timeout: timedelta, name: str = "world"):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        global_ranks: Sequence[int],
+        timeout: timedelta,
+        name: str = "world",
+        device: torch.device | str = "cpu",
+    ):
         self._rank = rank
+        self.device = torch.device(device)
         self._size = size
         self.global_ranks = list(global_ranks)
         self.timeout = timeout

@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as tdist
 
+from .. import envvars
 from .types import CommTimeoutError, RendezvousError, as_timedelta
 
 DEFAULT_INIT_TIMEOUT = timedelta(minutes=30)
@@ -128,7 +129,7 @@ def _listen_socket(host: str, port: int, init_method: str) -> socket.socket:
     torch's TCPStore alone listens on all interfaces; handing it a socket bound here keeps a
     local job's store on loopback. ``DDPTRAIN_STORE_BIND_ALL=1`` listens everywhere on purpose.
     """
-    bind_host = "" if os.environ.get("DDPTRAIN_STORE_BIND_ALL") == "1" else host
+    bind_host = "" if envvars.get_flag("DDPTRAIN_STORE_BIND_ALL") else host
     family = socket.AF_INET6 if ":" in host and bind_host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

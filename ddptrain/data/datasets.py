@@ -38,6 +38,8 @@ from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
 import torch
 from torch.utils.data import Dataset
 
+from .. import envvars
+
 __all__ = [
     "DatasetNotFoundError",
     "DatasetCorruptError",
@@ -149,7 +151,7 @@ def resolve_data_root(root: Optional[PathLike] = None) -> Path:
     """Return the data root: ``root``, else ``$DDPTRAIN_DATA``, else ``./data``."""
     if root is not None and str(root) != "":
         return Path(root).expanduser()
-    from_env = os.environ.get(DATA_ROOT_ENV)
+    from_env = envvars.get_str(DATA_ROOT_ENV)
     return Path(from_env).expanduser() if from_env else Path("data")
 
 
@@ -254,10 +256,10 @@ def _torchvision_download(spec: _Spec, data_root: Path, train: bool) -> None:
 
 
 def _candidate_dirs(spec: _Spec, raw: Path) -> list[Path]:
-    bases = [Path(p).expanduser() for p in os.environ.get(DATA_SOURCES_ENV, "").split(os.pathsep) if p]
+    bases = [Path(p).expanduser() for p in envvars.get_paths(DATA_SOURCES_ENV)]
     # DDPTRAIN_DATA_SOURCES_ONLY=1: search nothing but the root and $DDPTRAIN_DATA_SOURCES (to
     # reproduce an offline machine, or to be sure which copy is used).
-    only_listed = os.environ.get("DDPTRAIN_DATA_SOURCES_ONLY") == "1"
+    only_listed = envvars.get_flag("DDPTRAIN_DATA_SOURCES_ONLY")
     if not only_listed:
         bases.append(_REPO_SHARED_DATA)
     dirs = [raw] + [base / layout for base in bases for layout in spec.layouts()]

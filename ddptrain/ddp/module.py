@@ -167,9 +167,7 @@ class DistributedDataParallel(nn.Module):
             return
         meta = [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in named]
         digest = zlib.crc32(repr(meta).encode())
-        t = torch.tensor([digest, -digest], dtype=torch.int64)
-        if pg.backend == "nccl":
-            t = t.cuda()
+        t = torch.tensor([digest, -digest], dtype=torch.int64, device=pg.device)
         pg.all_reduce(t, ReduceOp.MAX).wait()
         if int(t[0]) == -int(t[1]):
             return
@@ -269,10 +267,8 @@ class DistributedDataParallel(nn.Module):
         crc = 0
         for t in list(self.module.parameters()) + self._buffers_to_sync:
             crc = zlib.crc32(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
-        mine = torch.tensor([crc], dtype=torch.int64)
-        every = [torch.zeros(1, dtype=torch.int64) for _ in range(pg.size())]
-        if pg.backend == "nccl":
-            mine, every = mine.cuda(), [e.cuda() for e in every]
+        mine = torch.tensor([crc], dtype=torch.int64, device=pg.device)
+        every = [torch.zeros(1, dtype=torch.int64, device=pg.device) for _ in range(pg.size())]
         pg.all_gather(every, mine).wait()
         sums = [int(e.item()) for e in every]
         if len(set(sums)) == 1:
@@ -321,9 +317,7 @@ class DistributedDataParallel(nn.Module):
                 self._shadow_until_all_joined()
 
     def _join_vote(self, active: bool) -> int:
-        flag = torch.tensor([1 if active else 0], dtype=torch.int64)
-        if self.process_group.backend == "nccl":
-            flag = flag.cuda()
+        flag = torch.tensor([1 if active else 0], dtype=torch.int64, device=self.process_group.device)
         self.process_group.all_reduce(flag, ReduceOp.SUM).wait()
         if active:
             self._join_iterations += 1
@@ -335,9 +329,9 @@ class DistributedDataParallel(nn.Module):
             self.reducer.shadow_iteration()
         pg = self.process_group
         # Pick the rank that ran the most iterations (lowest rank on ties) as the reference.
-        score = torch.tensor([self._join_iterations * pg.size() + (pg.size() - 1 - pg.rank())], dtype=torch.int64)
-        if pg.backend == "nccl":
-            score = score.cuda()
+        score = torch.tensor(
+            [self._join_iterations * pg.size() + (pg.size() - 1 - pg.rank())], dtype=torch.int64, device=pg.device
+        )
         pg.all_reduce(score, ReduceOp.MAX).wait()
         src = pg.size() - 1 - int(score.item()) % pg.size()
         self._broadcast_coalesced([p.detach() for p in self.module.parameters()] + self._buffers_to_sync, src)

@@ -165,9 +165,7 @@ class Reducer:
         """Re-bucket once in the order gradients arrived on rank 0, so all ranks agree."""
         seen = set(self._ready_order)
         order = self._ready_order + [i for i in range(len(self.params)) if i not in seen]
-        order_t = torch.tensor(order, dtype=torch.int64)
-        if self.pg.backend == "nccl":
-            order_t = order_t.cuda()
+        order_t = torch.tensor(order, dtype=torch.int64, device=self.pg.device)
         self.pg.broadcast(order_t, 0).wait()
         order = order_t.cpu().tolist()
         self._install_buckets(
@@ -322,9 +320,7 @@ class Reducer:
             return
         used = None
         if self.find_unused:
-            used = self._locally_used.clone()
-            if self.pg.backend == "nccl":
-                used = used.cuda()
+            used = self._locally_used.to(self.pg.device, copy=True)
             self.pg.all_reduce(used, ReduceOp.SUM).wait()
             used = used.cpu()
         for b in self.buckets:
@@ -362,7 +358,7 @@ class Reducer:
         self._stats = None
         self._launch_ready_buckets()
         if self.find_unused:
-            used = torch.zeros(len(self.params), dtype=torch.int32)
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.pg.device)
             self.pg.all_reduce(used, ReduceOp.SUM).wait()
         for b in self.buckets:
             _wait(b.work)

@@ -584,9 +584,7 @@ class Trainer:
             getattr(callback, hook)(self, *args)
 
     def _all_reduce_sum(self, values: Sequence[float]) -> list[float]:
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
-        if self.process_group.backend == "nccl":
-            t = t.to(self.device)
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.process_group.device)
         self.process_group.all_reduce(t, ReduceOp.SUM).wait()
         return t.cpu().tolist()
 

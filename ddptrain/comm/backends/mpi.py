@@ -34,6 +34,7 @@ import torch
 os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
 from mpi4py import MPI  # noqa: E402 - after the MCA default above
 
+from ... import envvars
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..types import CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype, to_reduce_op
 
@@ -47,10 +48,7 @@ _IDLE_WAKE_S = 0.05
 # collective inside such calls, so the sleep bounds its latency; but on a rank whose cores are
 # busy with backward, every wake-up is taken from compute (a fixed 0.2 ms cost ~8% of the 18M
 # MLP's step time on 2 cores, measured with scripts/bench_ddp.py --backend mpi).
-_POLL_MIN_S, _POLL_MAX_S = (
-    float(os.environ.get("DDPTRAIN_MPI_POLL_MIN_S", "0.0001")),
-    float(os.environ.get("DDPTRAIN_MPI_POLL_MAX_S", "0.001")),
-)
+# Bounds: DDPTRAIN_MPI_POLL_MIN_S and DDPTRAIN_MPI_POLL_MAX_S (ddptrain.envvars), read when the thread starts.
 
 _MPI_OPS = {
     ReduceOp.SUM: MPI.SUM,
@@ -102,7 +100,9 @@ class _CommThread:
             self._queue.put(())  # cut the current sleep short
 
     def _loop(self) -> None:
-        sleep = _POLL_MIN_S
+        poll_min_s = envvars.get_float("DDPTRAIN_MPI_POLL_MIN_S")
+        poll_max_s = envvars.get_float("DDPTRAIN_MPI_POLL_MAX_S")
+        sleep = poll_min_s
         while True:
             try:
                 if self._pending and self._waiters:
@@ -117,7 +117,7 @@ class _CommThread:
                 self._start(*item)
             progressed = self._poll() or bool(item)
             item = None  # hold no reference to a finished job's buffers (see _start)
-            sleep = _POLL_MIN_S if progressed else min(2 * sleep, _POLL_MAX_S)
+            sleep = poll_min_s if progressed else min(2 * sleep, poll_max_s)
             self._answer_probes()
 
     def _start(self, fn, fut, outputs) -> None:

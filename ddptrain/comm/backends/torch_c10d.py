@@ -102,7 +102,10 @@ class TorchProcessGroup(ProcessGroup):
         name: str = "world",
         native_avg: bool = False,
     ):
-        super().__init__(rank, size, global_ranks, timeout, name)
+        # NCCL moves CUDA tensors only: its group lives on the device current at creation
+        # (the trainer selects cuda:{local_rank} before it makes the group).
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        super().__init__(rank, size, global_ranks, timeout, name, device)
         self.pg = pg
         self.backend = backend
         self.store = store

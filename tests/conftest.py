@@ -1,0 +1,99 @@
+"""What many test files need, written once: paths, the CLI runner, process listings, MNIST.
+
+Plain helpers are importable (``from tests.conftest import run_cli``) as well as the fixtures
+pytest finds here by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+"""The repository's root (``tests/`` lives there)."""
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+"""One interpreter for every subprocess the tests start: the project's venv when there is one."""
+BIN = Path(PYTHON).parent
+TORCHRUN = str(BIN / "torchrun")
+MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+"""In CI a test that needs something missing (the real MNIST) fails instead of skipping."""
+
+# Variables of a launcher around the test run: a CLI started by a test must not take itself for a rank.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+def cli_env(**extra: str) -> dict[str, str]:
+    """The environment for a CLI subprocess: ours, unbuffered, without launcher variables."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_cli(*args: str, cwd, timeout: float = 150, env: dict | None = None, prefix: list[str] | None = None):
+    """Run ``python -m ddptrain *args`` (or ``prefix + args``) to the end; the CompletedProcess."""
+    command = (prefix or [PYTHON, "-m", "ddptrain"]) + list(args)
+    return subprocess.run(command, cwd=cwd, env=cli_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid``."""
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...)."""
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def spawned_workers(pid: int | None = None) -> list[int]:
+    """``pid``'s live multiprocessing-spawned workers (default: this process's), oldest first,
+    i.e. in rank order for the local launcher; multiprocessing's resource tracker is not one."""
+    found = []
+    for child in children(os.getpid() if pid is None else pid):
+        try:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            started = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            found.append((started, child))
+    return [child for _, child in sorted(found)]
+
+
+def missing(reason: str):
+    """Skip for a missing resource, but fail in CI, where everything must be there."""
+    if IN_CI:
+        pytest.fail(f"CI=true and {reason}: CI must provide it (scripts/test.sh sets it up)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def mnist_root(tmp_path_factory) -> Path:
+    """A data root holding MNIST, prepared once per session by ddptrain's own loader.
+
+    The loader looks where a user's run would (``$DDPTRAIN_DATA_SOURCES``, which
+    ``scripts/test.sh`` points at this repository's CI copy), without downloading. Pass the
+    returned path as ``data.root`` or ``DDPTRAIN_DATA``. No MNIST: skip, or fail when ``CI=true``.
+    """
+    from ddptrain.data import DatasetNotFoundError, mnist
+
+    root = tmp_path_factory.mktemp("mnist-root")
+    try:
+        for train in (True, False):
+            mnist(root, train=train, download=False)
+    except DatasetNotFoundError as exc:
+        missing(f"the real MNIST is not available to ddptrain's loader ({str(exc).splitlines()[0]})")
+    return root
