@@ -322,3 +322,21 @@ def parse_slurm_nodelist(nodelist: str) -> list[str]:
             choices.append(numbers)
         hosts += ["".join(combo) for combo in itertools.product(*choices)]
     return hosts
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, which cgroups and taskset narrow)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def threads_per_rank(ranks_on_this_machine: int, requested: int | None = None) -> int:
+    """torch intra-op threads for each rank: ``requested`` if given (and > 0), else this machine's
+    usable cores shared evenly by its ranks, at least 1. One rule for every launcher: more
+    threads than cores make ranks fight for them, and a step waits for the slowest rank."""
+    if requested:
+        if requested < 0:
+            raise ValueError(f"threads per rank must be positive, got {requested}")
+        return int(requested)
+    return max(1, usable_cores() // max(1, ranks_on_this_machine))
