@@ -239,7 +239,11 @@ class DistributedDataParallel(nn.Module):
         """Replace the bucket all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
 
         Register before the first backward, once (as in torch). ``state=None`` lets the built-in
-        hooks use this module's process group.
+        hooks use this module's process group. Built in (``ddptrain.ddp.comm_hooks``):
+        ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``
+        (state: ``PowerSGDState``) and ``ring_allreduce_hook`` (state:
+        ``ddptrain.comm.ring.RingAllReducer(group)``). A hook sees each bucket's whole flat
+        buffer, so large gradients are then copied into it rather than reduced in place.
         """
         if self.reducer.comm_hook is not None:
             raise RuntimeError("register_comm_hook may be called only once per DDP module")
@@ -249,12 +253,7 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         if state is not None and getattr(state, "process_group", "absent") is None:
             state.process_group = self.process_group
-        self.reducer.comm_hook = hook
-        self.reducer.comm_hook_state = state
-
-    def set_all_reduce(self, fn: Callable[[torch.Tensor], object]) -> None:
-        """Use ``fn(flat_bucket) -> Work`` (SUM, in place) for buckets, e.g. the ring all-reduce."""
-        self.reducer.all_reduce_fn = fn
+        self.reducer.set_comm_hook(hook, state)
 
     def check_parameters_in_sync(self) -> None:
         """Raise ``RuntimeError`` naming the ranks whose parameters or buffers differ from the rest.
@@ -289,7 +288,7 @@ class DistributedDataParallel(nn.Module):
     @property
     def bucket_assignment(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
-        return [[self._param_names[i] for i in b] for b in self.reducer.assignment]
+        return [[self._param_names[i] for i in b] for b in self.reducer.plan.assignment]
 
     # -- uneven inputs ----------------------------------------------------------------------
     @contextlib.contextmanager

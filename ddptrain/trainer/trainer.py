@@ -39,7 +39,7 @@ from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.ring import RingAllReducer
 from ..comm.types import ReduceOp
 from ..data import DistributedSampler, build_dataset
-from ..ddp import DistributedDataParallel
+from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..launch.env import detect_environment
 from ..launch.spawn import find_free_port
 from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback
@@ -225,7 +225,7 @@ class Trainer:
                 gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
             )
             if cfg.dist.algorithm == "ring":
-                self.model.set_all_reduce(RingAllReducer(self.process_group))
+                self.model.register_comm_hook(RingAllReducer(self.process_group), ring_allreduce_hook)
             self._setup_data()  # datasets, samplers, batch sizes, step counts
             self.optimizer, self.scheduler = self._optimizers()
             self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
