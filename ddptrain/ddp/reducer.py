@@ -401,7 +401,8 @@ def _wait(work):
         return None
     if work is None:
         return None
-    if isinstance(work, torch.futures.Future):
+    # torch._C.Future, not torch.futures.Future: a future made by .then() is only the former
+    if isinstance(work, torch._C.Future):
         value = work.wait()
         if isinstance(value, (list, tuple)):
             value = value[0] if value else None
