@@ -60,7 +60,8 @@ class RecordingGroup(ProcessGroup):
 
     def _grad_index(self, tensor: torch.Tensor) -> int | None:
         for i, p in enumerate(self.watch):
-            if p.grad is not None and p.grad.data_ptr() == tensor.data_ptr():
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == tensor.data_ptr() and grad.numel() == tensor.numel():
                 return i
         return None
 
