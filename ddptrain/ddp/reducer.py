@@ -13,14 +13,18 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
    The first hook of a backward queues :meth:`Reducer._finalize` on the autograd engine.
 4. **Stage** (:meth:`Reducer._mark_ready`) — a gradient in an in-place slot is averaged where it
    lies (``grad *= 1/world_size``); any other is copied into its slot of the flat buffer, the
-   average taken in the same pass. Its bucket's pending count goes down.
+   average taken in the same pass. (An in-place slot whose gradient may not be changed — it
+   shares storage with another gradient, or is missing — is staged in the buffer too, and
+   that slot is sent instead: the collectives stay the same on every rank.) Its bucket's
+   pending count goes down.
 5. **Launch** (:meth:`Reducer._launch_ready_buckets`) — a bucket whose count reached zero
    starts its async all-reduces: one SUM per transfer of the plan, or the registered comm hook
    with the whole flat buffer (then the buffer holds raw sums and the hook divides). Buckets go
    strictly in order, so every rank issues the same collectives in the same order.
 6. **Write back** (:meth:`Reducer._finalize`, once backward is done) — wait for each bucket;
    gradients reduced in place already hold the average, the others are copied back from the
-   flat buffer (with ``gradient_as_bucket_view`` they *are* views of it).
+   flat buffer (with ``gradient_as_bucket_view`` they *are* views of it); with
+   ``find_unused_parameters``, a parameter no rank used keeps ``grad=None``.
 
 The next forward (:meth:`Reducer.prepare_for_forward`) refuses to go on if a backward left a
 bucket unlaunched (a parameter got no gradient), and after the first iteration rebuilds the
