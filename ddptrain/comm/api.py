@@ -8,7 +8,9 @@ by the group's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import warnings
 from collections.abc import Sequence
 
@@ -38,13 +40,50 @@ class GroupMember:
 
 
 class _State:
-    world: ProcessGroup | None = None
-    store: Store | None = None
-    groups_created = 0
-    check_collectives = True
+    """The functional API's default group and settings (one per process, or per thread in tests)."""
+
+    def __init__(self, world: ProcessGroup | None = None):
+        self.world = world
+        self.store: Store | None = None
+        self.groups_created = 0
+        self.check_collectives = True
 
 
-_state = _State()
+_process_state = _State()
+_thread_state = threading.local()
+
+
+class _CurrentState:
+    """Reads and writes go to this thread's state if it has one (ranks run as threads by
+    ``ddptrain.testing.run_threaded``), else to the process's."""
+
+    @staticmethod
+    def _target() -> _State:
+        return getattr(_thread_state, "state", None) or _process_state
+
+    def __getattr__(self, name):
+        return getattr(self._target(), name)
+
+    def __setattr__(self, name, value):
+        setattr(self._target(), name, value)
+
+
+_state = _CurrentState()
+
+
+@contextlib.contextmanager
+def thread_default_group(group: ProcessGroup):
+    """Make ``group`` this thread's default group (for ranks that are threads of one process).
+
+    Inside the block ``init_process_group`` is not needed: ``get_rank()``, the collectives with
+    ``group=None`` and ``is_initialized()`` see ``group``; other threads are unaffected.
+    """
+    previous = getattr(_thread_state, "state", None)
+    _thread_state.state = _State(group)
+    try:
+        yield group
+    finally:
+        _thread_state.state = previous
 
 
 def is_initialized() -> bool:

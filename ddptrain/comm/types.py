@@ -45,6 +45,27 @@ def to_reduce_op(op) -> ReduceOp:
     raise ValueError(f"unknown reduce op {op!r}; use ReduceOp.SUM, PRODUCT, MAX, MIN or AVG")
 
 
+_FOLD = {
+    ReduceOp.SUM: torch.Tensor.add_,
+    ReduceOp.AVG: torch.Tensor.add_,  # the division by the group size comes after the sum
+    ReduceOp.PRODUCT: torch.Tensor.mul_,
+    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+}
+
+
+def fold_into(op: ReduceOp, acc: torch.Tensor, incoming: torch.Tensor) -> None:
+    """``acc = op(acc, incoming)`` in place: one step of a reduction done by ddptrain itself (the
+    ring all-reduce, the threaded test group). Booleans: SUM/MAX are "or", PRODUCT/MIN "and"."""
+    if acc.dtype == torch.bool:
+        if op in (ReduceOp.SUM, ReduceOp.MAX):
+            acc.logical_or_(incoming)
+        else:
+            acc.logical_and_(incoming)
+        return
+    _FOLD[op](acc, incoming)
+
+
 def check_avg_dtype(op: ReduceOp, tensor: torch.Tensor, op_name: str) -> None:
     """Refuse AVG on integer tensors on every backend alike (it would silently truncate)."""
     if op is ReduceOp.AVG and not (tensor.is_floating_point() or tensor.is_complex()):

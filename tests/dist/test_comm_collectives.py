@@ -14,6 +14,7 @@ through torch's shared-memory reducer and the worker exits before the parent rea
 """
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -27,11 +28,12 @@ import torch
 
 import ddptrain.comm as dist
 from ddptrain.launch import find_free_port, launch
-from ddptrain.testing import run_distributed
+from ddptrain.testing import run_distributed, run_threaded
 
 WORLD_SIZES = [1, 2, 3, 4]
 # (backend, world size) of each launch: gloo through the spawning launcher, mpi under mpiexec
-WORLDS = [("gloo", ws) for ws in WORLD_SIZES] + [("mpi", 2), ("mpi", 3)]
+# ... and the in-process threaded group of ddptrain.testing, held to the same suite (8 ranks too).
+WORLDS = [("gloo", ws) for ws in WORLD_SIZES] + [("mpi", 2), ("mpi", 3)] + [("threaded", ws) for ws in (1, 2, 3, 8)]
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "int64": torch.int64}
 OPS = ["SUM", "PRODUCT", "MAX", "MIN", "AVG"]
 SHAPE = (3, 5)
@@ -87,7 +89,7 @@ def reduce_local(op: str, tensors) -> torch.Tensor:
 
 def subgroup_members(ws: int) -> list[int]:
     """A proper subset of ranks where possible, not starting at 0 for ws=4 (group != global ranks)."""
-    return {1: [0], 2: [1], 3: [0, 2], 4: [1, 3]}[ws]
+    return {1: [0], 2: [1], 3: [0, 2], 4: [1, 3], 8: [1, 3, 4, 6]}[ws]
 
 
 RAISED = "__raised__"
@@ -429,8 +431,8 @@ def world(backend: str, ws: int) -> list[dict]:
             while len(ports) < 3:
                 ports.add(find_free_port())
             init_args = (*sorted(ports), os.path.join(tmp, "rendezvous")) if key == ("gloo", INIT_WS) else None
-            raw = run_distributed(_body, ws, init_args, backend=backend, timeout_s=LAUNCH_TIMEOUT_S,
-                                  comm_timeout_s=COMM_TIMEOUT_S)
+            run = run_threaded if backend == "threaded" else functools.partial(run_distributed, backend=backend)
+            raw = run(_body, ws, init_args, timeout_s=LAUNCH_TIMEOUT_S, comm_timeout_s=COMM_TIMEOUT_S)
             _CACHE[key] = [pickle.loads(r) for r in raw]
         except Exception as exc:  # noqa: BLE001 - every test of this world reports it
             _CACHE[key] = exc
@@ -779,9 +781,9 @@ def test_subgroup_of_a_subset_of_ranks(backend, ws):
 @ws_param
 def test_store_set_get_add_wait(backend, ws):
     for rank, res in enumerate(world(backend, ws)):
-        if backend == "mpi":  # MPI ranks meet through mpirun, not a store: asking for one is refused clearly
+        if backend in ("mpi", "threaded"):  # ranks that meet without a store: asking for one is refused clearly
             name, msg = res["store"][1:]
-            assert name == "GroupError" and "backend (mpi) uses no key-value store" in msg, res["store"]
+            assert name == "GroupError" and f"backend ({backend}) uses no key-value store" in msg, res["store"]
             continue
         values, total, missing, waited_s = not_raised(res["store"])
         assert values == [f"value-{r}".encode() for r in range(ws)]
