@@ -93,6 +93,15 @@ class DistConfig:
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward."""
 
+    def ddp_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``DistributedDataParallel`` that these settings choose."""
+        return {
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "broadcast_buffers": self.broadcast_buffers,
+            "find_unused_parameters": self.find_unused_parameters,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        }
+
 
 @dataclass
 class LauncherConfig:

@@ -328,15 +328,8 @@ class Trainer:
             self.smoke_probe.start(self.metrics, self.state.step, self.model.module)
 
     def _build_model(self) -> None:
-        cfg = self.config
-        self.model = DistributedDataParallel(
-            self.configure_model().to(self.device),
-            process_group=self.process_group,
-            bucket_cap_mb=cfg.dist.bucket_cap_mb,
-            broadcast_buffers=cfg.dist.broadcast_buffers,
-            find_unused_parameters=cfg.dist.find_unused_parameters,
-            gradient_as_bucket_view=cfg.dist.gradient_as_bucket_view,
-        )
+        cfg, module = self.config, self.configure_model().to(self.device)
+        self.model = DistributedDataParallel(module, process_group=self.process_group, **cfg.dist.ddp_options())
         if cfg.dist.algorithm == "ring":
             self.model.set_all_reduce(RingAllReducer(self.process_group))
 
@@ -382,7 +375,8 @@ class Trainer:
     @property
     def steps_done_in_epoch(self) -> int:
         """Optimizer steps of the current epoch already done (from the sampler's position)."""
-        return num_batches(self.state.samples_in_epoch, self.batch_size) // self.config.trainer.grad_accum_steps
+        micro_batches = num_batches(self.state.samples_in_epoch, max(1, self.batch_size))  # 0 before fit
+        return micro_batches // self.config.trainer.grad_accum_steps
 
     @property
     def checkpoint_dir(self) -> Path:
