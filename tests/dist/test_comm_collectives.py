@@ -269,10 +269,11 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
             r2 = torch.zeros(SHAPE)
             reqs = [dist.isend(make_input(rank, "float32", "async_p2p_fut"), (rank + 1) % ws),
                     dist.irecv(r2, (rank - 1) % ws)]
-            for req in reqs:
-                _capture(out, "p2p/future", lambda: req.get_future().wait())
+            for name, req in zip(("isend", "irecv"), reqs):
+                _capture(out, f"p2p/{name} future", lambda req=req: req.get_future().wait())
             for req in reqs:
                 req.wait()
+            out["p2p/irecv buffer"] = r2
         return out
     _capture(R, "async", async_checks)
 
@@ -668,9 +669,15 @@ def test_reduce_scatter_and_p2p_handles(backend, ws):
         fut_value = a["reduce_scatter/future"]
         m.tensor(f"reduce_scatter rank {rank} future", fut_value[0] if isinstance(fut_value, list) else fut_value,
                  reduce_local("SUM", [make_input(q, "float32", f"async_rs{rank}") for q in range(ws)]))
-        if ws > 1:
-            got = a["p2p/future"]
-            m.ok(f"isend/irecv rank {rank} get_future()", not (isinstance(got, tuple) and got[0] == RAISED), got)
+        if ws > 1:  # each future's value: the tensor sent, and the tensor received (the message)
+            sent, received = a["p2p/isend future"], a["p2p/irecv future"]
+            for what, got, expected in (("isend", sent, make_input(rank, "float32", "async_p2p_fut")),
+                                        ("irecv", received, make_input((rank - 1) % ws, "float32", "async_p2p_fut"))):
+                m.ok(f"{what} rank {rank} get_future() value is [tensor]", isinstance(got, list) and len(got) == 1, got)
+                if isinstance(got, list) and len(got) == 1:
+                    m.tensor(f"{what} rank {rank} get_future() value", got[0], expected)
+            m.tensor(f"irecv rank {rank} buffer", a["p2p/irecv buffer"],
+                     make_input((rank - 1) % ws, "float32", "async_p2p_fut"))
     m.check()
 
 
