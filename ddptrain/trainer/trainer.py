@@ -404,21 +404,22 @@ class Trainer:
     def _after_step(self, loss: float, samples: int) -> None:
         stats = self.model.last_iteration_stats
         self.metrics.window.add(loss, samples, 0.0 if stats is None else stats.finalize_wait_s)
+        # Reduced before the callbacks run: a checkpoint written at this step holds this step's logged loss.
+        scalars = self._reduce_window() if self.state.step % self.config.trainer.log_every_steps == 0 else None
         self._call("on_train_batch_end", loss)
-        if self.state.step % self.config.trainer.log_every_steps == 0:
-            self._log()
+        if scalars is not None:
+            self._call("on_log", scalars)
         every = self.config.trainer.check_sync_every_n_steps
         if every and self.state.step % every == 0:
             self.model.check_parameters_in_sync()  # collective: every rank reaches this step
 
-    def _log(self) -> None:
-        """Reduce the logging window over ranks and hand its scalars to the callbacks (collective)."""
-        scalars = self.metrics.reduce_window(self.state.step, float(self.optimizer.param_groups[0]["lr"]))
-        self._call("on_log", scalars)
+    def _reduce_window(self) -> dict[str, float]:
+        """The logging window's scalars reduced over ranks (collective), added to the loss history."""
+        return self.metrics.reduce_window(self.state.step, float(self.optimizer.param_groups[0]["lr"]))
 
     def _finish(self, fit_start: float) -> dict[str, Any]:
         if self.metrics.window.steps:
-            self._log()
+            self._call("on_log", self._reduce_window())
         if self.val_set is not None and self.metrics.last_eval_step != self.state.step:
             self.evaluate()
         step, epoch, fit_s = self.state.step, self.state.epoch, time.perf_counter() - fit_start

@@ -198,6 +198,21 @@ def test_checkpoint_position_is_what_was_trained_on_despite_prefetch(tmp_path):
     assert resumed["params_sha256"] == straight["params_sha256"]
 
 
+def test_a_checkpoint_at_a_logging_step_keeps_that_steps_loss(tmp_path):
+    """Logging every 2 steps, checkpointing every 2: the checkpoint of step 2 holds step 2's logged
+    loss, so a run resumed from it reports the same loss history as the run left alone."""
+    kwargs = {"checkpoint_every_steps": 2}
+    straight = TinyTrainer(_config(tmp_path / "straight", **kwargs))
+    straight.fit()
+    TinyTrainer(_config(tmp_path / "mid", stop_after_steps=2, **kwargs)).fit()
+    assert load_checkpoint(tmp_path / "mid" / "checkpoints" / "step_000000002.pt")["loss_history"] == [
+        [2, straight.loss_history[0][1]]
+    ]
+    resumed = TinyTrainer(_config(tmp_path / "mid", resume="latest", **kwargs))
+    resumed.fit()
+    assert resumed.loss_history == straight.loss_history and len(straight.loss_history) == 4
+
+
 # -- the loop at several ranks (threads), against a plain loop --------------------------------------
 class FixedInitTrainer(TinyTrainer):
     """Initial weights from a generator of its own: threads share torch's global RNG."""
