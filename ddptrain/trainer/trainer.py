@@ -47,7 +47,7 @@ from ..comm.ring import RingAllReducer
 from ..data import DistributedSampler, build_dataset
 from ..ddp import DistributedDataParallel
 from ..launch.env import detect_environment
-from ..launch.join import RendezvousError, join_process_group
+from ..launch.join import Membership, RendezvousError, join_process_group
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
@@ -91,6 +91,7 @@ class Trainer:
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
         self.process_group = None
+        self._membership: Membership | None = None
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -304,7 +305,7 @@ class Trainer:
         """Build what a fit needs, then resume if asked: model in DDP, data, optimizer, callbacks."""
         cfg = self.config
         seed_everything(cfg.trainer.seed + self.rank)  # per-rank seed (dropout); DDP syncs weights
-        self.output_dir = _agree_on_directory(self.process_group, self.config.trainer.output_dir or os.getcwd())
+        self.output_dir = _agree_on_directory(self.process_group, cfg.trainer.output_dir or os.getcwd())
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
         self.optimizer, self.scheduler = self._optimizers()
