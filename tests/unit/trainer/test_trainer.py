@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from ddptrain import Callback, Config, SmokeCheckError, Trainer
+from ddptrain import Callback, Config, SmokeCheckError, Trainer, comm
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.checkpoint_io import load_checkpoint
 
@@ -131,6 +131,22 @@ def test_each_seam_can_be_overridden_alone(tmp_path):
     assert trainer.optimizer_steps == 3 == metrics["step"]
     assert trainer.state.epoch == 1 and trainer.state.samples_in_epoch == 0  # the sampler moved on
     assert all(torch.equal(p, q) for p, q in zip(trainer.model.parameters(), trainer.initial))
+
+
+def test_a_launcher_without_a_rendezvous_address_is_a_config_error(tmp_path, monkeypatch):
+    from ddptrain import ConfigError
+
+    for var in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.setenv(var, "0")
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.setenv(var, "1")
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(var, raising=False)
+    config = _config(tmp_path)
+    config.dist.backend = "gloo"  # mpirun without MASTER_ADDR: only the mpi backend needs none
+    with pytest.raises(ConfigError, match="gave no rendezvous address: set MASTER_ADDR and MASTER_PORT"):
+        TinyTrainer(config).fit()
+    assert not comm.is_initialized()
 
 
 class ZeroLrTrainer(TinyTrainer):
