@@ -1,5 +1,8 @@
-"""Starting workers (local spawn) and detecting external launchers (torchrun, mpirun, SLURM)."""
+"""Starting workers (local spawn, or ``mpiexec`` for backend ``mpi``) and detecting external launchers
+(torchrun, mpirun, SLURM)."""
 
-from .spawn import LaunchTimeoutError, WorkerFailedError, find_free_port, launch
+from .dispatch import launch
+from .failures import LaunchTimeoutError, MpiexecNotFoundError, WorkerFailedError
+from .spawn import find_free_port
 
-__all__ = ["launch", "find_free_port", "WorkerFailedError", "LaunchTimeoutError"]
+__all__ = ["launch", "find_free_port", "WorkerFailedError", "LaunchTimeoutError", "MpiexecNotFoundError"]

@@ -9,9 +9,14 @@
    defaults to 0 and ``LOCAL_WORLD_SIZE`` to 1 (one process per node), but ``LOCAL_RANK``
    without ``LOCAL_WORLD_SIZE`` is an error. The node rank is ``GROUP_RANK``, else
    ``NODE_RANK``, else ``RANK // LOCAL_WORLD_SIZE`` (torchrun's node-major layout).
-2. ``mpi``: Open MPI (``OMPI_COMM_WORLD_RANK``/``_SIZE``/``_LOCAL_RANK``/``_LOCAL_SIZE``),
-   then MPICH / Intel MPI (``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``,
-   ``MPI_LOCALNRANKS``; a bare ``PMI_RANK``, as some srun plugins set, is not enough).
+2. ``mpi`` (:func:`detect_mpi_environment`): Open MPI (``OMPI_COMM_WORLD_RANK``/``_SIZE``/
+   ``_LOCAL_RANK``/``_LOCAL_SIZE``), then MPICH / Intel MPI (``PMI_RANK``, ``PMI_SIZE``,
+   ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``; a bare ``PMI_RANK``, as some srun plugins set, is
+   not enough). PMIx launchers (Open MPI 5's ``mpiexec``, ``srun --mpi=pmix``, PRRTE's
+   ``prterun``) set ``PMIX_RANK`` and ``PMIX_NAMESPACE`` but no size: a PMIx process learns the
+   job's size from the PMIx library, never from the environment (there is no ``PMIX_SIZE``).
+   So ``PMIX_RANK`` counts only beside a complete layout: Open MPI's ``OMPI_COMM_WORLD_*``
+   (which Open MPI 5 sets as well) or srun's ``SLURM_*``.
    The node rank is ``rank // local size`` (MPI's default by-slot mapping).
    ``MASTER_ADDR``/``MASTER_PORT`` come from the environment or stay ``None``: MPI does
    not pick a rendezvous point, the caller must.
@@ -22,8 +27,9 @@
    15000-19999): every task of the job computes the same port without talking, and two jobs
    sharing a node rarely collide (Lightning also derives its port from the job id).
 4. ``local``: nothing detected: rank 0 of 1. The local spawner sets the ``env://``
-   variables for its children, which then detect as case 1. But ``RANK``, ``WORLD_SIZE``
-   or ``PMI_RANK`` without the rest of their launcher's variables is an error, not local.
+   variables for its children, which then detect as case 1. But ``RANK``, ``WORLD_SIZE``,
+   ``PMI_RANK`` or ``PMIX_RANK`` without the rest of their launcher's variables is an error,
+   not local.
 
 Every value is checked (integers, non-negative, ranks below their sizes, ports below 65536);
 a bad value raises ``ValueError`` naming the variable, its value, the rule and the fix.
@@ -43,7 +49,17 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _SLURM_NODELIST_VARS = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
 _SLURM_PORT_BASE, _SLURM_PORT_SPAN = 15000, 5000
 # Set by a launcher that did not finish the job: seen alone, they make "local" a guess.
-_HALF_LAUNCHED_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK")
+_HALF_LAUNCHED_VARS = ("RANK", "WORLD_SIZE", "PMI_RANK", "PMIX_RANK")
+# MPI flavours whose launcher puts the whole rank layout in the environment, in detection order:
+# the variables that announce the flavour, then those of rank, size, local rank and local size.
+_MPI_FLAVOURS: tuple[tuple[tuple[str, ...], tuple[str, str, str, str]], ...] = (
+    (
+        ("OMPI_COMM_WORLD_RANK",),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ),
+    # A bare PMI_RANK (some srun PMI plugins) does not announce MPICH: MPI_LOCALRANKID comes with it.
+    (("PMI_RANK", "MPI_LOCALRANKID"), ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")),
+)
 
 
 @dataclass(frozen=True)
@@ -241,23 +257,15 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvir
     Raises:
         ValueError: A matched environment has a missing, non-integer, negative or
             inconsistent value or a malformed SLURM node list; or nothing matched although
-            ``RANK``, ``WORLD_SIZE`` or ``PMI_RANK`` is set (a half-configured launcher).
+            ``RANK``, ``WORLD_SIZE``, ``PMI_RANK`` or ``PMIX_RANK`` is set (a half-configured
+            launcher).
     """
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" in env or all(v in env for v in _TORCHRUN_VARS):
         return _torchrun(env)
-    if "OMPI_COMM_WORLD_RANK" in env:
-        return _mpi(
-            env,
-            (
-                "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-                "OMPI_COMM_WORLD_LOCAL_SIZE",
-            ),
-        )
-    if "PMI_RANK" in env and "MPI_LOCALRANKID" in env:
-        return _mpi(env, ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"))
+    mpi = detect_mpi_environment(env)
+    if mpi is not None:
+        return mpi
     if "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_NPROCS" in env):
         return _slurm(env)
     stray = [f"{v}={env[v]}" for v in _HALF_LAUNCHED_VARS if v in env]
@@ -265,11 +273,31 @@ def detect_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvir
         raise ValueError(
             f"{', '.join(stray)} set, but no launcher environment is complete: "
             f"torchrun needs all of {', '.join(_TORCHRUN_VARS)}; MPICH/Intel MPI "
-            f"needs PMI_RANK with MPI_LOCALRANKID. Running as one local process "
+            f"needs PMI_RANK with MPI_LOCALRANKID; a PMIx launcher's PMIX_RANK "
+            f"needs Open MPI's OMPI_COMM_WORLD_* or srun's SLURM_* beside it (PMIx "
+            f"gives the job's size only through its library). Running as one local process "
             f"would be a guess: set the missing variables, launch with "
             f"torchrun/mpirun/srun, or unset these"
         )
     return ClusterEnvironment("local", 0, 1, 0, 1, 0, None, None)
+
+
+def detect_mpi_environment(environ: Mapping[str, str] | None = None) -> ClusterEnvironment | None:
+    """This process's ranks as its MPI launcher gave them, or None if no MPI launcher started it.
+
+    Open MPI's variables first, then MPICH / Intel MPI's (see the module docstring; PMIx alone
+    is not enough). :func:`detect_environment` asks this after torchrun; the ranks that
+    ``mpiexec`` starts for :mod:`ddptrain.launch` ask it directly, as they are MPI ranks whatever
+    else their environment holds.
+
+    Raises:
+        ValueError: An MPI flavour is announced but a variable is missing or inconsistent.
+    """
+    env = os.environ if environ is None else environ
+    for announced_by, keys in _MPI_FLAVOURS:
+        if all(var in env for var in announced_by):
+            return _mpi(env, keys)
+    return None
 
 
 def parse_slurm_nodelist(nodelist: str) -> list[str]:

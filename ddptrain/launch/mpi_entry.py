@@ -1,39 +1,36 @@
 """Entry point of each rank that :func:`ddptrain.launch.mpi_launch.launch_under_mpiexec` starts.
 
 ``python -m ddptrain.launch.mpi_entry JOB REPORT_DIR``: JOB is the pickled function call written by
-the launching process; each rank pickles ``("ok", result)`` or ``("error", message, traceback)``
-to ``REPORT_DIR/rank<r>.pkl``. A failing rank then exits non-zero at once, so that mpiexec stops
+the launching process; each rank writes its encoded outcome (:mod:`ddptrain.launch.failures`) to
+``REPORT_DIR/rank<r>.pkl``. A failing rank then exits non-zero at once, so that mpiexec stops
 the other ranks instead of leaving them waiting in a collective.
 """
 
 import os
 import pickle
 import sys
-import traceback
+from functools import partial
+from pathlib import Path
+
+from .env import detect_mpi_environment
+from .failures import capture
+from .mpi_launch import report_path
+from .worker import report, run_rank
 
 
 def mpi_rank_and_size() -> tuple[int, int]:
-    """This rank and the job's size, from the MPI launcher's environment (Open MPI, MPICH/PMI)."""
-    for rank_var, size_var in (
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"),
-        ("PMI_RANK", "PMI_SIZE"),
-        ("PMIX_RANK", "PMIX_SIZE"),
-    ):
-        if rank_var in os.environ and size_var in os.environ:
-            return int(os.environ[rank_var]), int(os.environ[size_var])
-    raise RuntimeError("ddptrain.launch.mpi_entry must be started by mpiexec (no MPI rank in the environment)")
+    """This rank and the job's size, as the MPI launcher set them (:func:`detect_mpi_environment`)."""
+    env = detect_mpi_environment()
+    if env is None:
+        raise RuntimeError("ddptrain.launch.mpi_entry must be started by mpiexec (no MPI rank in the environment)")
+    return env.rank, env.world_size
 
 
-def _report(report_dir: str, rank: int, status: tuple) -> None:
-    try:
-        payload = pickle.dumps(status)
-    except Exception as exc:  # noqa: BLE001 - an unpicklable result must not look like success
-        status = ("error", f"the result of rank {rank} could not be sent to the launcher: {exc}", "")
-        payload = pickle.dumps(status)
-    path = os.path.join(report_dir, f"rank{rank}.pkl")
-    with open(path + ".tmp", "wb") as f:
+def _write_atomically(path: Path, payload: bytes) -> None:
+    """The launcher reads whatever report file exists: it must never see half of one."""
+    with open(f"{path}.tmp", "wb") as f:
         f.write(payload)
-    os.replace(path + ".tmp", path)
+    os.replace(f"{path}.tmp", path)
 
 
 def _import_as_main(kind: str, where: str) -> None:
@@ -53,34 +50,30 @@ def _import_as_main(kind: str, where: str) -> None:
     sys.modules["__main__"] = module
 
 
+def _run_job(job_file: str, rank: int, world_size: int):
+    """Load the launcher's job (importing its program first if the job refers to it) and run it."""
+    with open(job_file, "rb") as f:
+        envelope = pickle.load(f)
+    if envelope["main"]:
+        _import_as_main(*envelope["main"])
+    job = pickle.loads(envelope["call"])
+    return run_rank(
+        job["fn"],
+        rank,
+        world_size,
+        job["args"],
+        job["kwargs"],
+        threads=job["threads"],
+        group_backend=job["group_backend"],
+        comm_timeout_s=job["comm_timeout_s"],
+    )
+
+
 def main() -> None:
     job_file, report_dir = sys.argv[1], sys.argv[2]
     rank, size = mpi_rank_and_size()
-    try:
-        with open(job_file, "rb") as f:
-            envelope = pickle.load(f)
-        if envelope["main"]:
-            _import_as_main(*envelope["main"])
-        job = pickle.loads(envelope["call"])
-        import torch
-
-        torch.set_num_threads(job["threads"])
-        if job["init_group"]:
-            from ..comm import destroy_process_group, init_process_group
-
-            init_process_group("mpi", timeout=job["comm_timeout_s"])
-        try:
-            result = job["fn"](rank, size, *job["args"], **job["kwargs"])
-        finally:
-            if job["init_group"]:
-                destroy_process_group()
-        _report(report_dir, rank, ("ok", result))
-    except BaseException as exc:  # noqa: BLE001 - report, then end this rank so mpiexec ends the job
-        from .spawn import describe_exception
-
-        _report(report_dir, rank, ("error", describe_exception(exc), traceback.format_exc()))
-        sys.stderr.flush()
-        os._exit(1)
+    outcome = capture(partial(_run_job, job_file, rank, size))
+    report(outcome, rank, partial(_write_atomically, report_path(report_dir, rank)))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """Run a function on N local ranks started by ``mpiexec`` — the local launcher for ``backend="mpi"``.
 
-MPI ranks must be wired up by MPI's own launcher, so :func:`launch` (and ``run_distributed``)
-with ``backend="mpi"`` come here instead of spawning: the function and its arguments are pickled
-to a job file, ``mpiexec -n N --oversubscribe python -m ddptrain.launch.mpi_entry`` starts the
-ranks, and each rank pickles its outcome (result, or error with traceback) to its own report file.
+MPI ranks must be wired up by MPI's own launcher, so :func:`ddptrain.launch.launch` (and
+``run_distributed``) with ``backend="mpi"`` come here instead of spawning: the function and its
+arguments are pickled to a job file, ``mpiexec -n N --oversubscribe python -m
+ddptrain.launch.mpi_entry`` starts the ranks, and each rank writes its outcome (result, or error
+with traceback; :class:`~ddptrain.launch.failures.WorkerOutcome`) to its own report file.
 
 Failures behave as with the spawning launcher: a rank that raises ends the job (it exits
 non-zero and mpiexec stops the others) and :class:`WorkerFailedError` names it with its traceback;
@@ -28,7 +29,16 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .spawn import LaunchTimeoutError, WorkerFailedError, describe_exitcode, is_secondary, root_cause
+from .failures import (
+    LaunchTimeoutError,
+    MpiexecNotFoundError,
+    WorkerFailedError,
+    WorkerOutcome,
+    decode_outcome,
+    failure_from_report,
+    failure_without_report,
+    root_cause,
+)
 
 _log = logging.getLogger("ddptrain.launch")
 
@@ -52,7 +62,7 @@ def find_mpiexec() -> str:
     """The ``mpiexec`` next to this Python (the ``mpi`` extra's Open MPI), else on ``PATH``."""
     found = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
     if found is None:
-        raise FileNotFoundError(
+        raise MpiexecNotFoundError(
             "backend 'mpi' needs mpiexec: `pip install 'ddptrain[mpi]'` installs mpi4py and "
             "Open MPI (or install your cluster's MPI), or use backend 'gloo'"
         )
@@ -72,40 +82,42 @@ def mpiexec_environment(extra: dict | None = None) -> dict:
     return env
 
 
+def report_path(report_dir: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` of a job writes its encoded outcome."""
+    return Path(report_dir) / f"rank{rank}.pkl"
+
+
 def launch_under_mpiexec(
     fn: Callable,
     world_size: int,
     args: Sequence = (),
     kwargs: dict | None = None,
     *,
-    init_group: bool = True,
+    threads: int,
+    join_group: bool = True,
     timeout_s: float | None = None,
     comm_timeout_s: float | None = None,
     env: dict | None = None,
-    threads_per_worker: int | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks started by ``mpiexec``.
 
     Args:
-        init_group: join the default ddptrain group on backend ``"mpi"`` before ``fn`` (the
+        threads: torch intra-op threads (and ``OMP_NUM_THREADS``) of each rank.
+        join_group: join the default ddptrain group on backend ``"mpi"`` before ``fn`` (the
             trainer passes False: it joins by itself).
         timeout_s: overall limit for the job; ``None`` waits for mpiexec to end.
         comm_timeout_s: timeout of the ranks' collectives (default: 30 min).
         env: extra environment variables for every rank.
-        threads_per_worker: torch intra-op threads per rank (default: cores / world size).
 
     Returns:
         ``fn``'s return values, indexed by rank.
 
     Raises:
-        FileNotFoundError: no mpiexec (the message gives the install command).
-        WorkerFailedError: the rank that failed first, with its traceback or its signal.
+        MpiexecNotFoundError: no mpiexec (the message gives the install command).
+        WorkerFailedError: the rank whose failure started it, with its traceback or its signal.
         LaunchTimeoutError: the job outlived ``timeout_s``; every rank was killed.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be at least 1, got {world_size}")
     mpiexec = find_mpiexec()
-    threads = threads_per_worker or max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="ddptrain-mpi-") as tmp:
         job = Path(tmp) / "job.pkl"
         call = pickle.dumps(
@@ -113,70 +125,70 @@ def launch_under_mpiexec(
                 "fn": fn,
                 "args": tuple(args),
                 "kwargs": dict(kwargs or {}),
-                "init_group": init_group,
+                "group_backend": "mpi" if join_group else None,
                 "comm_timeout_s": comm_timeout_s,
                 "threads": threads,
             }
         )
         job.write_bytes(pickle.dumps({"main": _main_reference(call), "call": call}))
-        cmd = [
-            mpiexec,
-            "-n",
-            str(world_size),
-            "--oversubscribe",
-            sys.executable,
-            "-m",
-            "ddptrain.launch.mpi_entry",
-            str(job),
+        entry = [sys.executable, "-m", "ddptrain.launch.mpi_entry", str(job), tmp]
+        code, tail = _run_mpiexec(
+            [mpiexec, "-n", str(world_size), "--oversubscribe", *entry],
+            mpiexec_environment({"OMP_NUM_THREADS": str(threads), **(env or {})}),
+            timeout_s,
             tmp,
-        ]
-        _log.info("starting %d rank(s): %s", world_size, " ".join(cmd))
-        proc = subprocess.Popen(
-            cmd,
-            env=mpiexec_environment({"OMP_NUM_THREADS": str(threads), **(env or {})}),
-            stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            preexec_fn=_terminate_with_parent,
+            world_size,
         )
-        stderr_tail = _tee(proc.stderr)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            running = [r for r in range(world_size) if not (Path(tmp) / f"rank{r}.pkl").exists()]
-            raise LaunchTimeoutError(
-                f"the mpiexec job did not finish within {timeout_s:g} s; rank(s) {running} still running were "
-                "killed. A rank may be stuck in a collective its peers never call."
-            ) from None
-        finally:
-            _kill_tree(proc)
-            stderr_tail.join(5)
         reports = {
-            r: pickle.loads((Path(tmp) / f"rank{r}.pkl").read_bytes())
+            r: decode_outcome(report_path(tmp, r).read_bytes())
             for r in range(world_size)
-            if (Path(tmp) / f"rank{r}.pkl").exists()
+            if report_path(tmp, r).exists()
         }
-    failures = {
-        r: WorkerFailedError(
-            r, f"rank {r} failed: {msg[1]}\n--- traceback of rank {r} ---\n{msg[2]}", worker_traceback=msg[2]
-        )
-        for r, msg in sorted(reports.items())
-        if msg[0] == "error"
-    }
-    tail = stderr_tail.text()
-    killed = _SIGNAL_REPORT.search(tail)
-    if failures and not (killed and all(is_secondary(f) for f in failures.values())):
-        raise root_cause(failures)
+    return _results_or_root_cause(reports, code, tail, world_size)
+
+
+def _run_mpiexec(
+    cmd: list[str], env: dict, timeout_s: float | None, report_dir: str, world_size: int
+) -> tuple[int, str]:
+    """Run ``cmd`` (mpiexec) to its end or ``timeout_s``, stopping everything it started either way;
+    its exit code and the end of its stderr (which is also copied to ours)."""
+    _log.info("starting %d rank(s): %s", world_size, " ".join(cmd))
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=_terminate_with_parent,
+    )
+    stderr_tail = _tee(proc.stderr)
+    try:
+        code = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        running = [r for r in range(world_size) if not report_path(report_dir, r).exists()]
+        raise LaunchTimeoutError(
+            f"the mpiexec job did not finish within {timeout_s:g} s; rank(s) {running} still running were "
+            "killed. A rank may be stuck in a collective its peers never call."
+        ) from None
+    finally:
+        _kill_tree(proc)
+        stderr_tail.join(5)
+    return code, stderr_tail.text()
+
+
+def _results_or_root_cause(reports: dict[int, WorkerOutcome], code: int, tail: str, world_size: int) -> list[Any]:
+    """Every rank's result if all succeeded; else raise the failure that started it: a reported
+    error that is a cause, else a rank mpiexec saw die by a signal (its peers' timeouts, if any, are
+    the consequence), else mpiexec's own failure."""
+    failures = [failure_from_report(r, outcome) for r, outcome in sorted(reports.items()) if outcome.failed]
     if not failures and code == 0 and len(reports) == world_size:
-        return [reports[r][1] for r in range(world_size)]
-    if killed:  # a rank died by a signal (its peers' timeouts, if any, are the consequence)
+        return [reports[r].result for r in range(world_size)]
+    killed = _SIGNAL_REPORT.search(tail)
+    if killed:
         rank, pid, signum = (int(g) for g in killed.groups())
-        raise WorkerFailedError(
-            rank,
-            f"rank {rank} (pid {pid}) {describe_exitcode(-signum, pid)} without reporting a "
-            "result; mpiexec stopped the other ranks.",
-            -signum,
-        )
+        failures.append(failure_without_report(rank, pid, -signum, "mpiexec stopped the other ranks."))
+    if failures:
+        raise root_cause(failures)
     silent = [r for r in range(world_size) if r not in reports]
     raise WorkerFailedError(
         silent[0] if silent else -1,

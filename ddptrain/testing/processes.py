@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..launch.spawn import launch
+from ..launch import launch
 
 
 def run_distributed(

@@ -1,7 +1,8 @@
 """The Trainer, its configuration, callbacks and checkpoint files."""
 
-from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback
+from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
 from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
+from .checkpointing import TrainState
 from .config import (
     Config,
     ConfigError,
@@ -13,14 +14,16 @@ from .config import (
     SchedulerConfig,
     TrainerConfig,
 )
+from .metrics import SmokeCheckError
 from .runner import run
-from .trainer import SmokeCheckError, Trainer, TrainState
+from .trainer import Trainer
 
 __all__ = [
     "Trainer",
     "TrainState",
     "SmokeCheckError",
     "Callback",
+    "TrainerView",
     "CheckpointCallback",
     "ProgressCallback",
     "TensorBoardCallback",

@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 1
-"""Version of the dictionary layout written by ``Trainer.checkpoint_state``."""
+"""Version of the dictionary layout written by ``checkpointing.Checkpointer.state_dict``."""
 REQUIRED_KEYS = ("format_version", "step", "epoch", "world_size", "model", "optimizer", "sampler", "rng")
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on Python 3.10

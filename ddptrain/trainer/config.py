@@ -93,6 +93,15 @@ class DistConfig:
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward."""
 
+    def ddp_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``DistributedDataParallel`` that these settings choose."""
+        return {
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "broadcast_buffers": self.broadcast_buffers,
+            "find_unused_parameters": self.find_unused_parameters,
+            "gradient_as_bucket_view": self.gradient_as_bucket_view,
+        }
+
 
 @dataclass
 class LauncherConfig:
@@ -222,8 +231,9 @@ class TrainerConfig:
     """Desynchronisation guard: every N optimizer steps, check (one checksum per rank, gathered)
     that parameters are identical on every rank; stop with the diverged ranks named. 0: off."""
     smoke_check: bool = False
-    """After training, fail unless the training loss fell and the parameters are identical on
-    every rank (for CI smoke runs)."""
+    """After training, fail unless the parameters are identical on every rank and the training
+    loss fell by at least 1%, measured on the same samples (the training set's first
+    ``data.global_batch_size``, model in eval mode) before and after training (for CI smoke runs)."""
 
 
 @dataclass
@@ -474,3 +484,22 @@ def locate(path: str, key: str) -> Any:
         return getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"{key}={path}: module {module_name!r} has no attribute {attr!r}") from None
+
+
+def instantiate(spec: dict, key: str, fix: str) -> Any:
+    """Call what ``spec['_target_']`` names with the rest of ``spec`` (keys starting with ``_`` left out).
+
+    Args:
+        spec: e.g. ``config.model``: ``{"_target_": "pkg.module.Class", **keyword arguments}``.
+        key: the config key of ``spec``, for messages (``model``).
+        fix: what else the user may do when ``_target_`` is missing (e.g. override a hook).
+
+    Raises:
+        ConfigError: ``_target_`` missing or not importable.
+    """
+    spec = dict(spec)
+    target = spec.pop("_target_", None)
+    if not target:
+        raise ConfigError(f"{key}._target_ is not set: choose a {key} (e.g. {key}=tutorial_net) or {fix}")
+    kwargs = {k: v for k, v in spec.items() if not k.startswith("_")}
+    return locate(target, f"{key}._target_")(**kwargs)

@@ -15,7 +15,19 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-__all__ = ["preload", "TensorBatches", "make_batches", "batch_size_of", "move_to", "num_batches"]
+from ..data import build_dataset
+from .config import DataConfig
+
+__all__ = [
+    "preload",
+    "TensorBatches",
+    "make_batches",
+    "group_micro_batches",
+    "default_dataset",
+    "batch_size_of",
+    "move_to",
+    "num_batches",
+]
 
 
 def preload(dataset: Dataset) -> TensorDataset:
@@ -87,6 +99,27 @@ def make_batches(
         generator=torch.Generator().manual_seed(seed),
         persistent_workers=num_workers > 0,
     )
+
+
+def group_micro_batches(batches: Iterable[Any], per_step: int) -> Iterator[list[Any]]:
+    """``batches`` as lists of ``per_step`` micro-batches, one list per optimizer step; the last may be short."""
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == per_step:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def default_dataset(config: DataConfig, train: bool) -> Dataset:
+    """The dataset ``config`` names (``data.name``), held as tensors if ``data.preload``."""
+    extra = {}
+    if config.name == "synthetic":
+        extra = {"num_samples": config.num_train_samples if train else config.num_val_samples}
+    dataset = build_dataset(config.name, config.root, train=train, download=config.download, **extra)
+    return preload(dataset) if config.preload else dataset
 
 
 def batch_size_of(batch: Any) -> int:

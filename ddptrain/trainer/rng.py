@@ -7,7 +7,9 @@ its key tensor plus integers.
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,7 +19,7 @@ try:  # numpy is optional: torch runs without it
 except ImportError:  # pragma: no cover - numpy ships with torchvision
     np = None
 
-__all__ = ["seed_everything", "capture_rng_state", "restore_rng_state"]
+__all__ = ["seed_everything", "capture_rng_state", "restore_rng_state", "preserved_rng_state"]
 
 
 def seed_everything(seed: int) -> None:
@@ -61,3 +63,17 @@ def restore_rng_state(state: dict[str, Any], device: torch.device | None = None)
         np.random.set_state((n["name"], n["keys"].numpy().astype("uint32"), n["pos"], n["has_gauss"], n["cached"]))
     if device is not None and device.type == "cuda" and state.get("cuda") is not None:
         torch.cuda.set_rng_state(state["cuda"], device)
+
+
+@contextlib.contextmanager
+def preserved_rng_state(device: torch.device | None = None) -> Iterator[None]:
+    """Run a block without moving any generator: whatever it draws is put back afterwards.
+
+    For work outside the training stream (a measurement, a probe), so that a run with it and a
+    run without it, or a resumed run, draw the same numbers.
+    """
+    state = capture_rng_state(device)
+    try:
+        yield
+    finally:
+        restore_rng_state(state, device)

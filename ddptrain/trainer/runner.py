@@ -15,9 +15,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ..launch import MpiexecNotFoundError, WorkerFailedError, launch
 from ..launch.env import ClusterEnvironment, detect_environment
-from ..launch.mpi_launch import launch_under_mpiexec
-from ..launch.spawn import WorkerFailedError, launch
 from .checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
 from .config import Config, ConfigError, check_device, locate, resolve_backend, validate
 
@@ -80,19 +79,10 @@ def run(config: Config) -> dict[str, Any]:
         locate(config.model["_target_"], "model._target_")  # a typo fails here, not once per rank
     preflight_resume(config, world_size)
     cls.prepare_data(config)  # once, here: decompression and missing files surface before spawning
-    # backend=mpi: the ranks are started through mpiexec (MPI needs its own launcher to wire them up)
-    start = _start_under_mpiexec if resolve_backend(config, "local") == "mpi" else launch
     restarts = 0
     while True:
         try:
-            results = start(
-                _run_rank,
-                world_size,
-                args=(config,),
-                timeout_s=config.dist.job_timeout_s,
-                threads_per_worker=config.dist.threads_per_worker or None,
-            )
-            return results[0]
+            return _start_workers(config, world_size)[0]
         except WorkerFailedError as exc:
             if restarts >= config.launcher.max_restarts:
                 raise
@@ -116,10 +106,20 @@ def _resume_from_latest(config: Config) -> Config:
     return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume="latest"))
 
 
-def _start_under_mpiexec(fn, world_size, args, **kwargs) -> list:
+def _start_workers(config: Config, world_size: int) -> list:
+    """Every local rank's final metrics. ``launch`` decides how the ranks start (``mpiexec`` for
+    backend mpi); each rank joins its process group itself, in the trainer."""
     try:
-        return launch_under_mpiexec(fn, world_size, args, init_group=False, **kwargs)
-    except FileNotFoundError as exc:
+        return launch(
+            _run_rank,
+            world_size,
+            args=(config,),
+            backend=resolve_backend(config, "local"),
+            join_group=False,
+            timeout_s=config.dist.job_timeout_s,
+            threads_per_worker=config.dist.threads_per_worker or None,
+        )
+    except MpiexecNotFoundError as exc:
         raise ConfigError(f"dist.backend=mpi: {exc}") from None
 
 

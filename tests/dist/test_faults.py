@@ -2,8 +2,8 @@
 diverged replicas are caught."""
 import os
 import signal
-import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,17 +12,13 @@ import ddptrain.comm as dist
 from ddptrain.ddp import DistributedDataParallel as DDP
 from ddptrain.launch import WorkerFailedError
 from ddptrain.testing import run_distributed
+from tests.conftest import spawned_workers
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
 
 
-def _spawned_workers():
-    """Live worker processes spawned by this test process (not multiprocessing's resource tracker)."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "spawn_main" in line]
-
-
-def _killed_body(rank, ws):
+def _killed_body(rank, ws, pid_dir):
+    Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     t = torch.ones(1)
     dist.all_reduce(t)
     if rank == 1:
@@ -31,13 +27,17 @@ def _killed_body(rank, ws):
         dist.all_reduce(t)
 
 
-def test_sigkill_of_rank_1_ends_the_job_naming_rank_and_signal():
+def test_sigkill_of_rank_1_ends_the_job_naming_rank_and_signal(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(WorkerFailedError) as err:
-        run_distributed(_killed_body, 2, timeout_s=60, comm_timeout_s=30)
+        run_distributed(_killed_body, 2, str(tmp_path), timeout_s=60, comm_timeout_s=30)
     assert time.monotonic() - t0 < 30
-    assert err.value.rank == 1 and "SIGKILL" in str(err.value)
-    assert _spawned_workers() == []  # rank 0 was stopped too, nothing left behind
+    killed_pid = int((tmp_path / "rank1.pid").read_text())  # written by rank 1 itself, before it died
+    assert err.value.rank == 1 and err.value.exitcode == -signal.SIGKILL
+    message = str(err.value)
+    # The text a user reads names the rank (with its pid, seen from outside the launcher) and the signal.
+    assert message.startswith(f"rank 1 (pid {killed_pid}) killed by signal SIGKILL "), message
+    assert spawned_workers() == []  # rank 0 was stopped too, nothing left behind
 
 
 def _hung_body(rank, ws):

@@ -1,25 +1,77 @@
-"""The mpi backend under a real `mpiexec` (Open MPI from the `mpi` extra)."""
+"""The mpi backend under a real `mpiexec` (Open MPI from the `mpi` extra), and how
+`ddptrain.launch.launch` starts ranks: through mpiexec for backend mpi, spawned otherwise."""
+import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 
 import pytest
 
+from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
+
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-MPIEXEC = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or shutil.which("mpiexec")
+ROOT = str(REPO)
+
+
+def _need_mpiexec():
+    if MPIEXEC is None:
+        pytest.skip("mpiexec not found: install the mpi extra (pip install 'ddptrain[mpi]')")
 
 
 def _mpiexec(n, *args, timeout=240):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found: install the mpi extra (pip install 'ddptrain[mpi]')")
-    env = dict(os.environ, PYTHONPATH=ROOT, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               OMP_NUM_THREADS="1")
-    cmd = [MPIEXEC, "-n", str(n), "--oversubscribe", sys.executable, os.path.join(ROOT, "tests", "mpi_worker.py"), *args]
+    _need_mpiexec()
+    env = cli_env(PYTHONPATH=ROOT, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMP_NUM_THREADS="1")
+    cmd = [MPIEXEC, "-n", str(n), "--oversubscribe", PYTHON, *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _how_started(rank, world_size):
+    import ddptrain.comm as dist
+    from ddptrain.launch.env import detect_environment
+
+    return detect_environment().name, rank, world_size, dist.get_backend() if dist.is_initialized() else None
+
+
+@pytest.mark.parametrize(
+    "backend, join_group, launcher, group",
+    [
+        # join_group=False is the trainer's way (it joins by itself); True is what run_distributed
+        # does in every test of tests/dist, on both launchers.
+        ("mpi", False, "mpi", None),  # started by mpiexec: the ranks see Open MPI's variables
+        ("gloo", False, "torchrun", None),  # spawned: the ranks see the env:// variables of their parent
+    ],
+)
+def test_launch_starts_mpi_ranks_through_mpiexec_and_others_by_spawning(backend, join_group, launcher, group):
+    from ddptrain.launch import launch
+
+    if backend == "mpi":
+        _need_mpiexec()
+    got = launch(_how_started, 2, backend=backend, join_group=join_group, timeout_s=90, comm_timeout_s=60)
+    assert got == [(launcher, rank, 2, group) for rank in range(2)]
+
+
+_DUMP_ENVIRONMENT = "import json, os, sys; json.dump(dict(os.environ), open(f'{sys.argv[1]}/{os.getpid()}.json', 'w'))"
+
+
+def test_what_open_mpi_sets_is_read_as_mpi_and_pmix_alone_is_refused(tmp_path):
+    """The environment of real ranks, read by ddptrain.launch.env: Open MPI 5 sets its own
+    OMPI_COMM_WORLD_* and PMIx's PMIX_RANK, but no size for PMIx (that is a PMIx_Get away)."""
+    from ddptrain.launch.env import detect_environment, detect_mpi_environment
+
+    proc = _mpiexec(2, "-c", _DUMP_ENVIRONMENT, str(tmp_path), timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    envs = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("*.json"))]
+    assert len(envs) == 2, proc.stdout + proc.stderr
+    found = [detect_mpi_environment(env) for env in envs]
+    layouts = sorted((e.rank, e.world_size, e.local_rank, e.local_world_size) for e in found)
+    assert layouts == [(0, 2, 0, 2), (1, 2, 1, 2)]
+    assert [detect_environment(e).name for e in envs] == ["mpi", "mpi"]
+    pmix_only = {k: v for k, v in envs[0].items() if not k.startswith(("OMPI_", "SLURM_"))}
+    assert "PMIX_RANK" in pmix_only and not any(k.startswith("PMIX_SIZE") for k in pmix_only), sorted(pmix_only)
+    with pytest.raises(ValueError, match=r"PMIX_RANK=[01] set, but no launcher environment is complete"):
+        detect_environment(pmix_only)
 
 
 def _sleeps(rank, ws):
@@ -31,8 +83,7 @@ def test_a_stuck_mpi_job_is_killed_at_the_launch_timeout_with_every_rank():
     import time
     from ddptrain.launch import LaunchTimeoutError
     from ddptrain.testing import run_distributed
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found: install the mpi extra (pip install 'ddptrain[mpi]')")
+    _need_mpiexec()
     t0 = time.monotonic()
     with pytest.raises(LaunchTimeoutError, match=r"did not finish within 8 s; rank\(s\) \[0, 1\] still running"):
         run_distributed(_sleeps, 2, backend="mpi", timeout_s=8)
@@ -42,7 +93,7 @@ def test_a_stuck_mpi_job_is_killed_at_the_launch_timeout_with_every_rank():
 
 
 def test_world_size_that_differs_from_mpirun_is_refused():
-    proc = _mpiexec(2, "wrong-size", timeout=60)
+    proc = _mpiexec(2, os.path.join(ROOT, "tests", "mpi_worker.py"), "wrong-size", timeout=60)
     assert "configured for world_size=5 but mpirun started 2 rank(s)" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -57,7 +108,7 @@ def test_missing_mpi4py_gives_the_install_command(monkeypatch):
 def test_a_rank_that_crashes_under_mpiexec_ends_the_job():
     import time
     t0 = time.monotonic()
-    proc = _mpiexec(2, "crash", timeout=90)
+    proc = _mpiexec(2, os.path.join(ROOT, "tests", "mpi_worker.py"), "crash", timeout=90)
     assert proc.returncode != 0
     assert time.monotonic() - t0 < 60
     assert "rank 1 crashes on purpose" in proc.stderr
@@ -92,8 +143,7 @@ if __name__ == "__main__":
 
 
 def _write_script(tmp_path):
-    if MPIEXEC is None:
-        pytest.skip("mpiexec not found: install the mpi extra (pip install 'ddptrain[mpi]')")
+    _need_mpiexec()
     script = tmp_path / "user_script.py"
     script.write_text(_SCRIPT.format(root=ROOT))
     return script

@@ -89,6 +89,14 @@ def test_exact_resume_bitwise_equal(two_rank_runs):
     assert results[0]["mid_stop"]["params_sha256"] != results[0]["straight"]["params_sha256"]
 
 
+def test_mid_epoch_checkpoint_holds_the_position_trained_on(two_rank_runs):
+    root, _ = two_rank_runs
+    mid = load_checkpoint(root / "mid" / "checkpoints" / "step_000000013.pt")
+    # Step 13 is step 3 of epoch 2: 3 steps of 48 samples over 2 ranks, 72 per rank.
+    assert (mid["step"], mid["epoch"], mid["samples_in_epoch"]) == (13, 1, 72)
+    assert (mid["sampler"]["epoch"], mid["sampler"]["consumed"]) == (1, 72)
+
+
 def test_ranks_agree_and_loss_falls(two_rank_runs):
     _, results = two_rank_runs
     assert results[0]["straight"]["params_sha256"] == results[1]["straight"]["params_sha256"]

@@ -1,41 +1,21 @@
 """The command line as users run it: ``python -m ddptrain ...`` in a subprocess, each with a timeout.
 
 Runs happen in a temporary working directory, so a stray output folder would show. MNIST comes
-from the shared read-only copy, decompressed once into a session cache (``$DDPTRAIN_DATA``).
+from the ``mnist_root`` fixture: a data root ddptrain's own loader prepared once per session.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import PYTHON, TORCHRUN, run_cli
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
-PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
-TORCHRUN = Path(PYTHON).parent / "torchrun"
-SHARED_MNIST = REPO.parent / "shared" / "data" / "MNIST" / "raw"
-needs_mnist = pytest.mark.skipif(
-    not (SHARED_MNIST / "train-images-idx3-ubyte.gz").is_file(), reason=f"real MNIST not found in {SHARED_MNIST}"
-)
 # Small synthetic runs: 8 steps of 128 per epoch, a 200-sample evaluation.
 TINY = ["recipe=synthetic", "data.num_train_samples=1024", "data.num_val_samples=200", "trainer.epochs=1"]
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("data-cache")
-
-
-def ddptrain(*args, cwd, timeout=150, env=None, prefix=None):
-    command = (prefix or [PYTHON, "-m", "ddptrain"]) + list(args)
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-        full_env.pop(var, None)  # a test runner inside a launcher must not make the CLI a rank
-    return subprocess.run(command, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+MPIRUN = Path(PYTHON).parent / "mpirun"
 
 
 def _short_error(proc, *words):
@@ -46,15 +26,14 @@ def _short_error(proc, *words):
         assert word in proc.stderr, f"{word!r} not in:\n{proc.stderr}"
 
 
-@needs_mnist
-def test_smoke_run_mnist(tmp_path, data_cache):
+def test_smoke_run_mnist(tmp_path, mnist_root):
     run_dir = tmp_path / "run"
-    proc = ddptrain(
+    proc = run_cli(
         "recipe=mnist",
         "trainer=smoke",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
-        env={"DDPTRAIN_DATA": str(data_cache)},
+        env={"DDPTRAIN_DATA": str(mnist_root)},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "smoke check passed" in proc.stdout and "finished on 2 rank(s) at step 40" in proc.stdout
@@ -67,7 +46,7 @@ def test_smoke_run_mnist(tmp_path, data_cache):
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path):
-    proc = ddptrain("recipe=mnist", "dist.world_size=4", "trainer.epochs=1", "--cfg", "job", cwd=tmp_path, timeout=60)
+    proc = run_cli("recipe=mnist", "dist.world_size=4", "trainer.epochs=1", "--cfg", "job", cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for line in (
         "trainer_class: recipes.mnist.MnistTrainer",
@@ -79,25 +58,25 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
         "_target_: recipes.mnist.Net",
     ):
         assert line in proc.stdout
-    helped = ddptrain("--help", cwd=tmp_path, timeout=60)
+    helped = run_cli("--help", cwd=tmp_path, timeout=60)
     assert helped.returncode == 0 and "recipe: fashion_mnist, mnist, synthetic" in helped.stdout, helped.stderr
     assert not list(tmp_path.iterdir())  # printing the config or the help writes nothing
     script = Path(PYTHON).parent / "ddptrain"  # the console script, from any directory
     if script.exists():
-        proc = ddptrain("recipe=fashion_mnist", "--cfg", "job", cwd=tmp_path, timeout=60, prefix=[str(script)])
+        proc = run_cli("recipe=fashion_mnist", "--cfg", "job", cwd=tmp_path, timeout=60, prefix=[str(script)])
         assert proc.returncode == 0 and "FashionMnistTrainer" in proc.stdout, proc.stderr
 
 
 def test_unknown_recipe_and_overrides_are_short_errors(tmp_path):
-    _short_error(ddptrain("recipe=imagenet", cwd=tmp_path, timeout=60), "recipe/imagenet", "mnist")
-    _short_error(ddptrain("recipe=mnist", "trainer.epoch=3", cwd=tmp_path, timeout=60), "trainer.epoch")
-    appended = ddptrain("recipe=mnist", "+trainer.epoch=3", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=60)
+    _short_error(run_cli("recipe=imagenet", cwd=tmp_path, timeout=60), "recipe/imagenet", "mnist")
+    _short_error(run_cli("recipe=mnist", "trainer.epoch=3", cwd=tmp_path, timeout=60), "trainer.epoch")
+    appended = run_cli("recipe=mnist", "+trainer.epoch=3", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=60)
     _short_error(appended, "unknown config key trainer.epoch", "Did you mean trainer.epochs?")
     assert appended.returncode == 2
 
 
 def test_global_batch_not_divisible(tmp_path):
-    proc = ddptrain("recipe=mnist", "dist.world_size=3", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=90)
+    proc = run_cli("recipe=mnist", "dist.world_size=3", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=90)
     _short_error(proc, "data.global_batch_size=128", "dist.world_size=3", "multiple of 3")
     assert proc.returncode == 2
 
@@ -107,7 +86,7 @@ def test_dataset_missing_offline(tmp_path):
     # root and the (empty) list of sources, so the real command must say what to put where.
     empty = tmp_path / "empty-root"
     empty.mkdir()
-    proc = ddptrain(
+    proc = run_cli(
         "recipe=mnist",
         f"data.root={empty}",
         f"hydra.run.dir={tmp_path / 'r'}",
@@ -121,7 +100,7 @@ def test_dataset_missing_offline(tmp_path):
 
 
 def test_sweep_runs_every_point(tmp_path):
-    proc = ddptrain(
+    proc = run_cli(
         "-m",
         *TINY,
         "dist.world_size=1",
@@ -146,7 +125,7 @@ def torchrun_run(tmp_path_factory):
     """A 2-rank job started by torchrun: every process runs the CLI, rank 0 picks the directory."""
     cwd = tmp_path_factory.mktemp("torchrun")
     run_dir = cwd / "run"
-    proc = ddptrain(
+    proc = run_cli(
         "--standalone",
         "--nproc-per-node=2",
         "-m",
@@ -158,12 +137,12 @@ def torchrun_run(tmp_path_factory):
         "launcher=torchrun",
         cwd=cwd,
         timeout=200,
-        prefix=[str(TORCHRUN)],
+        prefix=[TORCHRUN],
     )
     return cwd, run_dir, proc
 
 
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to the Python used")
+@pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed next to the Python used")
 def test_torchrun_job_uses_one_directory(torchrun_run):
     cwd, run_dir, proc = torchrun_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -176,23 +155,23 @@ def test_torchrun_job_uses_one_directory(torchrun_run):
     assert json.loads((run_dir / "metrics.json").read_text())["params_agree"]
 
 
-@pytest.mark.skipif(not TORCHRUN.exists(), reason="torchrun is not installed next to the Python used")
+@pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed next to the Python used")
 def test_resume_errors_and_fallback(torchrun_run):
     cwd, run_dir, proc = torchrun_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     newest = run_dir / "checkpoints" / "step_000000006.pt"
     # Another world size: refused before any worker starts, with both sizes and the way out.
-    refused = ddptrain(
+    refused = run_cli(
         *TINY, "dist.world_size=1", f"trainer.resume={run_dir}", f"hydra.run.dir={cwd / 'ws1'}", cwd=cwd, timeout=90
     )
     _short_error(refused, "2 rank(s)", "this job has 1", "trainer.allow_world_size_change=true")
     # A truncated checkpoint: refused, and nothing deleted.
     newest.write_bytes(newest.read_bytes()[:1000])
-    corrupt = ddptrain(*TINY, f"trainer.resume={newest}", f"hydra.run.dir={cwd / 'bad'}", cwd=cwd, timeout=90)
+    corrupt = run_cli(*TINY, f"trainer.resume={newest}", f"hydra.run.dir={cwd / 'bad'}", cwd=cwd, timeout=90)
     _short_error(corrupt, "is corrupt or truncated", "step_000000003.pt")
     assert newest.is_file() and (run_dir / "checkpoints" / "step_000000003.pt").is_file()
     # resume=latest in the same directory: skips the corrupt one with a warning, continues from step 3.
-    resumed = ddptrain(
+    resumed = run_cli(
         *TINY, "trainer.max_steps=8", "trainer.resume=latest", f"hydra.run.dir={run_dir}", cwd=cwd, timeout=150
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -201,12 +180,10 @@ def test_resume_errors_and_fallback(torchrun_run):
     assert "at step 8" in resumed.stdout
 
 
-@pytest.mark.skipif(
-    not (Path(PYTHON).parent / "mpirun").exists(), reason="mpirun is not installed next to the Python used"
-)
+@pytest.mark.skipif(not MPIRUN.exists(), reason="mpirun is not installed next to the Python used")
 def test_mpirun_job_on_the_mpi_backend(tmp_path):
     """Under mpirun (no MASTER_ADDR) backend=auto picks mpi; every rank runs the CLI, one directory."""
-    proc = ddptrain(
+    proc = run_cli(
         "-n",
         "2",
         "--oversubscribe",
@@ -219,7 +196,7 @@ def test_mpirun_job_on_the_mpi_backend(tmp_path):
         f"hydra.run.dir={tmp_path / 'run'}",
         cwd=tmp_path,
         timeout=150,
-        prefix=[str(Path(PYTHON).parent / "mpirun")],
+        prefix=[str(MPIRUN)],
         env={"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

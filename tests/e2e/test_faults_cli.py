@@ -1,9 +1,11 @@
-"""Faults in a real CLI job: `kill -9` of rank 1 ends the job promptly; with restarts it finishes.
+"""Faults in a real CLI job: `kill -9` of rank 1 ends the job promptly; with restarts it finishes,
+with exactly the parameters of the same job left alone.
 
 The job runs `python -m ddptrain` as a subprocess; rank 1 is the second worker the launcher
 spawned (workers start in rank order) and is killed with SIGKILL once the first checkpoint exists.
-Most use recipe=synthetic; one runs an epoch of real MNIST next to an uninterrupted twin and
-checks the restarted job ends with the same accuracy and parameters.
+Each restart test runs an uninterrupted twin next to the interrupted job (at the same time: on
+2 cores their start-ups overlap) and compares the final parameters' checksum (metrics.json).
+Most use recipe=synthetic; one runs an epoch of real MNIST.
 """
 
 import json
@@ -11,61 +13,74 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.conftest import PYTHON, REPO, TORCHRUN, children, cli_env, spawned_workers
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parents[2]
+# 3 epochs of 47 steps: the kill after step 10's checkpoint comes long before the end.
+SYNTHETIC = [
+    "recipe=synthetic",
+    "trainer.epochs=3",
+    "data.num_train_samples=6000",
+    "data.num_val_samples=200",
+    "trainer.checkpoint_every_steps=10",
+    "trainer.progress=false",
+    "trainer.tensorboard=false",
+    "dist.timeout_s=30",
+]
 
 
-def _children(pid):
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(p) for p in out.split()]
-
-
-def _workers(pid):
-    """The launcher's spawned workers, oldest first (= rank order); not its resource tracker."""
-    found = []
-    for child in _children(pid):
-        try:
-            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-            started = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline:
-            found.append((started, child))
-    return [child for _, child in sorted(found)]
-
-
-def _start(run_dir, *overrides):
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddptrain",
-        "recipe=synthetic",
-        "trainer.epochs=6",
-        "data.num_train_samples=6000",
-        "trainer.checkpoint_every_steps=10",
-        "trainer.progress=false",
-        "trainer.tensorboard=false",
-        "dist.timeout_s=30",
-        f"hydra.run.dir={run_dir}",
-        *overrides,
-    ]
+def _popen(command, env=None):
     return subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command,
+        cwd=REPO,
+        env=cli_env(**(env or {})),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
+
+
+def _start(run_dir, *overrides, env=None):
+    return _popen([PYTHON, "-m", "ddptrain", *SYNTHETIC, f"hydra.run.dir={run_dir}", *overrides], env)
+
+
+def _finish(jobs, timeout_s):
+    """Wait for every job; kill the process groups of those that outlive ``timeout_s``."""
+    outputs = []
+    try:
+        for job in jobs:
+            outputs.append(job.communicate(timeout=timeout_s)[0])
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                os.killpg(job.pid, signal.SIGKILL)
+    return outputs
+
+
+def _same_end_as_the_twin(run_dir, twin_dir):
+    """The interrupted job ends exactly where the uninterrupted one does: parameters, loss, history."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    twin = json.loads((twin_dir / "metrics.json").read_text())
+    assert metrics["params_agree"] and twin["params_agree"]
+    assert metrics["step"] == twin["step"], (metrics, twin)
+    assert metrics["params_sha256"] == twin["params_sha256"], (metrics, twin)
+    assert metrics["eval/loss"] == twin["eval/loss"]
+    # the logged losses survive the restart: the run reports its real first loss, not the restart's
+    assert metrics["train/loss_first"] == twin["train/loss_first"], (metrics, twin)
 
 
 def _kill_rank_1_after_first_checkpoint(proc, run_dir, timeout_s=120):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if list((run_dir / "checkpoints").glob("step_*.pt")):
-            workers = _workers(proc.pid)
+            workers = spawned_workers(proc.pid)
             if len(workers) == 2:
                 os.kill(workers[1], signal.SIGKILL)
                 return time.monotonic(), workers
@@ -99,15 +114,19 @@ def test_kill_9_of_rank_1_ends_the_job_naming_it(tmp_path):
 
 
 def test_max_restarts_resumes_from_the_last_checkpoint_and_finishes(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = _start(run_dir, "launcher.max_restarts=1")
-    _kill_rank_1_after_first_checkpoint(proc, run_dir)
-    out, _ = proc.communicate(timeout=240)
+    twin = _start(tmp_path / "twin")
+    proc = _start(tmp_path / "run", "launcher.max_restarts=1")
+    try:
+        _kill_rank_1_after_first_checkpoint(proc, tmp_path / "run")
+    finally:
+        out, twin_out = _finish([proc, twin], timeout_s=240)
     assert proc.returncode == 0, out[-4000:]
+    assert twin.returncode == 0, twin_out[-4000:]
     assert re.search(r"rank 1 failed .*restart 1 of 1, resuming from latest", out), out[-4000:]
     resumed = re.search(r"resumed from \S+step_0*(\d+)\.pt: step (\d+)", out)
     assert resumed and int(resumed.group(2)) >= 10, out[-4000:]
     assert "finished on 2 rank(s)" in out
+    _same_end_as_the_twin(tmp_path / "run", tmp_path / "twin")
 
 
 def _rank_from_environ(pid):
@@ -122,53 +141,35 @@ def _rank_from_environ(pid):
 
 def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
     """torchrun restarts the workers; the trainer sees TORCHELASTIC_RESTART_COUNT and resumes."""
+
+    def torchrun(run_dir):
+        prefix = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1", "-m", "ddptrain"]
+        return _popen([*prefix, *SYNTHETIC, "launcher=torchrun", f"hydra.run.dir={run_dir}"])
+
     run_dir = tmp_path / "run"
-    torchrun = str(Path(sys.executable).parent / "torchrun")
-    cmd = [
-        torchrun,
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "-m",
-        "ddptrain",
-        "recipe=synthetic",
-        "launcher=torchrun",
-        "trainer.epochs=6",
-        "data.num_train_samples=6000",
-        "trainer.checkpoint_every_steps=10",
-        "trainer.progress=false",
-        "trainer.tensorboard=false",
-        "dist.timeout_s=30",
-        f"hydra.run.dir={run_dir}",
-    ]
-    proc = subprocess.Popen(
-        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    twin, proc = torchrun(tmp_path / "twin"), torchrun(run_dir)
     try:
         deadline = time.monotonic() + 120
         killed = False
         while time.monotonic() < deadline and not killed and proc.poll() is None:
             if list((run_dir / "checkpoints").glob("step_*.pt")):
-                for child in _children(proc.pid):
+                for child in children(proc.pid):
                     if _rank_from_environ(child) == 1:
                         os.kill(child, signal.SIGKILL)
                         killed = True
             time.sleep(0.2)
         assert killed, "rank 1 was not found to kill"
-        out, _ = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        out, twin_out = _finish([proc, twin], timeout_s=240)
     assert proc.returncode == 0, out[-4000:]
+    assert twin.returncode == 0, twin_out[-4000:]
     assert "torchrun restart 1: resuming from the latest checkpoint" in out, out[-4000:]
     resumed = re.search(r"resumed from \S+: step (\d+)", out)
     assert resumed and int(resumed.group(1)) >= 10, out[-4000:]
+    _same_end_as_the_twin(run_dir, tmp_path / "twin")
 
 
 # -- the must-show on real MNIST: kill -9 of rank 1 with launcher.max_restarts=1 ------------------
-SHARED_MNIST = ROOT.parent / "shared" / "data" / "MNIST" / "raw"
 MNIST_ONE_EPOCH = [
     "recipe=mnist",
     "trainer.epochs=1",
@@ -198,37 +199,19 @@ def _final_accuracy(out):
     return int(found.group(1)), float(found.group(2))
 
 
-@pytest.mark.skipif(
-    not (SHARED_MNIST / "train-images-idx3-ubyte.gz").is_file(), reason=f"real MNIST not found in {SHARED_MNIST}"
-)
-def test_mnist_kill_9_with_max_restarts_ends_like_an_uninterrupted_run(tmp_path):
+def test_mnist_kill_9_with_max_restarts_ends_like_an_uninterrupted_run(tmp_path, mnist_root):
     """One epoch of the MNIST recipe, rank 1 SIGKILLed after the step-100 checkpoint: the job
     restarts once, resumes from that checkpoint, and ends with the accuracy and the parameters
     (checksum) of the same run left alone — exact resume."""
-    started = []
+    data = {"DDPTRAIN_DATA": str(mnist_root)}  # prepared by the loader: both jobs only read it
+    command = [PYTHON, "-m", "ddptrain", *MNIST_ONE_EPOCH]
+    reference = _popen([*command, f"hydra.run.dir={tmp_path / 'ref'}"], data)
+    proc = _popen([*command, "launcher.max_restarts=1", f"hydra.run.dir={tmp_path / 'run'}"], data)
+    run_dir = tmp_path / "run"
     try:
-        # Both jobs at once: on 2 cores they overlap their start-ups (single-threaded imports).
-        for name, extra in (("ref", []), ("run", ["launcher.max_restarts=1"])):
-            started.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "ddptrain", *MNIST_ONE_EPOCH, *extra, f"hydra.run.dir={tmp_path / name}"],
-                    cwd=ROOT,
-                    env={**os.environ, "DDPTRAIN_DATA": str(tmp_path / f"data-{name}")},
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                    start_new_session=True,
-                )
-            )
-        reference, proc = started
-        run_dir = tmp_path / "run"
         _, first_workers = _kill_rank_1_after_first_checkpoint(proc, run_dir)
-        out, _ = proc.communicate(timeout=150)
-        reference_out, _ = reference.communicate(timeout=60)
     finally:
-        for job in started:
-            if job.poll() is None:
-                os.killpg(job.pid, signal.SIGKILL)
+        out, reference_out = _finish([proc, reference], timeout_s=150)
     assert reference.returncode == 0, reference_out[-3000:]
     assert proc.returncode == 0, out[-4000:]
     assert re.search(

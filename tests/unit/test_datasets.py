@@ -23,7 +23,6 @@ from ddptrain.data import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-SHARED_MNIST_RAW = REPO.parent / "shared" / "data" / "MNIST" / "raw"
 DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")
 GZ_NAMES = [
     "train-images-idx3-ubyte.gz",
@@ -32,11 +31,6 @@ GZ_NAMES = [
     "t10k-labels-idx1-ubyte.gz",
 ]
 MNIST_TRAIN_LABEL_COUNTS = [5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949]
-
-needs_mnist = pytest.mark.skipif(
-    not all((SHARED_MNIST_RAW / n).is_file() for n in GZ_NAMES),
-    reason=f"the shared MNIST files are not in {SHARED_MNIST_RAW}",
-)
 
 
 def snapshot(directory):
@@ -52,23 +46,27 @@ def no_sources(monkeypatch, tmp_path):
     monkeypatch.setattr(ds, "_FASHION_MNIST", dataclasses.replace(ds._FASHION_MNIST, system_dirs=()))
 
 
+@pytest.fixture(scope="session")
+def mnist_raw(mnist_root):
+    """The four uncompressed MNIST files, as ddptrain's loader installed them (a read-only source here)."""
+    return mnist_root / "MNIST" / "raw"
+
+
 @pytest.fixture(scope="module")
-def mnist_loaded(tmp_path_factory):
-    """Load both MNIST splits once, from the shared files found via DDPTRAIN_DATA_SOURCES."""
-    if not all((SHARED_MNIST_RAW / n).is_file() for n in GZ_NAMES):
-        pytest.skip(f"the shared MNIST files are not in {SHARED_MNIST_RAW}")
+def mnist_loaded(tmp_path_factory, mnist_raw):
+    """Load both MNIST splits once into a fresh root, from the files of ``mnist_raw`` as the only source."""
     root = tmp_path_factory.mktemp("data")
-    before = snapshot(SHARED_MNIST_RAW)
+    before = snapshot(mnist_raw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(ds.DATA_SOURCES_ENV, os.pathsep.join(["/nonexistent", str(SHARED_MNIST_RAW)]))
-        mp.setattr(ds, "_REPO_SHARED_DATA", root / "no-shared-data")
+        mp.setenv(ds.DATA_SOURCES_ENV, os.pathsep.join(["/nonexistent", str(mnist_raw)]))
+        mp.setenv("DDPTRAIN_DATA_SOURCES_ONLY", "1")
         train = mnist(root, train=True)
         test = mnist(root, train=False)
-    return root, train, test, before
+    return root, train, test, before, mnist_raw
 
 
 def test_mnist_lengths_labels_and_transform(mnist_loaded):
-    root, train, test, _ = mnist_loaded
+    root, train, test, *_ = mnist_loaded
     assert (len(train), len(test)) == (60000, 10000)
     assert torch.bincount(train.targets, minlength=10).tolist() == MNIST_TRAIN_LABEL_COUNTS
     image, label = train[0]
@@ -79,8 +77,8 @@ def test_mnist_lengths_labels_and_transform(mnist_loaded):
 
 
 def test_mnist_source_untouched_and_cache_written(mnist_loaded):
-    root, _, _, before = mnist_loaded
-    assert snapshot(SHARED_MNIST_RAW) == before
+    root, _, _, before, source = mnist_loaded
+    assert snapshot(source) == before
     raw = root / "MNIST" / "raw"
     assert sorted(p.name for p in raw.iterdir()) == sorted(n[:-3] for n in GZ_NAMES)  # no temp files left
 
@@ -122,22 +120,21 @@ def test_fashion_missing_error_names_apt_package(no_sources, tmp_path):
         fashion_mnist(tmp_path)
 
 
-def source_with(tmp_path, replace):
-    """A source folder linking to the shared MNIST files, with some replaced by bytes."""
+def source_with(tmp_path, raw, replace):
+    """A source folder linking to the MNIST files in ``raw``, with some replaced by bytes (``.gz`` names)."""
     src = tmp_path / "src"
     src.mkdir()
     for name in GZ_NAMES:
         if name in replace:
             (src / name).write_bytes(replace[name])
         else:
-            (src / name).symlink_to(SHARED_MNIST_RAW / name)
+            (src / name[:-3]).symlink_to(raw / name[:-3])
     return src
 
 
-@needs_mnist
-def test_truncated_gz_gives_clear_error(no_sources, monkeypatch, tmp_path):
-    good = (SHARED_MNIST_RAW / "t10k-images-idx3-ubyte.gz").read_bytes()
-    src = source_with(tmp_path, {"t10k-images-idx3-ubyte.gz": good[: len(good) // 2]})
+def test_truncated_gz_gives_clear_error(no_sources, monkeypatch, tmp_path, mnist_raw):
+    good = gzip.compress((mnist_raw / "t10k-images-idx3-ubyte").read_bytes(), compresslevel=1)
+    src = source_with(tmp_path, mnist_raw, {"t10k-images-idx3-ubyte.gz": good[: len(good) // 2]})
     monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(src))
     with pytest.raises(DatasetCorruptError, match=r"t10k-images-idx3-ubyte\.gz is truncated or corrupt"):
         mnist(tmp_path / "root", train=True)
@@ -145,27 +142,24 @@ def test_truncated_gz_gives_clear_error(no_sources, monkeypatch, tmp_path):
     assert "t10k-images-idx3-ubyte" not in left and not any(n.endswith(".tmp") for n in left)
 
 
-@needs_mnist
-def test_wrong_item_count_gives_clear_error(no_sources, monkeypatch, tmp_path):
-    labels = gzip.decompress((SHARED_MNIST_RAW / "t10k-labels-idx1-ubyte.gz").read_bytes())
+def test_wrong_item_count_gives_clear_error(no_sources, monkeypatch, tmp_path, mnist_raw):
+    labels = (mnist_raw / "t10k-labels-idx1-ubyte").read_bytes()
     short = labels[:4] + (9999).to_bytes(4, "big") + labels[8:-1]
-    src = source_with(tmp_path, {"t10k-labels-idx1-ubyte.gz": gzip.compress(short)})
+    src = source_with(tmp_path, mnist_raw, {"t10k-labels-idx1-ubyte.gz": gzip.compress(short)})
     monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(src))
     with pytest.raises(DatasetCorruptError, match="declares 9999 labels, expected 10000"):
         mnist(tmp_path / "root", train=False)
 
 
-@needs_mnist
-def test_garbage_gz_gives_clear_error(no_sources, monkeypatch, tmp_path):
-    src = source_with(tmp_path, {"train-labels-idx1-ubyte.gz": b"not a gzip file at all"})
+def test_garbage_gz_gives_clear_error(no_sources, monkeypatch, tmp_path, mnist_raw):
+    src = source_with(tmp_path, mnist_raw, {"train-labels-idx1-ubyte.gz": b"not a gzip file at all"})
     monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(src))
     with pytest.raises(DatasetCorruptError, match="train-labels-idx1-ubyte.gz is truncated or corrupt"):
         mnist(tmp_path / "root")
 
 
-@needs_mnist
-def test_mnist_files_are_not_taken_for_fashion(no_sources, monkeypatch, tmp_path):
-    monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(SHARED_MNIST_RAW))
+def test_mnist_files_are_not_taken_for_fashion(no_sources, monkeypatch, tmp_path, mnist_raw):
+    monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(mnist_raw))
     with pytest.raises(DatasetNotFoundError, match=r"(?s)Skipped, another dataset: .*not Fashion-MNIST's"):
         fashion_mnist(tmp_path, train=False)
 

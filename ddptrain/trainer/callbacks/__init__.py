@@ -1,8 +1,28 @@
-"""Callbacks: the interface and the three built-ins (checkpoints, TensorBoard, progress)."""
+"""Callbacks: the interface, what they see of the trainer, and the three built-ins."""
 
-from .base import Callback
+from __future__ import annotations
+
+from ..config import TrainerConfig
+from .base import Callback, TrainerView
 from .checkpoint import CheckpointCallback
 from .progress import ProgressCallback
 from .tensorboard import TensorBoardCallback
 
-__all__ = ["Callback", "CheckpointCallback", "ProgressCallback", "TensorBoardCallback"]
+__all__ = ["Callback", "TrainerView", "CheckpointCallback", "ProgressCallback", "TensorBoardCallback", "from_config"]
+
+
+def from_config(config: TrainerConfig) -> list[Callback]:
+    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, checkpoints."""
+    callbacks: list[Callback] = [ProgressCallback(bar=None if config.progress else False)]
+    if config.tensorboard:
+        callbacks.append(TensorBoardCallback())
+    if config.checkpoint_every_epochs or config.checkpoint_every_steps or config.checkpoint_at_end:
+        callbacks.append(
+            CheckpointCallback(
+                every_epochs=config.checkpoint_every_epochs,
+                every_steps=config.checkpoint_every_steps,
+                at_end=config.checkpoint_at_end,
+                keep_last=config.keep_last_checkpoints,
+            )
+        )
+    return callbacks

@@ -1,4 +1,4 @@
-"""The callback interface: hooks the Trainer calls on every rank, in a fixed order.
+"""The callback interface, and what a callback may use of the trainer that runs it.
 
 Every hook runs on every rank, so a callback may use collectives (all ranks reach the same hooks
 at the same steps); one that writes files or prints checks ``trainer.is_main`` first.
@@ -7,40 +7,83 @@ Order within one fit: ``on_fit_start`` → per epoch ``on_epoch_start`` → per 
 ``on_train_batch_end`` (and ``on_log`` every ``trainer.log_every_steps``) → ``on_validation_end``
 after each evaluation → ``on_epoch_end`` → ... → ``on_fit_end``. ``on_exception`` replaces
 ``on_fit_end`` when training fails.
+
+Hooks receive the trainer as a :class:`TrainerView`: the few things callbacks need, written down
+here so that this package depends on that list, not on the whole ``Trainer`` (which imports the
+callbacks). Any ``ddptrain.Trainer`` is one; a test may pass any object that has these.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
-if TYPE_CHECKING:  # the trainer imports callbacks; annotations only here
-    from ..trainer import Trainer
+import torch
+
+from ..checkpointing import TrainState
+from ..config import Config
+
+
+@runtime_checkable
+class TrainerView(Protocol):
+    """What callbacks use of the trainer: where training stands, where files go, saving.
+
+    Attributes:
+        config: the run's configuration.
+        state: step, epoch and position in the epoch (:class:`~ddptrain.trainer.TrainState`).
+        world_size: number of ranks.
+        device: this rank's device.
+        output_dir: the run's directory (the same on every rank).
+        steps_per_epoch: optimizer steps in a full epoch.
+    """
+
+    config: Config
+    state: TrainState
+    world_size: int
+    device: torch.device
+    output_dir: Path
+    steps_per_epoch: int
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0, the rank that writes files and prints."""
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where checkpoints go (``<output_dir>/checkpoints``)."""
+
+    @property
+    def steps_done_in_epoch(self) -> int:
+        """Optimizer steps of the current epoch already done (more than 0 after a mid-epoch resume)."""
+
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Write a checkpoint to ``path``; a collective: every rank calls it at the same step."""
 
 
 class Callback:
     """Base class: override the hooks you need; each default does nothing."""
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         """Everything is built (and resumed); no step has run yet in this fit."""
 
-    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+    def on_epoch_start(self, trainer: TrainerView, epoch: int) -> None:
         """Epoch ``epoch`` (0-based) starts, possibly in its middle after a resume."""
 
-    def on_train_batch_end(self, trainer: Trainer, loss: float) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, loss: float) -> None:
         """An optimizer step finished; ``loss`` is this rank's mean over its micro-batches and
         ``trainer.state.step`` counts the steps done."""
 
-    def on_log(self, trainer: Trainer, scalars: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         """Scalars reduced over all ranks (``train/loss``, ``train/lr``, ...), at ``trainer.state.step``."""
 
-    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         """An evaluation finished; ``metrics`` are exact over the whole validation set."""
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: TrainerView, epoch: int, metrics: dict[str, Any]) -> None:
         """Epoch ``epoch`` is complete (``trainer.state.epoch`` is already the next one)."""
 
-    def on_fit_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         """Training stopped normally; ``metrics`` is what ``fit`` returns."""
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         """Training failed with ``exc`` (it is re-raised after the callbacks ran)."""

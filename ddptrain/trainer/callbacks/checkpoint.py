@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..checkpoint_io import checkpoint_name, load_checkpoint, prune_checkpoints
-from .base import Callback
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
+from .base import Callback, TrainerView
 
 log = logging.getLogger("ddptrain.checkpoint")
 
@@ -47,25 +44,25 @@ class CheckpointCallback(Callback):
         self.last_saved: tuple[int, int, int] | None = None
         self.saved: list[Path] = []
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if self.directory is None:
             self.directory = trainer.checkpoint_dir
         # A resumed run does not rewrite the checkpoint it started from.
         self.last_saved = trainer.state.position()
 
-    def on_train_batch_end(self, trainer: Trainer, loss: float) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, loss: float) -> None:
         if self.every_steps and trainer.state.step % self.every_steps == 0:
             self.save(trainer)
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: TrainerView, epoch: int, metrics: dict[str, Any]) -> None:
         if self.every_epochs and (epoch + 1) % self.every_epochs == 0:
             self.save(trainer)
 
-    def on_fit_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         if self.at_end:
             self.save(trainer)
 
-    def save(self, trainer: Trainer) -> Path | None:
+    def save(self, trainer: TrainerView) -> Path | None:
         """Save now (a collective: every rank must call it at the same step)."""
         if self.last_saved == trainer.state.position():
             return None

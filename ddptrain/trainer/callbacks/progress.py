@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .base import Callback
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
+from .base import Callback, TrainerView
 
 log = logging.getLogger("ddptrain.progress")
 
@@ -43,7 +40,7 @@ class ProgressCallback(Callback):
         except (AttributeError, ValueError):  # replaced or closed stdout
             return False
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if trainer.is_main:
             state = trainer.state
             where = f" (resumed at step {state.step}, epoch {state.epoch + 1})" if state.step else ""
@@ -58,7 +55,7 @@ class ProgressCallback(Callback):
                 trainer.output_dir,
             )
 
-    def on_epoch_start(self, trainer: Trainer, epoch: int) -> None:
+    def on_epoch_start(self, trainer: TrainerView, epoch: int) -> None:
         if not trainer.is_main or not self._use_bar():
             return
         from tqdm import tqdm
@@ -73,25 +70,25 @@ class ProgressCallback(Callback):
             leave=True,
         )
 
-    def on_train_batch_end(self, trainer: Trainer, loss: float) -> None:
+    def on_train_batch_end(self, trainer: TrainerView, loss: float) -> None:
         if self.bar is not None:
             self.bar.update(1)
 
-    def on_log(self, trainer: Trainer, scalars: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", refresh=False)
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: TrainerView, epoch: int, metrics: dict[str, Any]) -> None:
         self._close()
         if trainer.is_main:
             log.info("epoch %d/%d: %s", epoch + 1, trainer.config.trainer.epochs, _fmt(metrics))
 
-    def on_fit_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         self._close()
         if trainer.is_main:
             log.info("done: %s", _fmt(metrics))
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self._close()
 
     def _close(self) -> None:

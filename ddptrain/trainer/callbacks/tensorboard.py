@@ -10,12 +10,9 @@ step waiting for gradient all-reduces after backward, from DDP's iteration stats
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .base import Callback
-
-if TYPE_CHECKING:
-    from ..trainer import Trainer
+from .base import Callback, TrainerView
 
 
 class TensorBoardCallback(Callback):
@@ -29,7 +26,7 @@ class TensorBoardCallback(Callback):
         self.log_dir = None if log_dir is None else Path(log_dir)
         self.writer = None
 
-    def on_fit_start(self, trainer: Trainer) -> None:
+    def on_fit_start(self, trainer: TrainerView) -> None:
         if not trainer.is_main:
             return
         from torch.utils.tensorboard import SummaryWriter  # imports tensorboard: rank 0 only
@@ -40,28 +37,28 @@ class TensorBoardCallback(Callback):
         purge = trainer.state.step if trainer.state.step > 0 else None
         self.writer = SummaryWriter(str(self.log_dir), purge_step=purge)
 
-    def on_log(self, trainer: Trainer, scalars: dict[str, float]) -> None:
+    def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         self._write(trainer, scalars)
 
-    def on_validation_end(self, trainer: Trainer, metrics: dict[str, float]) -> None:
+    def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         self._write(trainer, metrics)
 
-    def on_epoch_end(self, trainer: Trainer, epoch: int, metrics: dict[str, Any]) -> None:
+    def on_epoch_end(self, trainer: TrainerView, epoch: int, metrics: dict[str, Any]) -> None:
         if "train/epoch_loss" in metrics:
             self._write(trainer, {"train/epoch_loss": metrics["train/epoch_loss"]})
         if self.writer is not None:
             self.writer.flush()
 
-    def _write(self, trainer: Trainer, scalars: dict[str, float]) -> None:
+    def _write(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         if self.writer is None:
             return
         for name, value in scalars.items():
             self.writer.add_scalar(name, float(value), trainer.state.step)
 
-    def on_fit_end(self, trainer: Trainer, metrics: dict[str, Any]) -> None:
+    def on_fit_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         self._close()
 
-    def on_exception(self, trainer: Trainer, exc: BaseException) -> None:
+    def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self._close()
 
     def _close(self) -> None:

@@ -14,6 +14,7 @@ from ddptrain.launch.env import (
     DETECTION_ORDER,
     ClusterEnvironment,
     detect_environment,
+    detect_mpi_environment,
     parse_slurm_nodelist,
 )
 
@@ -34,6 +35,14 @@ OMPI = {
     "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
 }
 PMI = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+# What a PMIx launcher sets (from `mpiexec -n 2 env` of Open MPI 5.0: rank 1 of 2): a rank and a
+# namespace, but no size; the size is a PMIx_Get away. tests/dist/test_mpi.py checks this on a real run.
+PMIX = {
+    "PMIX_RANK": "1",
+    "PMIX_NAMESPACE": "prterun-vm-6617@1",
+    "PMIX_SERVER_URI41": "prterun-vm-6617@0.0;tcp4://127.0.0.1:59133",
+    "PMIX_HOSTNAME": "vm",
+}
 SLURM = {
     "SLURM_JOB_ID": "123456",
     "SLURM_PROCID": "3",
@@ -111,6 +120,41 @@ def test_mpich_pmi_flavour():
     assert detect_environment(PMI) == ClusterEnvironment("mpi", 3, 4, 1, 2, 1, None, None)
 
 
+def test_open_mpi_5_sets_pmix_and_ompi_variables_and_the_ompi_ones_count():
+    got = detect_environment(env_of(OMPI, PMIX))  # PMIX_RANK=1 differs from OMPI's 6 on purpose
+    assert got == ClusterEnvironment("mpi", 6, 8, 2, 4, 1, None, None)
+
+
+def test_srun_with_pmix_is_a_slurm_step():
+    got = detect_environment(env_of(SLURM, PMIX, PMIX_RANK=SLURM["SLURM_PROCID"]))
+    assert got == detect_environment(SLURM)
+
+
+@pytest.mark.parametrize("extra", [{}, {"PMIX_SIZE": "2"}], ids=["pmix-only", "with-an-invented-PMIX_SIZE"])
+def test_pmix_alone_is_refused_not_taken_for_a_local_run(extra):
+    """A PMIx-only launcher (PRRTE's prterun) gives no size in the environment: guessing rank 0 of 1
+    would run N copies of a one-process job. No launcher sets PMIX_SIZE, so it changes nothing."""
+    with pytest.raises(ValueError) as info:
+        detect_environment(env_of(PMIX, extra))
+    message = str(info.value)
+    assert message.startswith("PMIX_RANK=1 set, but no launcher environment is complete"), message
+    assert "PMIX_RANK needs Open MPI's OMPI_COMM_WORLD_* or srun's SLURM_* beside it" in message, message
+    assert "only through its library" in message and "or unset these" in message, message
+    assert detect_mpi_environment(env_of(PMIX, extra)) is None
+
+
+def test_mpi_reader_alone_finds_mpi_whatever_else_is_set():
+    """The ranks that ddptrain's mpiexec launcher starts ask for MPI's ranks directly."""
+    with_torchrun = detect_mpi_environment(env_of(TORCHRUN, OMPI, PMIX))
+    assert with_torchrun == ClusterEnvironment("mpi", 6, 8, 2, 4, 1, "10.0.0.1", 29500)
+    assert detect_mpi_environment(env_of(SLURM, PMI)) == detect_environment(PMI)
+    assert detect_mpi_environment(env_of(OMPI, PMI)).rank == 6  # Open MPI before MPICH
+    for other in (TORCHRUN, SLURM, SALLOC, {}, {"PMI_RANK": "3", "PMI_SIZE": "6"}, {"MPI_LOCALRANKID": "0"}):
+        assert detect_mpi_environment(other) is None, other
+    with pytest.raises(ValueError, match=r"OMPI_COMM_WORLD_SIZE is not set \(mpi environment\)"):
+        detect_mpi_environment({"OMPI_COMM_WORLD_RANK": "0"})
+
+
 def test_slurm_step():
     got = detect_environment(SLURM)
     # Port: 15000 + 123456 % 5000 = 18456; address: first host of the *step* node list.
@@ -157,11 +201,12 @@ def test_nothing_set_is_local():
 
 
 def test_default_reads_os_environ(monkeypatch):
-    for var in list(TORCHRUN) + list(OMPI) + list(PMI) + list(SLURM) + list(SALLOC):
+    for var in list(TORCHRUN) + list(OMPI) + list(PMI) + list(PMIX) + list(SLURM) + list(SALLOC):
         monkeypatch.delenv(var, raising=False)
     for var, value in OMPI.items():
         monkeypatch.setenv(var, value)
     assert detect_environment().rank == 6
+    assert detect_mpi_environment().rank == 6
 
 
 def test_environment_is_frozen_and_input_untouched():

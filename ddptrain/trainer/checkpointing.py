@@ -1,0 +1,208 @@
+"""Checkpoint state: what a checkpoint holds, how a running fit goes into one and comes back, and
+the world-size rule. (Files on disk, atomic writes and integrity: :mod:`.checkpoint_io`.)
+
+A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load(weights_only=True)``:
+
+- ``format_version``: :data:`.checkpoint_io.FORMAT_VERSION`;
+- ``step``: optimizer steps done; ``epoch`` and ``samples_in_epoch``: where the epoch stands,
+  copied from ``sampler`` for readers of the file (on resume, ``sampler`` is what counts);
+- ``world_size``: ranks of the job that wrote it (see :func:`check_world_size`);
+- ``model``, ``optimizer``, ``scheduler``: state dicts (``scheduler`` is ``None`` without one);
+- ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
+- ``rng``: every rank's generator states, in rank order;
+- ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`.metrics.TrainingMetrics.state_dict`;
+- ``config`` and ``trainer_class``: what wrote it, for people reading it (a resume uses the new run's config).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..comm.objects import all_gather_object, broadcast_object
+from ..comm.process_group import ProcessGroup
+from ..data import DistributedSampler
+from .checkpoint_io import FORMAT_VERSION, CheckpointError, load_checkpoint, resolve_resume_path, save_checkpoint
+from .config import Config
+from .metrics import TrainingMetrics
+from .rng import capture_rng_state, restore_rng_state, seed_everything
+
+__all__ = ["TrainState", "Checkpointer", "check_world_size", "elastic_restart_resume"]
+
+log = logging.getLogger("ddptrain.trainer")
+
+
+@dataclass
+class TrainState:
+    """Where training stands; saved in every checkpoint.
+
+    ``step`` is the Trainer's to count. The epoch and the position in it belong to the training
+    sampler (``DistributedSampler``: the trainer reports each step's samples with ``advance``);
+    this object reads them from there, so the two can never disagree.
+    """
+
+    step: int = 0
+    """Optimizer steps done (over the whole run, across resumes)."""
+    sampler: DistributedSampler | None = field(default=None, repr=False, compare=False)
+    """The training sampler (``None`` before ``fit`` builds it)."""
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch, 0-based (after the last epoch it equals ``trainer.epochs``)."""
+        return 0 if self.sampler is None else self.sampler.epoch
+
+    @property
+    def samples_in_epoch(self) -> int:
+        """This rank's training samples of the current epoch already trained on."""
+        return 0 if self.sampler is None else self.sampler.consumed
+
+    def position(self) -> tuple[int, int, int]:
+        """``(step, epoch, samples_in_epoch)``: equal positions, equal checkpoints."""
+        return (self.step, self.epoch, self.samples_in_epoch)
+
+
+def check_world_size(saved: int, current: int, allow: bool, path: str | Path) -> None:
+    """Refuse a checkpoint of another world size unless ``trainer.allow_world_size_change``."""
+    if saved != current and not allow:
+        raise CheckpointError(
+            f"checkpoint {path} was written by a job of {saved} rank(s), but this job has {current}: "
+            f"each rank's position in the epoch and its RNG state only continue exactly on the same "
+            f"world size. Relaunch with dist.world_size={saved}, or set trainer.allow_world_size_change=true "
+            f"to continue from the same global sample position (ranks beyond the saved ones get fresh "
+            f"RNG seeds; at most {current - 1} sample(s) of the epoch are seen twice)."
+        )
+
+
+def elastic_restart_resume() -> str | None:
+    """Under ``torchrun --max-restarts``, a restarted worker resumes from the run's last checkpoint.
+
+    torchrun restarts every worker with the same arguments and counts restarts in
+    ``TORCHELASTIC_RESTART_COUNT``; a fixed ``hydra.run.dir`` makes the restart find the
+    checkpoints of the attempt that failed. Returns ``"latest"`` then, else ``None``.
+    """
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        log.info("torchrun restart %s: resuming from the latest checkpoint", os.environ["TORCHELASTIC_RESTART_COUNT"])
+        return "latest"
+    return None
+
+
+class Checkpointer:
+    """Moves a running fit into a checkpoint and back; every method is called on every rank.
+
+    Args:
+        model: the bare module (not the DDP wrapper).
+        optimizer, scheduler: the fit's (``scheduler`` may be ``None``).
+        sampler: the training sampler (the epoch and the position in it).
+        state: the fit's :class:`TrainState` (its ``step`` is restored in place).
+        metrics: the fit's :class:`.metrics.TrainingMetrics`.
+        process_group: the ranks that save and resume together.
+        device: this rank's device (for CUDA generator states).
+        config: the run's configuration (seed, ``allow_world_size_change``; stored for reading).
+        directory: where ``trainer.resume=latest`` looks.
+        trainer_class: dotted name of the Trainer subclass (stored for reading).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        sampler: DistributedSampler,
+        state: TrainState,
+        metrics: TrainingMetrics,
+        process_group: ProcessGroup,
+        device: torch.device,
+        config: Config,
+        directory: Path,
+        trainer_class: str,
+    ):
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.sampler, self.state, self.metrics = sampler, state, metrics
+        self.process_group, self.device, self.config = process_group, device, config
+        self.directory, self.trainer_class = directory, trainer_class
+
+    @property
+    def is_main(self) -> bool:
+        return self.process_group.rank() == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly. Collective: gathers every rank's RNG states."""
+        rng_states = all_gather_object(self.process_group, capture_rng_state(self.device))
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": self.state.step,
+            "epoch": self.state.epoch,
+            "samples_in_epoch": self.state.samples_in_epoch,
+            "world_size": self.process_group.size(),
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            "sampler": self.sampler.state_dict(),
+            "rng": rng_states,
+            **self.metrics.state_dict(),
+            "config": self.config.to_dict(),
+            "trainer_class": self.trainer_class,
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write a checkpoint (collective; rank 0 writes, atomically). Returns ``path``."""
+        checkpoint = self.state_dict()
+        path = Path(path)
+        if self.is_main:
+            save_checkpoint(path, checkpoint)
+            log.info("checkpoint saved: %s (step %d)", path, self.state.step)
+        return path
+
+    def load_state_dict(self, checkpoint: dict[str, Any], path: str | Path = "<checkpoint>") -> None:
+        """Restore weights, optimizer, schedule, sampler position, step, metrics and this rank's RNG."""
+        allow = self.config.trainer.allow_world_size_change
+        rank, world_size = self.process_group.rank(), self.process_group.size()
+        check_world_size(checkpoint["world_size"], world_size, allow, path)
+        self.model.load_state_dict(checkpoint["model"])
+        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        if self.scheduler is not None and checkpoint.get("scheduler") is not None:
+            self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.sampler.load_state_dict(checkpoint["sampler"], allow_world_size_change=allow)
+        self.state.step = checkpoint["step"]
+        self.metrics.load_state_dict(checkpoint)
+        if rank < len(checkpoint["rng"]):
+            restore_rng_state(checkpoint["rng"][rank], self.device)  # last: nothing may draw after it
+        else:
+            seed_everything(self.config.trainer.seed + rank + 1_000_003 * checkpoint["step"])
+
+    def resume_if_asked(self) -> bool:
+        """Resume from ``trainer.resume``, or from the latest checkpoint after a torchrun restart."""
+        resume = self.config.trainer.resume or elastic_restart_resume()
+        return self.resume(resume) if resume else False
+
+    def resume(self, resume: str) -> bool:
+        """Continue from ``trainer.resume`` (a file, a directory, or ``latest``); False if nothing to resume.
+
+        Rank 0 picks the file and every rank loads it, so all agree (or all fail together).
+        """
+        if self.is_main:
+            try:
+                found, error = resolve_resume_path(resume, self.directory), None
+            except CheckpointError as exc:
+                found, error = None, str(exc)
+            choice = (None if found is None else str(found), error)
+        else:
+            choice = None
+        path, error = broadcast_object(self.process_group, choice, 0)
+        if error:
+            raise CheckpointError(error)
+        if path is None:
+            if self.is_main:
+                log.warning("trainer.resume=latest: no checkpoint in %s yet; starting from scratch", self.directory)
+            return False
+        self.load_state_dict(load_checkpoint(path), path)
+        if self.is_main:
+            log.info("resumed from %s: step %d, epoch %d", path, self.state.step, self.state.epoch + 1)
+        return True

@@ -1,0 +1,189 @@
+"""Checkpoint state (ddptrain/trainer/checkpointing.py): what a checkpoint holds, restoring it,
+the world-size rule, and the epoch position read from its one owner, the sampler."""
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from ddptrain.data import DistributedSampler
+from ddptrain.testing import run_threaded
+from ddptrain.trainer import CheckpointError, Config
+from ddptrain.trainer.checkpoint_io import checkpoint_name, load_checkpoint
+from ddptrain.trainer.checkpointing import Checkpointer, TrainState, check_world_size, elastic_restart_resume
+from ddptrain.trainer.metrics import TrainingMetrics
+
+DATASET_LEN = 40
+
+
+def test_train_state_reads_the_epoch_position_from_the_sampler():
+    assert TrainState().position() == (0, 0, 0)  # before fit builds a sampler
+    sampler = DistributedSampler(DATASET_LEN, num_replicas=2, rank=1)
+    state = TrainState(step=3, sampler=sampler)
+    sampler.advance(6)
+    assert (state.epoch, state.samples_in_epoch, state.position()) == (0, 6, (3, 0, 6))
+    sampler.set_epoch(1)
+    assert state.position() == (3, 1, 0)
+
+
+def test_world_size_rule_names_both_sizes_and_the_ways_out():
+    check_world_size(2, 2, False, "ckpt.pt")
+    check_world_size(2, 3, True, "ckpt.pt")
+    with pytest.raises(CheckpointError) as info:
+        check_world_size(2, 3, False, "ckpt.pt")
+    message = str(info.value)
+    for words in (
+        "ckpt.pt",
+        "2 rank(s)",
+        "this job has 3",
+        "dist.world_size=2",
+        "trainer.allow_world_size_change=true",
+    ):
+        assert words in message
+
+
+def test_a_torchrun_restart_resumes_from_the_latest_checkpoint(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert elastic_restart_resume() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert elastic_restart_resume() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert elastic_restart_resume() == "latest"
+
+
+class Run:
+    """The objects of a fit that a checkpoint captures, for one rank of ``world_size``."""
+
+    def __init__(self, tmp_path, rank, world_size, allow=False, seed=0):
+        from ddptrain import comm as dist
+
+        g = torch.Generator().manual_seed(seed)
+        self.model = nn.Linear(4, 2)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.1, momentum=0.9)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: 0.5**step)
+        self.sampler = DistributedSampler(DATASET_LEN, world_size, rank, seed=5)
+        self.state = TrainState(sampler=self.sampler)
+        self.metrics = TrainingMetrics(dist.get_process_group())
+        config = Config.from_dict({"trainer": {"seed": 11, "allow_world_size_change": allow}})
+        self.checkpointer = Checkpointer(
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            sampler=self.sampler,
+            state=self.state,
+            metrics=self.metrics,
+            process_group=dist.get_process_group(),
+            device=torch.device("cpu"),
+            config=config,
+            directory=tmp_path / "checkpoints",
+            trainer_class="tests.Trainer",
+        )
+
+    def train(self, steps):
+        for _ in range(steps):
+            self.model(torch.ones(3, 4)).sum().backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad()
+            self.sampler.advance(2)
+            self.state.step += 1
+        self.metrics.loss_history.append((self.state.step, 0.5))
+        self.metrics.last_eval, self.metrics.smoke_probe_start = {"eval/loss": 0.25}, (0, 2.0)
+
+
+def _save_then_restore(rank, world_size, tmp_path):
+    source = Run(tmp_path, rank, world_size)
+    source.train(3)
+    path = source.checkpointer.save(tmp_path / "checkpoints" / checkpoint_name(3))
+    target = Run(tmp_path, rank, world_size, seed=1)  # other weights, fresh optimizer and sampler
+    assert target.checkpointer.resume("latest")
+    same = all(torch.equal(a, b) for a, b in zip(source.model.parameters(), target.model.parameters()))
+    momentum = [target.optimizer.state[p]["momentum_buffer"] for p in target.model.parameters()]
+    return {
+        "path": str(path),
+        "same_weights": same,
+        "same_momentum": all(
+            torch.equal(a, source.optimizer.state[p]["momentum_buffer"])
+            for a, p in zip(momentum, source.model.parameters())
+        ),
+        "lr": target.optimizer.param_groups[0]["lr"],
+        "position": target.state.position(),
+        "metrics": (target.metrics.loss_history, target.metrics.last_eval, target.metrics.last_eval_step),
+        "probe": target.metrics.smoke_probe_start,
+    }
+
+
+def test_a_checkpoint_restores_everything_at_two_ranks(tmp_path):
+    results = run_threaded(_save_then_restore, 2, tmp_path, timeout_s=60)
+    for r in results:
+        assert r["same_weights"] and r["same_momentum"]
+        assert r["lr"] == pytest.approx(0.1 * 0.5**3)
+        assert r["position"] == (3, 0, 6)  # 3 steps of 2 samples per rank, from the sampler
+        assert r["metrics"] == ([(3, 0.5)], {"eval/loss": 0.25}, 3) and r["probe"] == (0, 2.0)
+    saved = load_checkpoint(results[0]["path"])
+    assert saved["world_size"] == 2 and len(saved["rng"]) == 2
+    assert (saved["step"], saved["epoch"], saved["samples_in_epoch"]) == (3, 0, 6)
+    assert saved["sampler"]["consumed"] == 6 and saved["sampler"]["num_replicas"] == 2
+    assert saved["trainer_class"] == "tests.Trainer" and saved["config"]["trainer"]["seed"] == 11
+
+
+def test_rng_state_round_trips(tmp_path):
+    def body(rank, world_size):
+        run = Run(tmp_path, rank, world_size)
+        torch.manual_seed(7)
+        random.seed(7)
+        run.checkpointer.save(tmp_path / "checkpoints" / checkpoint_name(0))
+        expected = (torch.rand(3), random.random())
+        torch.manual_seed(99)
+        random.seed(99)
+        Run(tmp_path, rank, world_size).checkpointer.resume("latest")
+        return torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+
+    assert run_threaded(body, 1, timeout_s=60) == [True]
+
+
+def _save(rank, world_size, tmp_path, steps):
+    run = Run(tmp_path, rank, world_size)
+    run.train(steps)
+    run.checkpointer.save(tmp_path / "checkpoints" / checkpoint_name(steps))
+
+
+def _resume(rank, world_size, tmp_path, allow):
+    run = Run(tmp_path, rank, world_size, allow=allow)
+    try:
+        run.checkpointer.resume(str(tmp_path / "checkpoints"))
+    except CheckpointError as exc:
+        return str(exc)
+    return run.state.position()
+
+
+def test_another_world_size_is_refused_on_every_rank_unless_allowed(tmp_path):
+    run_threaded(_save, 2, tmp_path, 3, timeout_s=60)  # each of 2 ranks trained on 6 samples: 12 in all
+    refused = run_threaded(_resume, 3, tmp_path, False, timeout_s=60)
+    assert all("2 rank(s)" in r and "this job has 3" in r for r in refused)
+    # Allowed: the same global position, 12 samples, is 4 per rank on 3 ranks.
+    assert run_threaded(_resume, 3, tmp_path, True, timeout_s=60) == [(3, 0, 4)] * 3
+
+
+def test_resume_latest_without_a_checkpoint_starts_fresh(tmp_path, caplog):
+    def body(rank, world_size):
+        return Run(tmp_path, rank, world_size).checkpointer.resume("latest")
+
+    caplog.set_level("WARNING", logger="ddptrain")
+    assert run_threaded(body, 2, timeout_s=60) == [False, False]
+    assert "no checkpoint in" in caplog.text and "starting from scratch" in caplog.text
+
+
+def test_a_missing_checkpoint_fails_every_rank(tmp_path):
+    def body(rank, world_size):
+        try:
+            Run(tmp_path, rank, world_size).checkpointer.resume(str(tmp_path / "nowhere.pt"))
+        except CheckpointError as exc:
+            return str(exc)
+        return None
+
+    assert all(r and "no such file or directory" in r for r in run_threaded(body, 2, timeout_s=60))
