@@ -112,6 +112,25 @@ class AliasedGradsNet(nn.Module):
         return F.log_softmax(self.fc(mix), dim=1)
 
 
+class TwoPathNet(nn.Module):
+    """Two parallel layers summed; ``swap`` builds them in the other order, which reverses the
+    order in which backward produces their gradients (the same function either way)."""
+
+    def __init__(self):
+        super().__init__()
+        self.left = nn.Linear(784, 16)
+        self.right = nn.Linear(784, 16)
+        self.head = nn.Linear(16, 10)
+        self.swap = False
+
+    def forward(self, x):
+        x = x.view(len(x), -1)
+        first, second = (self.right, self.left) if self.swap else (self.left, self.right)
+        a = first(x)
+        b = second(x)
+        return F.log_softmax(self.head(torch.tanh(a + b)), dim=1)
+
+
 MODELS = {
     "net": Net,
     "bn": BNNet,
@@ -121,4 +140,5 @@ MODELS = {
     "branch": BranchNet,
     "mlp": MLP,
     "aliased": AliasedGradsNet,
+    "two_path": TwoPathNet,
 }

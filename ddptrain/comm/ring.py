@@ -82,9 +82,11 @@ def ring_all_reduce(group: ProcessGroup, tensor: torch.Tensor, op: ReduceOp = Re
 class RingAllReducer:
     """``ring_all_reduce`` as an asynchronous SUM all-reduce: ``reducer(tensor) -> Work``.
 
-    Calls run one after another on a worker thread of their own (so buckets keep their order on
-    every rank), leaving the caller — the DDP reducer inside backward — free to go on. Plug into
-    DDP with ``ddp.set_all_reduce(RingAllReducer(group))`` (config: ``ddp.algorithm=ring``).
+    Calls run one after another on a worker thread of their own, in the order they were made,
+    leaving the caller — the DDP reducer inside backward — free to go on. Ranks that make their
+    calls in the same order (DDP launches buckets in the same order everywhere) therefore run
+    the same rings in the same order. In DDP it is the state of
+    ``ddptrain.ddp.comm_hooks.ring_allreduce_hook`` (config: ``dist.algorithm=ring``).
     """
 
     def __init__(self, group: ProcessGroup):

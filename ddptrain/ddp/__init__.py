@@ -1,9 +1,16 @@
 """ddptrain's DistributedDataParallel: buckets, gradient hooks, async all-reduce, comm hooks."""
 
-from .buckets import assign_buckets
-from .comm_hooks import PowerSGDState, allreduce_hook, bf16_compress_hook, fp16_compress_hook, powerSGD_hook
+from .buckets import GradBucket, assign_buckets
+from .comm_hooks import (
+    PowerSGDState,
+    allreduce_hook,
+    bf16_compress_hook,
+    fp16_compress_hook,
+    powerSGD_hook,
+    ring_allreduce_hook,
+)
 from .module import DistributedDataParallel
-from .reducer import GradBucket, IterationStats
+from .reducer import IterationStats
 
 __all__ = [
     "DistributedDataParallel",
@@ -15,4 +22,5 @@ __all__ = [
     "bf16_compress_hook",
     "PowerSGDState",
     "powerSGD_hook",
+    "ring_allreduce_hook",
 ]

@@ -1,17 +1,27 @@
-"""Gradient buckets: which parameters share one flat buffer, and the buffers themselves.
+"""Gradient buckets: which parameters share a flat buffer, what travels how, and the buffers.
 
-``assign_buckets`` is a pure function (no communication, no state): the same parameters and caps
-give the same buckets on every rank. It follows torch DDP: parameters that require a gradient,
-in the given order, grouped per (dtype, device), each group filled up to a byte cap; buckets are
-then listed in reverse, because backward produces the gradients of the last layers first. After
-the first iteration the reducer calls it again with the order in which gradients actually became
-ready (``reverse=False``) and a small first bucket, so that communication starts sooner.
+Two pure functions (no communication, no state) decide the layout, so the same parameters and
+settings give the same layout on every rank:
+
+* ``assign_buckets`` groups parameters into buckets. It follows torch DDP: parameters that
+  require a gradient, in the given order, grouped per (dtype, device), each group filled up to a
+  byte cap; buckets are then listed in reverse, because backward produces the gradients of the
+  last layers first. After the first iteration the reducer calls it again with the order in which
+  gradients actually became ready (``reverse=False``) and a small first bucket, so that
+  communication starts sooner.
+* ``plan_buckets`` turns that grouping into a :class:`BucketPlan`: per bucket, where each
+  gradient sits in the flat buffer and which all-reduces carry the bucket — a :class:`FlatRun`
+  (consecutive gradients sent as one slice of the buffer) or an :class:`InPlace` (one large
+  gradient reduced where autograd left it, skipping two copies).
+
+``allocate`` then makes one zeroed flat buffer per bucket and a view of it shaped like each
+parameter. :class:`GradBucket` is what a communication hook sees of one bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -67,38 +77,212 @@ def assign_buckets(
     return buckets[::-1] if reverse else buckets
 
 
-@dataclass
-class Bucket:
-    """One flat gradient buffer and the parameters whose gradients live in it."""
+# -- the plan -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the layout needs to know of one parameter (not the tensor itself)."""
 
-    index: int
-    param_indices: list[int]
-    buffer: torch.Tensor
-    offsets: list[int]
-    views: list[torch.Tensor] = field(default_factory=list)
-    pending: int = 0
-    work: object = None  # Work or torch Future (or a list of them) while reductions are in flight
-    launched_at: float | None = None
-    segments: list = field(default_factory=list)  # how the reducer splits it (reducer._segments)
-    direct: dict = field(default_factory=dict)  # position -> tensor reduced on its own this iteration
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> ParamSpec:
+        return cls(tuple(param.shape), param.dtype, param.device)
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        return self.numel * self.dtype.itemsize
 
 
-def make_buckets(params: Sequence[torch.Tensor], assignment: Sequence[Sequence[int]]) -> list[Bucket]:
-    """Allocate one zeroed flat buffer per bucket and a view of it shaped like each parameter."""
-    buckets = []
+@dataclass(frozen=True)
+class FlatRun:
+    """Consecutive gradients of a bucket that travel as one slice ``[start, stop)`` of its flat buffer."""
+
+    start: int
+    stop: int
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """One large gradient, all-reduced as its own tensor where autograd left it.
+
+    ``position`` is its place in the bucket. When the gradient cannot be changed in place (it
+    shares storage with another one, is missing, or is not a plain dense tensor) its slot in
+    the flat buffer stands in for it; the collectives stay the same either way.
+    """
+
+    position: int
+
+
+Transfer = FlatRun | InPlace
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One bucket of the plan: its parameters, their place in the flat buffer, its all-reduces."""
+
+    index: int
+    params: tuple[int, ...]  # parameter indices, in buffer order
+    offsets: tuple[int, ...]  # element offset of each in the flat buffer
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    device: torch.device
+    transfers: tuple[Transfer, ...]  # without a comm hook: the all-reduces that carry the bucket, in order
+
+    @property
+    def numel(self) -> int:
+        return self.offsets[-1] + _numel(self.shapes[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one parameter's gradient goes: bucket, position in it, and whether it is reduced in place."""
+
+    bucket: int
+    position: int
+    in_place: bool
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The whole layout: buckets in launch order, and each parameter's slot (by parameter index)."""
+
+    buckets: tuple[Bucket, ...]
+    slots: tuple[Slot, ...]
+
+    @property
+    def assignment(self) -> list[list[int]]:
+        return [list(b.params) for b in self.buckets]
+
+
+def plan_buckets(
+    specs: Sequence[ParamSpec], assignment: Sequence[Sequence[int]], in_place_min_bytes: int | None
+) -> BucketPlan:
+    """Lay out buckets and decide how each gradient travels.
+
+    Args:
+        specs: one per parameter (index = parameter index).
+        assignment: parameter indices per bucket, in launch order (from :func:`assign_buckets`).
+        in_place_min_bytes: gradients at least this big are reduced in place; ``None`` sends
+            every gradient through the flat buffer (what a comm hook or
+            ``gradient_as_bucket_view`` needs).
+
+    Consecutive gradients below the threshold form one :class:`FlatRun` each, so a bucket costs
+    one all-reduce per run of small gradients plus one per large gradient.
+    """
+    buckets, slots = [], {}
     for b_idx, members in enumerate(assignment):
-        first = params[members[0]]
-        total = sum(params[i].numel() for i in members)
-        buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        offsets, views, offset = [], [], 0
+        if not members:
+            raise ValueError(f"bucket {b_idx} of assignment {assignment} is empty")
+        offsets, offset = [], 0
         for i in members:
-            n = params[i].numel()
             offsets.append(offset)
-            views.append(buffer[offset : offset + n].view(params[i].shape))
-            offset += n
-        buckets.append(Bucket(b_idx, list(members), buffer, offsets, views))
-    return buckets
+            offset += specs[i].numel
+        large = [in_place_min_bytes is not None and specs[i].nbytes >= in_place_min_bytes for i in members]
+        for pos, i in enumerate(members):
+            slots[i] = Slot(b_idx, pos, large[pos])
+        first = specs[members[0]]
+        buckets.append(
+            Bucket(
+                index=b_idx,
+                params=tuple(members),
+                offsets=tuple(offsets),
+                shapes=tuple(specs[i].shape for i in members),
+                dtype=first.dtype,
+                device=first.device,
+                transfers=_transfers(offsets, offset, large),
+            )
+        )
+    missing = sorted(set(range(len(specs))) - set(slots))
+    if missing:
+        raise ValueError(f"parameters {missing} are in no bucket of assignment {assignment}")
+    return BucketPlan(tuple(buckets), tuple(slots[i] for i in range(len(specs))))
+
+
+def _transfers(offsets: Sequence[int], total: int, large: Sequence[bool]) -> tuple[Transfer, ...]:
+    """Large gradients on their own, each run of consecutive small ones as one slice."""
+    out: list[Transfer] = []
+    run_start: int | None = None
+    for pos, is_large in enumerate(large):
+        if is_large:
+            if run_start is not None:
+                out.append(FlatRun(run_start, offsets[pos]))
+                run_start = None
+            out.append(InPlace(pos))
+        elif run_start is None:
+            run_start = offsets[pos]
+    if run_start is not None:
+        out.append(FlatRun(run_start, total))
+    return tuple(out)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# -- the buffers ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class FlatBuffer:
+    """A bucket's flat gradient buffer and one view of it per parameter, shaped like it."""
+
+    buffer: torch.Tensor
+    views: tuple[torch.Tensor, ...]
+
+    def run(self, run: FlatRun) -> torch.Tensor:
+        return self.buffer[run.start : run.stop]
+
+
+def allocate(plan: BucketPlan) -> list[FlatBuffer]:
+    """One zeroed flat buffer per bucket of ``plan``."""
+    out = []
+    for b in plan.buckets:
+        buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+        views = tuple(buffer[off : off + _numel(shape)].view(shape) for off, shape in zip(b.offsets, b.shapes))
+        out.append(FlatBuffer(buffer, views))
+    return out
+
+
+class GradBucket:
+    """What a communication hook receives: one bucket's flat gradient buffer and its parameters.
+
+    Mirrors ``torch.distributed.GradBucket``: ``buffer()``, ``index()``, ``is_last()``,
+    ``parameters()``, ``gradients()`` (views into the buffer) and ``set_buffer()``. The buffer
+    holds this rank's gradients, not yet divided by the world size.
+    """
+
+    def __init__(self, index: int, flat: FlatBuffer, params: Sequence[torch.Tensor], is_last: bool, process_group):
+        self._index = index
+        self._flat = flat
+        self._params = list(params)
+        self._is_last = is_last
+        self.process_group = process_group
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._flat.buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._flat.buffer.copy_(tensor)
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._flat.views)

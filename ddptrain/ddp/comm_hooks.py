@@ -6,8 +6,8 @@ is the bucket's averaged gradients (flat, same length). Register with
 below use the DDP module's process group.
 
 Built in: plain all-reduce (what DDP does without a hook), fp16 and bf16 compression (divide
-before the sum, so the half-precision sum cannot overflow), and PowerSGD (low-rank compression
-with error feedback).
+before the sum, so the half-precision sum cannot overflow), PowerSGD (low-rank compression
+with error feedback), and ddptrain's ring all-reduce over point-to-point messages.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import math
 import torch
 
 from ..comm.process_group import ProcessGroup
+from ..comm.ring import RingAllReducer
 from ..comm.types import ReduceOp
-from .reducer import GradBucket
+from .buckets import GradBucket
 
 
 def _group(state, bucket: GradBucket) -> ProcessGroup:
@@ -54,6 +55,25 @@ def _compress_hook(dtype: torch.dtype):
 
 fp16_compress_hook = _compress_hook(torch.float16)
 bf16_compress_hook = _compress_hook(torch.bfloat16)
+
+
+def ring_allreduce_hook(state: RingAllReducer, bucket: GradBucket) -> torch.futures.Future:
+    """Average the bucket with ddptrain's ring all-reduce (divide first, then SUM round the ring).
+
+    ``state`` is a :class:`~ddptrain.comm.ring.RingAllReducer`: its one worker thread runs the
+    rings one after another, in the order DDP launches buckets, which is the same on every
+    rank — so the ranks' point-to-point messages always pair up. Register with
+    ``ddp.register_comm_hook(RingAllReducer(ddp.process_group), ring_allreduce_hook)``
+    (config: ``dist.algorithm=ring``).
+    """
+    if not isinstance(state, RingAllReducer):
+        raise TypeError(
+            f"ring_allreduce_hook needs a RingAllReducer as its state (it owns the thread that keeps "
+            f"buckets in order), got {type(state).__name__}: register it with "
+            "ddp.register_comm_hook(RingAllReducer(ddp.process_group), ring_allreduce_hook)."
+        )
+    buffer = bucket.buffer().div_(state.group.size())
+    return state(buffer, ReduceOp.SUM).get_future().then(lambda fut: fut.value()[0])
 
 
 class PowerSGDState:

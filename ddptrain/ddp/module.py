@@ -88,19 +88,7 @@ class DistributedDataParallel(nn.Module):
         **kwargs,
     ):
         super().__init__()
-        unsupported = sorted(set(kwargs) - _IGNORED_TORCH_KWARGS)
-        if unsupported:
-            raise TypeError(
-                f"DistributedDataParallel got keyword(s) {unsupported} that ddptrain does not support; "
-                "supported: device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, "
-                "bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, static_graph. "
-                "Remove the keyword or use torch.nn.parallel.DistributedDataParallel for it."
-            )
-        if dim != 0:
-            raise ValueError(
-                f"dim={dim}: ddptrain's DistributedDataParallel does not scatter inputs; "
-                "each rank feeds its own batch. Leave dim=0."
-            )
+        _check_torch_keywords(kwargs, dim)
         self.module = module
         self.process_group = resolve_process_group(process_group)
         self._check_devices(device_ids, output_device)
@@ -116,13 +104,7 @@ class DistributedDataParallel(nn.Module):
         self._join_iterations = 0
 
         named = _unique_named_parameters(module)
-        trainable = [(n, p) for n, p in named if p.requires_grad]
-        if not trainable:
-            raise ValueError(
-                f"DistributedDataParallel was given a module with no parameter that requires a gradient "
-                f"({len(named)} parameter(s), all frozen or none at all): there is nothing to train or "
-                "synchronise. Unfreeze some parameters, or don't wrap this module in DDP."
-            )
+        trainable = _trainable(named)
         self._param_names = [n for n, _ in trainable]
         self._buffers_to_sync = [b for b in module.buffers()]
         self._verify_same_model(named)
@@ -239,7 +221,11 @@ class DistributedDataParallel(nn.Module):
         """Replace the bucket all-reduce with ``hook(state, bucket) -> Future[Tensor]``.
 
         Register before the first backward, once (as in torch). ``state=None`` lets the built-in
-        hooks use this module's process group.
+        hooks use this module's process group. Built in (``ddptrain.ddp.comm_hooks``):
+        ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``
+        (state: ``PowerSGDState``) and ``ring_allreduce_hook`` (state:
+        ``ddptrain.comm.ring.RingAllReducer(group)``). A hook sees each bucket's whole flat
+        buffer, so large gradients are then copied into it rather than reduced in place.
         """
         if self.reducer.comm_hook is not None:
             raise RuntimeError("register_comm_hook may be called only once per DDP module")
@@ -249,12 +235,7 @@ class DistributedDataParallel(nn.Module):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         if state is not None and getattr(state, "process_group", "absent") is None:
             state.process_group = self.process_group
-        self.reducer.comm_hook = hook
-        self.reducer.comm_hook_state = state
-
-    def set_all_reduce(self, fn: Callable[[torch.Tensor], object]) -> None:
-        """Use ``fn(flat_bucket) -> Work`` (SUM, in place) for buckets, e.g. the ring all-reduce."""
-        self.reducer.all_reduce_fn = fn
+        self.reducer.set_comm_hook(hook, state)
 
     def check_parameters_in_sync(self) -> None:
         """Raise ``RuntimeError`` naming the ranks whose parameters or buffers differ from the rest.
@@ -289,7 +270,7 @@ class DistributedDataParallel(nn.Module):
     @property
     def bucket_assignment(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
-        return [[self._param_names[i] for i in b] for b in self.reducer.assignment]
+        return [[self._param_names[i] for i in b] for b in self.reducer.plan.assignment]
 
     # -- uneven inputs ----------------------------------------------------------------------
     @contextlib.contextmanager
@@ -335,6 +316,35 @@ class DistributedDataParallel(nn.Module):
         pg.all_reduce(score, ReduceOp.MAX).wait()
         src = pg.size() - 1 - int(score.item()) % pg.size()
         self._broadcast_coalesced([p.detach() for p in self.module.parameters()] + self._buffers_to_sync, src)
+
+
+def _check_torch_keywords(kwargs: dict, dim: int) -> None:
+    """Refuse torch DDP's keywords that ddptrain does not implement, naming them."""
+    unsupported = sorted(set(kwargs) - _IGNORED_TORCH_KWARGS)
+    if unsupported:
+        raise TypeError(
+            f"DistributedDataParallel got keyword(s) {unsupported} that ddptrain does not support; "
+            "supported: device_ids, output_device, dim, broadcast_buffers, init_sync, process_group, "
+            "bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, static_graph. "
+            "Remove the keyword or use torch.nn.parallel.DistributedDataParallel for it."
+        )
+    if dim != 0:
+        raise ValueError(
+            f"dim={dim}: ddptrain's DistributedDataParallel does not scatter inputs; "
+            "each rank feeds its own batch. Leave dim=0."
+        )
+
+
+def _trainable(named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters that require a gradient; refuses a module without any."""
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise ValueError(
+            f"DistributedDataParallel was given a module with no parameter that requires a gradient "
+            f"({len(named)} parameter(s), all frozen or none at all): there is nothing to train or "
+            "synchronise. Unfreeze some parameters, or don't wrap this module in DDP."
+        )
+    return trainable
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

@@ -1,27 +1,40 @@
-"""The reducer: gradient hooks, bucket launches during backward, and the finalize step.
+"""The reducer: how one gradient gets from autograd to the average over every rank.
 
-Lifecycle of one synchronised iteration (see ``DistributedDataParallel.forward``):
+Follow the gradient of one parameter ``i`` through a synchronised iteration:
 
-1. ``prepare_for_forward`` — refuse to go on if the previous backward left buckets unreduced
-   (a parameter got no gradient), and rebuild the buckets once, after the first iteration, in
-   the order gradients actually arrived (rank 0's order, broadcast).
-2. ``prepare_for_backward(outputs)`` — reset counters; with ``find_unused_parameters`` walk the
-   autograd graph from the outputs and mark the parameters it does not reach as ready.
-3. During backward, each parameter's post-accumulate-grad hook copies its gradient into its
-   bucket's flat buffer and counts the bucket down; a bucket at zero is launched (async
-   all-reduce or the registered comm hook), buckets strictly in order so every rank issues
-   the same collectives in the same order.
-4. The hook of the first gradient queues ``finalize`` on the autograd engine; it runs when the
-   whole backward is done, waits for every bucket and writes the averaged gradients back (or
-   the gradients already *are* views into the buckets: ``gradient_as_bucket_view``).
+1. **Layout** (at construction, and once more at the rebuild): :func:`~.buckets.plan_buckets`
+   gives ``i`` a :class:`~.buckets.Slot` — its bucket, its position in the bucket's flat
+   buffer, and whether it is reduced in place. The plan is immutable; only a rebuild or a
+   newly registered comm hook replaces it.
+2. **Forward** — :meth:`Reducer.prepare_for_backward` starts a fresh :class:`_Iteration`
+   (pending counts, in-flight work, arrival order, stats). With ``find_unused_parameters`` it
+   walks the autograd graph from the outputs and marks the parameters it does not reach.
+3. **Hook** — autograd has accumulated ``p.grad`` and calls ``i``'s post-accumulate-grad hook.
+   The first hook of a backward queues :meth:`Reducer._finalize` on the autograd engine.
+4. **Stage** (:meth:`Reducer._mark_ready`) — a gradient in an in-place slot is averaged where it
+   lies (``grad *= 1/world_size``); any other is copied into its slot of the flat buffer, the
+   average taken in the same pass. (An in-place slot whose gradient may not be changed — it
+   shares storage with another gradient, or is missing — is staged in the buffer too, and
+   that slot is sent instead: the collectives stay the same on every rank.) Its bucket's
+   pending count goes down.
+5. **Launch** (:meth:`Reducer._launch_ready_buckets`) — a bucket whose count reached zero
+   starts its async all-reduces: one SUM per transfer of the plan, or the registered comm hook
+   with the whole flat buffer (then the buffer holds raw sums and the hook divides). Buckets go
+   strictly in order, so every rank issues the same collectives in the same order.
+6. **Write back** (:meth:`Reducer._finalize`, once backward is done) — wait for each bucket;
+   gradients reduced in place already hold the average, the others are copied back from the
+   flat buffer (with ``gradient_as_bucket_view`` they *are* views of it); with
+   ``find_unused_parameters``, a parameter no rank used keeps ``grad=None``.
 
-Large gradients are reduced where they lie. Copying a gradient into the flat buffer and the
-result back costs two passes over memory, which on a CPU-bound rank costs as much as a large part
-of the all-reduce itself; coalescing only pays for small tensors (one collective instead of
-many). So, without a comm hook and without ``gradient_as_bucket_view``, a gradient of at least
-``DIRECT_MIN_BYTES`` is averaged in place (one pass) and all-reduced as its own tensor, while the
-bucket's small gradients still travel together through the flat buffer. Which tensors go direct
-depends only on the bucket layout, so every rank issues the same collectives in the same order.
+The next forward (:meth:`Reducer.prepare_for_forward`) refuses to go on if a backward left a
+bucket unlaunched (a parameter got no gradient), and after the first iteration rebuilds the
+buckets once, in the order gradients actually arrived on rank 0 (broadcast, so ranks agree).
+
+Why in place: copying a gradient into the flat buffer and the result back costs two passes
+over memory, which on a CPU-bound rank costs as much as a large part of the all-reduce itself;
+coalescing only pays for small tensors (one collective instead of many). So, without a comm
+hook and without ``gradient_as_bucket_view``, gradients of at least ``DIRECT_MIN_BYTES`` are
+averaged and all-reduced where they lie, while the small ones still travel together.
 """
 
 from __future__ import annotations
@@ -34,10 +47,23 @@ import torch
 
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
-from .buckets import FIRST_BUCKET_CAP_MB, MB, Bucket, assign_buckets, make_buckets
+from .buckets import (
+    FIRST_BUCKET_CAP_MB,
+    MB,
+    BucketPlan,
+    FlatRun,
+    GradBucket,
+    ParamSpec,
+    Transfer,
+    allocate,
+    assign_buckets,
+    plan_buckets,
+)
 
 # Gradients at least this big are all-reduced in place instead of through the flat buffer.
 DIRECT_MIN_BYTES = 1 << 20
+
+CommHook = Callable[[object, GradBucket], torch.futures.Future]
 
 
 @dataclass
@@ -66,43 +92,31 @@ class IterationStats:
         return self.finalize_wait_s
 
 
-class GradBucket:
-    """What a communication hook receives: one bucket's flat gradient buffer and its parameters.
+class _Iteration:
+    """What one backward records; a new one per forward, so nothing leaks into the next."""
 
-    Mirrors ``torch.distributed.GradBucket``: ``buffer()``, ``index()``, ``is_last()``,
-    ``parameters()``, ``gradients()`` (views into the buffer) and ``set_buffer()``.
-    """
-
-    def __init__(self, bucket: Bucket, params: Sequence[torch.Tensor], is_last: bool, process_group: ProcessGroup):
-        self._bucket = bucket
-        self._params = [params[i] for i in bucket.param_indices]
-        self._is_last = is_last
-        self.process_group = process_group
-
-    def index(self) -> int:
-        return self._bucket.index
-
-    def buffer(self) -> torch.Tensor:
-        return self._bucket.buffer
-
-    def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._bucket.buffer.copy_(tensor)
-
-    def is_last(self) -> bool:
-        return self._is_last
-
-    def parameters(self) -> list[torch.Tensor]:
-        return list(self._params)
-
-    def gradients(self) -> list[torch.Tensor]:
-        return list(self._bucket.views)
-
-
-CommHook = Callable[[object, GradBucket], torch.futures.Future]
+    def __init__(self, plan: BucketPlan, num_params: int, index: int, sync: bool):
+        n_buckets = len(plan.buckets)
+        self.sync = sync  # False inside no_sync(): hooks leave the gradients alone
+        self.finalize_queued = False
+        self.finalized = False
+        self.pending = [len(b.params) for b in plan.buckets]  # gradients still to come, per bucket
+        self.ready = [False] * num_params
+        self.arrival_order: list[int] = []
+        self.used = [False] * num_params  # got a gradient on this rank (find_unused_parameters)
+        self.in_place: dict[int, torch.Tensor] = {}  # parameter -> its gradient, reduced where it lies
+        self.work: list[object] = [None] * n_buckets  # per launched bucket: list of Work, or the hook's Future
+        self.next_bucket = 0
+        self.stats = IterationStats(
+            index,
+            [b.nbytes for b in plan.buckets],
+            [len(b.params) for b in plan.buckets],
+            launch_times=[None] * n_buckets,
+        )
 
 
 class Reducer:
-    """Averages gradients across ``process_group`` while backward runs."""
+    """Averages gradients across ``process_group`` while backward runs (see the module doc)."""
 
     def __init__(
         self,
@@ -120,72 +134,67 @@ class Reducer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.as_view = gradient_as_bucket_view
         self.find_unused = find_unused_parameters
+        self.in_place_min_bytes = DIRECT_MIN_BYTES
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: object = None
-        self.all_reduce_fn: Callable[[torch.Tensor], object] = lambda t: self.pg.all_reduce(t, ReduceOp.SUM)
-        self.direct_min_bytes = DIRECT_MIN_BYTES
-        self._sizes = [p.numel() * p.element_size() for p in self.params]
-        self._keys = [(p.dtype, p.device) for p in self.params]
-        self._install_buckets(assign_buckets(self._sizes, self._keys, bucket_cap_bytes))
+        self._specs = [ParamSpec.of(p) for p in self.params]
+        self._install(self._assign())
         self.iteration = 0
         self.rebuilt = False
-        self._should_rebuild = False
-        self._ready = [False] * len(self.params)
-        self._ready_order: list[int] = []
-        self._expect_hooks = False
-        self._finalized = False
-        self._callback_queued = False
-        self._next_bucket = 0
-        self._locally_used = torch.zeros(len(self.params), dtype=torch.int32)
-        self._incomplete: list[str] | None = None
+        self._rebuild_due = False
+        self._arrival_order: list[int] = []  # of the latest finished backward; rank 0's drives the rebuild
+        self._incomplete: list[str] = []  # parameters the previous backward never got (raised at next forward)
         self.last_stats: IterationStats | None = None
-        self._stats: IterationStats | None = None
+        self._it = _Iteration(self.plan, len(self.params), 0, sync=False)
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(self.params)
         ]
 
-    # -- buckets ----------------------------------------------------------------------------
-    def _install_buckets(self, assignment: list[list[int]]) -> None:
-        self.assignment = assignment
-        self.buckets = make_buckets(self.params, assignment)
-        self._locate = {}
-        for b in self.buckets:
-            for pos, i in enumerate(b.param_indices):
-                self._locate[i] = (b.index, pos)
-            b.segments = _segments([self._sizes[i] >= self.direct_min_bytes for i in b.param_indices])
-        if self.as_view:
-            for b in self.buckets:
-                for pos, i in enumerate(b.param_indices):
-                    p = self.params[i]
-                    if p.grad is not None:
-                        b.views[pos].copy_(p.grad)
-                    p.grad = b.views[pos] if p.grad is not None else None
+    # -- layout ------------------------------------------------------------------------------
+    def _assign(self, **kwargs) -> list[list[int]]:
+        sizes = [s.nbytes for s in self._specs]
+        keys = [(s.dtype, s.device) for s in self._specs]
+        return assign_buckets(sizes, keys, self.bucket_cap_bytes, **kwargs)
+
+    def _install(self, assignment: list[list[int]]) -> None:
+        """Plan ``assignment``, allocate its buffers; a comm hook gets raw sums and the whole buffer."""
+        hooked = self.comm_hook is not None
+        self._scale = 1.0 if hooked else 1.0 / self.world_size
+        in_place_min = None if (hooked or self.as_view) else self.in_place_min_bytes
+        self.plan = plan_buckets(self._specs, assignment, in_place_min)
+        self.flat = allocate(self.plan)
+        if self.as_view:  # existing gradients move into the new buffers
+            for i, p in enumerate(self.params):
+                if p.grad is not None:
+                    view = self._view(i)
+                    view.copy_(p.grad)
+                    p.grad = view
+
+    def _view(self, i: int) -> torch.Tensor:
+        slot = self.plan.slots[i]
+        return self.flat[slot.bucket].views[slot.position]
+
+    def set_comm_hook(self, hook: CommHook, state: object) -> None:
+        """Send buckets through ``hook(state, GradBucket)``; the layout is planned again for it."""
+        self.comm_hook, self.comm_hook_state = hook, state
+        self._install(self.plan.assignment)
 
     def _rebuild(self) -> None:
         """Re-bucket once in the order gradients arrived on rank 0, so all ranks agree."""
-        seen = set(self._ready_order)
-        order = self._ready_order + [i for i in range(len(self.params)) if i not in seen]
+        seen = set(self._arrival_order)
+        order = self._arrival_order + [i for i in range(len(self.params)) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64, device=self.pg.device)
         self.pg.broadcast(order_t, 0).wait()
-        order = order_t.cpu().tolist()
-        self._install_buckets(
-            assign_buckets(
-                self._sizes,
-                self._keys,
-                self.bucket_cap_bytes,
-                first_cap_bytes=min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes),
-                order=order,
-                reverse=False,
-            )
-        )
+        first_cap = min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes)
+        self._install(self._assign(first_cap_bytes=first_cap, order=order_t.cpu().tolist(), reverse=False))
         self.rebuilt = True
-        self._should_rebuild = False
+        self._rebuild_due = False
 
-    # -- iteration --------------------------------------------------------------------------
+    # -- forward -----------------------------------------------------------------------------
     def prepare_for_forward(self) -> bool:
         """Check the previous iteration and rebuild buckets when due; True if it rebuilt."""
-        if self._incomplete is not None:
-            missing, self._incomplete = self._incomplete, None
+        if self._incomplete:
+            missing, self._incomplete = self._incomplete, []
             raise RuntimeError(
                 "DDP expected every parameter to receive a gradient in the previous backward, but "
                 f"these did not: {', '.join(missing)}. Their buckets were never all-reduced, so "
@@ -194,47 +203,31 @@ class Reducer:
                 "walks the autograd graph every iteration), or set requires_grad=False on "
                 "parameters that should not train."
             )
-        if self._should_rebuild and not self.rebuilt:
+        if self._rebuild_due and not self.rebuilt:
             self._rebuild()
             return True
         return False
 
     def prepare_for_backward(self, outputs, sync: bool) -> None:
-        self._expect_hooks = sync
-        self._callback_queued = False
-        self._finalized = False
-        if not sync:
-            return
-        for b in self.buckets:
-            b.pending = len(b.param_indices)
-            b.work = None
-            b.launched_at = None
-            b.direct = {}
-        self._ready = [False] * len(self.params)
-        self._ready_order = []
-        self._next_bucket = 0
-        self._stats = IterationStats(
-            self.iteration,
-            [b.nbytes for b in self.buckets],
-            [len(b.param_indices) for b in self.buckets],
-            launch_times=[None] * len(self.buckets),
-        )
-        if self.find_unused:
-            self._locally_used.zero_()
+        """Start a new iteration; ``sync=False`` (no_sync) makes the coming backward local."""
+        self._it = _Iteration(self.plan, len(self.params), self.iteration, sync)
+        if sync and self.find_unused:
             reached = _reachable_params(outputs)
             for i, p in enumerate(self.params):
                 if id(p) not in reached:
                     self._mark_ready(i, used=False)
 
+    # -- backward: hook, stage, launch -------------------------------------------------------
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
-            if not self._expect_hooks:
-                if self._finalized:  # a gradient arrived after this iteration was already reduced
-                    self._raise_ready_twice(index)
+            it = self._it
+            if not it.sync:
                 return  # inside no_sync(), or a forward whose backward is not synchronised
-            if not self._callback_queued:
-                self._callback_queued = True
-                self._stats.backward_start = time.perf_counter()
+            if it.finalized:  # a gradient arrived after this iteration was already reduced
+                self._raise_ready_twice(index)
+            if not it.finalize_queued:
+                it.finalize_queued = True
+                it.stats.backward_start = time.perf_counter()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             self._mark_ready(index, used=True)
 
@@ -250,156 +243,127 @@ class Reducer:
         )
 
     def _mark_ready(self, i: int, used: bool) -> None:
-        if self._ready[i]:
+        """Stage parameter ``i``'s gradient for its bucket; launch the buckets that are complete."""
+        it = self._it
+        if it.ready[i]:
             self._raise_ready_twice(i)
-        self._ready[i] = True
-        self._ready_order.append(i)
-        b_idx, pos = self._locate[i]
-        bucket = self.buckets[b_idx]
-        view = bucket.views[pos]
+        it.ready[i] = True
+        it.arrival_order.append(i)
+        it.used[i] = used
+        slot = self.plan.slots[i]
+        view = self.flat[slot.bucket].views[slot.position]
         grad = self.params[i].grad
-        if used:
-            self._locally_used[i] = 1
-        # Without a comm hook the average is taken here, fused with the copy (one pass over the
-        # gradient, as torch's reducer does); hooks get the raw sum and divide themselves.
-        scale = 1.0 / self.world_size if self.comm_hook is None else None
-        if self._direct_mode() and bucket.segments[pos] is None:  # a large gradient: reduced in place
-            if used and self._owns_its_storage(grad, view):
-                bucket.direct[pos] = grad.mul_(scale)
-            else:  # no usable gradient: its slot in the flat buffer stands in (zeros or a copy)
-                if grad is None:
-                    view.zero_()
-                else:
-                    torch.mul(grad, scale, out=view)
-                bucket.direct[pos] = view
-        elif grad is None:
+        if slot.in_place and used and _may_change_in_place(grad, view):
+            it.in_place[i] = grad if self._scale == 1.0 else grad.mul_(self._scale)
+        else:  # the flat buffer; an in-place slot's view stands in for a gradient we may not change
+            self._stage_in_buffer(i, grad, view)
+        it.pending[slot.bucket] -= 1
+        if it.pending[slot.bucket] == 0:
+            self._launch_ready_buckets(it)
+
+    def _stage_in_buffer(self, i: int, grad: torch.Tensor | None, view: torch.Tensor) -> None:
+        """Copy ``grad`` into its slot, averaged in the same pass (without a comm hook)."""
+        if grad is None:
             view.zero_()
-        elif grad.data_ptr() != view.data_ptr():
-            if scale is None:
+        elif grad.data_ptr() == view.data_ptr():  # gradient_as_bucket_view: it already lives there
+            if self._scale != 1.0:
+                view.mul_(self._scale)
+        else:
+            if self._scale == 1.0:
                 view.copy_(grad)
             else:
-                torch.mul(grad, scale, out=view)
+                torch.mul(grad, self._scale, out=view)
             if self.as_view:
                 self.params[i].grad = view
-        elif scale is not None:
-            view.mul_(scale)  # gradient_as_bucket_view: the gradient already lives in the bucket
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._launch_ready_buckets()
 
-    def _launch_ready_buckets(self) -> None:
+    def _launch_ready_buckets(self, it: _Iteration) -> None:
         # Strictly in bucket order: every rank must issue the same collectives in the same order.
-        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending == 0:
-            bucket = self.buckets[self._next_bucket]
-            bucket.launched_at = time.perf_counter()
-            if self._stats is not None:
-                self._stats.launch_times[bucket.index] = bucket.launched_at
-            if self.comm_hook is None and self._direct_mode():
-                bucket.work = [
-                    self.all_reduce_fn(self._segment_tensor(bucket, pos, seg))
-                    for pos, seg in enumerate(bucket.segments)
-                    if seg != "in-run"
+        while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
+            b = it.next_bucket
+            it.stats.launch_times[b] = time.perf_counter()
+            if self.comm_hook is not None:
+                it.work[b] = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
+            else:  # already averaged while staging
+                it.work[b] = [
+                    self.pg.all_reduce(self._tensor_of(t, b, it), ReduceOp.SUM) for t in self.plan.buckets[b].transfers
                 ]
-            elif self.comm_hook is None:
-                bucket.work = self.all_reduce_fn(bucket.buffer)  # already divided in _mark_ready
-            else:
-                is_last = self._next_bucket == len(self.buckets) - 1
-                bucket.work = self.comm_hook(self.comm_hook_state, GradBucket(bucket, self.params, is_last, self.pg))
-            self._next_bucket += 1
+            it.next_bucket += 1
 
+    def _tensor_of(self, transfer: Transfer, b: int, it: _Iteration) -> torch.Tensor:
+        """The tensor one transfer of bucket ``b`` all-reduces this iteration."""
+        flat = self.flat[b]
+        if isinstance(transfer, FlatRun):
+            return flat.buffer[transfer.start : transfer.stop]
+        i = self.plan.buckets[b].params[transfer.position]
+        return it.in_place.get(i, flat.views[transfer.position]).view(-1)
+
+    def _grad_bucket(self, b: int) -> GradBucket:
+        params = [self.params[i] for i in self.plan.buckets[b].params]
+        return GradBucket(b, self.flat[b], params, b == len(self.plan.buckets) - 1, self.pg)
+
+    # -- after backward: wait, write back ----------------------------------------------------
     def _finalize(self) -> None:
         """Runs once the autograd engine finished backward: wait, then write gradients back."""
-        stats = self._stats
-        stats.backward_end = time.perf_counter()
-        self._expect_hooks = False
-        self._finalized = True
-        if self._next_bucket < len(self.buckets):
-            for b in self.buckets[: self._next_bucket]:
-                _wait(b.work)
-            self._incomplete = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+        it = self._it
+        it.stats.backward_end = time.perf_counter()
+        it.finalized = True
+        if it.next_bucket < len(self.plan.buckets):  # some gradient never came: fail at the next forward
+            for work in it.work[: it.next_bucket]:
+                _wait(work)
+            self._incomplete = [self.names[i] for i, ready in enumerate(it.ready) if not ready]
             return
-        used = None
-        if self.find_unused:
-            used = self._locally_used.to(self.pg.device, copy=True)
-            self.pg.all_reduce(used, ReduceOp.SUM).wait()
-            used = used.cpu()
-        for b in self.buckets:
-            result = _wait(b.work)
-            if isinstance(result, torch.Tensor) and result.data_ptr() != b.buffer.data_ptr():
-                b.buffer.copy_(result.view_as(b.buffer))
-            for pos, i in enumerate(b.param_indices):
-                if used is not None and int(used[i]) == 0:
-                    continue  # unused on every rank: leave the gradient as it was (None stays None)
-                p, view = self.params[i], b.views[pos]
-                if pos in b.direct and b.direct[pos] is not view:
-                    continue  # reduced in place: the gradient already holds the average
-                if self.as_view:
-                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
-        stats.finalize_wait_s = time.perf_counter() - stats.backward_end
-        stats.rebuilt_buckets = self.rebuilt
-        self.last_stats = stats
+        unused = self._unused_everywhere(it)
+        for b in range(len(self.plan.buckets)):
+            self._collect(b, it.work[b])
+            self._write_back(b, it, unused)
+        it.stats.finalize_wait_s = time.perf_counter() - it.stats.backward_end
+        it.stats.rebuilt_buckets = self.rebuilt
+        self.last_stats = it.stats
         self.iteration += 1
-        if not self.rebuilt:
-            self._should_rebuild = True
+        self._arrival_order = it.arrival_order
+        self._rebuild_due = not self.rebuilt
 
-    # -- join support -----------------------------------------------------------------------
+    def _unused_everywhere(self, it: _Iteration) -> frozenset[int]:
+        """Parameters no rank used (only with find_unused_parameters: one small all-reduce)."""
+        if not self.find_unused:
+            return frozenset()
+        used = torch.tensor(it.used, dtype=torch.int32, device=self.pg.device)
+        self.pg.all_reduce(used, ReduceOp.SUM).wait()
+        return frozenset(i for i, n in enumerate(used.cpu().tolist()) if n == 0)
+
+    def _collect(self, b: int, work: object) -> None:
+        """Wait for bucket ``b``; a comm hook's result lands in the flat buffer."""
+        result = _wait(work)
+        buffer = self.flat[b].buffer
+        if isinstance(result, torch.Tensor) and result.data_ptr() != buffer.data_ptr():
+            buffer.copy_(result.view_as(buffer))
+
+    def _write_back(self, b: int, it: _Iteration, unused: frozenset[int]) -> None:
+        """Give bucket ``b``'s parameters their averaged gradients from the flat buffer."""
+        for i, view in zip(self.plan.buckets[b].params, self.flat[b].views):
+            if i in it.in_place or i in unused:
+                continue  # already averaged where it lies / unused on every rank: None stays None
+            p = self.params[i]
+            if self.as_view:
+                if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+    # -- join support ------------------------------------------------------------------------
     def shadow_iteration(self) -> None:
         """Issue the collectives of one synchronised backward with zero gradients (for join)."""
-        for b in self.buckets:
-            b.buffer.zero_()
-            b.pending = 0
-            b.direct = {pos: b.views[pos] for pos, seg in enumerate(b.segments) if seg is None}
-        self._next_bucket = 0
-        self._stats = None
-        self._launch_ready_buckets()
-        if self.find_unused:
-            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.pg.device)
-            self.pg.all_reduce(used, ReduceOp.SUM).wait()
-        for b in self.buckets:
-            _wait(b.work)
-        if not self.rebuilt:
-            self._should_rebuild = True
-
-    def _owns_its_storage(self, grad: torch.Tensor | None, view: torch.Tensor) -> bool:
-        """Whether ``grad`` may be averaged and reduced in place: a dense, contiguous tensor of the
-        bucket's dtype and device that is the whole of a storage no other gradient of this
-        iteration uses (autograd may hand two parameters views of one tensor as gradients)."""
-        if (
-            grad is None
-            or grad.layout != torch.strided
-            or not grad.is_contiguous()
-            or grad.dtype != view.dtype
-            or grad.device != view.device
-            or grad.storage_offset() != 0
-        ):
-            return False
-        storage = grad.untyped_storage()
-        if storage.nbytes() != grad.numel() * grad.element_size():
-            return False
-        # Autograd can give two parameters gradients that are views of one buffer (e.g. for
-        # ``(p1.view(-1) + p2.view(-1)) * x``); then no gradient of it may change in place. Such
-        # a storage has more than two users here: each gradient plus our ``storage`` handle.
-        try:
-            return torch._C._storage_Use_Count(storage._cdata) <= 2
-        except AttributeError:  # a torch without the private counter: stay on the copying path
-            return False
-
-    def _direct_mode(self) -> bool:
-        """Whether large gradients are reduced in place this iteration (see the module doc)."""
-        return self.comm_hook is None and not self.as_view
-
-    @staticmethod
-    def _segment_tensor(bucket: Bucket, pos: int, seg) -> torch.Tensor:
-        if seg is None:
-            return bucket.direct[pos].view(-1)
-        end = seg  # a run of small gradients: one contiguous slice of the flat buffer
-        stop = bucket.offsets[end] + bucket.views[end].numel()
-        return bucket.buffer[bucket.offsets[pos] : stop]
+        it = _Iteration(self.plan, len(self.params), self.iteration, sync=False)
+        it.pending = [0] * len(self.plan.buckets)
+        for flat in self.flat:
+            flat.buffer.zero_()  # in-place slots send their (zero) view: the same collectives
+        self._launch_ready_buckets(it)
+        self._unused_everywhere(it)
+        for work in it.work:
+            _wait(work)
+        self._rebuild_due = not self.rebuilt
 
     def remove_hooks(self) -> None:
         for h in self._hook_handles:
@@ -407,20 +371,29 @@ class Reducer:
         self._hook_handles = []
 
 
-def _segments(is_large: Sequence[bool]) -> list:
-    """Per bucket position: None for a gradient reduced on its own; for the first of a run of
-    consecutive small ones the position of the run's last one; "in-run" for the rest of the run."""
-    out: list = []
-    for pos, large in enumerate(is_large):
-        if large:
-            out.append(None)
-        elif pos > 0 and not is_large[pos - 1]:
-            out.append("in-run")
-            start = max(p for p in range(pos) if out[p] != "in-run")
-            out[start] = pos
-        else:
-            out.append(pos)
-    return out
+def _may_change_in_place(grad: torch.Tensor | None, like: torch.Tensor) -> bool:
+    """Whether ``grad`` may be averaged and reduced in place: a dense, contiguous tensor of the
+    bucket's dtype and device that is the whole of a storage no other gradient of this
+    iteration uses (autograd may hand two parameters views of one tensor as gradients)."""
+    if (
+        grad is None
+        or grad.layout != torch.strided
+        or not grad.is_contiguous()
+        or grad.dtype != like.dtype
+        or grad.device != like.device
+        or grad.storage_offset() != 0
+    ):
+        return False
+    storage = grad.untyped_storage()
+    if storage.nbytes() != grad.numel() * grad.element_size():
+        return False
+    # Autograd can give two parameters gradients that are views of one buffer (e.g. for
+    # ``(p1.view(-1) + p2.view(-1)) * x``); then no gradient of it may change in place. Such
+    # a storage has more than two users here: each gradient plus our ``storage`` handle.
+    try:
+        return torch._C._storage_Use_Count(storage._cdata) <= 2
+    except AttributeError:  # a torch without the private counter: stay on the copying path
+        return False
 
 
 def _wait(work):
@@ -432,7 +405,8 @@ def _wait(work):
         return None
     if work is None:
         return None
-    if isinstance(work, torch.futures.Future):
+    # torch._C.Future, not torch.futures.Future: a future made by .then() is only the former
+    if isinstance(work, torch._C.Future):
         value = work.wait()
         if isinstance(value, (list, tuple)):
             value = value[0] if value else None

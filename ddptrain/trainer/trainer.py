@@ -45,7 +45,7 @@ from ..comm.objects import broadcast_object
 from ..comm.process_group import ProcessGroup
 from ..comm.ring import RingAllReducer
 from ..data import DistributedSampler, build_dataset
-from ..ddp import DistributedDataParallel
+from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..launch.env import detect_environment
 from ..launch.join import Membership, RendezvousError, join_process_group
 from .callbacks import Callback
@@ -332,7 +332,7 @@ class Trainer:
         cfg, module = self.config, self.configure_model().to(self.device)
         self.model = DistributedDataParallel(module, process_group=self.process_group, **cfg.dist.ddp_options())
         if cfg.dist.algorithm == "ring":
-            self.model.set_all_reduce(RingAllReducer(self.process_group))
+            self.model.register_comm_hook(RingAllReducer(self.process_group), ring_allreduce_hook)
 
     def _setup_data(self) -> None:
         cfg = self.config
