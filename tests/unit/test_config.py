@@ -1,0 +1,113 @@
+"""Trainer configuration: dataclasses from dictionaries, validation errors that name the fix."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from ddptrain.config import Config, ConfigError, TrainerConfig, per_rank_batch_size, resolve_backend, validate
+
+
+def test_defaults_are_the_tutorial():
+    c = Config()
+    assert (c.optimizer.name, c.optimizer.lr, c.optimizer.momentum) == ("sgd", 0.01, 0.5)
+    assert (c.data.global_batch_size, c.trainer.epochs, c.trainer.seed, c.dist.world_size) == (128, 10, 1234, 2)
+    assert per_rank_batch_size(c, 2) == 64
+
+
+def test_every_field_has_a_docstring():
+    import ast
+    import inspect
+
+    import ddptrain.config as module
+
+    tree = ast.parse(inspect.getsource(module))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Config"):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign):
+                    nxt = body[i + 1] if i + 1 < len(body) else None
+                    assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
+                        f"{node.name}.{stmt.target.id} has no docstring"
+                    )
+
+
+def test_from_dict_nested_and_coerced():
+    c = Config.from_dict(
+        {
+            "trainer": {"epochs": 3.0, "grad_clip_norm": 1},
+            "optimizer": {"scheduler": {"name": "cosine"}},
+            "model": {"_target_": "x.Y", "width": 3},
+        }
+    )
+    assert c.trainer.epochs == 3 and isinstance(c.trainer.epochs, int)
+    assert c.trainer.grad_clip_norm == 1.0 and isinstance(c.trainer.grad_clip_norm, float)
+    assert c.optimizer.scheduler.name == "cosine" and c.model["width"] == 3
+    assert Config.from_dict(c.to_dict()) == c
+
+
+def test_unknown_key_suggests_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown config key trainer\.epoch\. Did you mean trainer\.epochs\?"):
+        Config.from_dict({"trainer": {"epoch": 3}})
+    with pytest.raises(ConfigError, match="unknown config key optimiser"):
+        Config.from_dict({"optimiser": {}})
+
+
+@pytest.mark.parametrize(
+    "section,key,value,words",
+    [
+        ("trainer", "epochs", "ten", "must be an integer"),
+        ("trainer", "tensorboard", "yes", "must be true or false"),
+        ("optimizer", "lr", True, "must be a number"),
+        ("trainer", "epochs", 2.5, "must be an integer"),
+    ],
+)
+def test_wrong_types_name_the_key(section, key, value, words):
+    with pytest.raises(ConfigError, match=rf"{section}\.{key} {words}"):
+        Config.from_dict({section: {key: value}})
+
+
+def test_global_batch_not_divisible_names_both_numbers_and_the_fix():
+    c = Config()
+    with pytest.raises(ConfigError) as info:
+        validate(c, 3)
+    msg = str(info.value)
+    assert "data.global_batch_size=128" in msg and "dist.world_size=3" in msg
+    assert "multiple of 3" in msg and "(1, 2, 4, 8" in msg
+    c = Config.from_dict({"trainer": {"grad_accum_steps": 3}})
+    with pytest.raises(ConfigError, match=r"dist.world_size=2 x trainer.grad_accum_steps=3 = 6"):
+        validate(c, 2)
+    assert per_rank_batch_size(Config.from_dict({"trainer": {"grad_accum_steps": 2}}), 2) == 32
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        ({"trainer": {"epochs": 0}}, "trainer.epochs=0 must be at least 1"),
+        ({"optimizer": {"name": "sdg"}}, r"optimizer.name='sdg' is not one of sgd, adam, adamw \(did you mean sgd\?\)"),
+        ({"launcher": {"name": "slurm"}}, "launcher.name='slurm' is not one of local, torchrun, mpirun"),
+        ({"trainer": {"max_steps": 0}}, "trainer.max_steps=0 must be at least 1"),
+        ({"trainer": {"device": "tpu"}}, "trainer.device='tpu': use 'cpu' or 'cuda'"),
+        ({"dist": {"backend": "nccl"}}, "dist.backend=nccl needs trainer.device=cuda"),
+        ({"trainer": {"keep_last_checkpoints": 0}}, "keep_last_checkpoints=0 must be at least 1"),
+    ],
+)
+def test_validation_errors(changes, match):
+    with pytest.raises(ConfigError, match=match):
+        validate(Config.from_dict(changes), 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_cuda_without_gpu_is_a_clear_error():
+    with pytest.raises(
+        ConfigError, match=r"trainer.device=cuda but torch.cuda.is_available\(\) is False.*trainer.device=cpu"
+    ):
+        validate(Config.from_dict({"trainer": {"device": "cuda"}}), 2)
+
+
+def test_backend_resolution():
+    cpu, cuda = Config(), Config(trainer=dataclasses.replace(TrainerConfig(), device="cuda"))
+    assert resolve_backend(cpu) == "gloo" and resolve_backend(cuda) == "nccl"
+    assert resolve_backend(cpu, "mpi", None) == "mpi" and resolve_backend(cpu, "mpi", "10.0.0.1") == "gloo"
+    assert resolve_backend(Config.from_dict({"dist": {"backend": "gloo"}}), "mpi", None) == "gloo"
