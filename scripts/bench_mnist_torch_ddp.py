@@ -28,8 +28,8 @@ def worker(rank: int, world_size: int, args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
     from ddptrain.data import DistributedSampler, mnist
+    from ddptrain.recipes.mnist import MnistTrainer, Net, as_normalized_tensors
     from ddptrain.trainer.data import TensorBatches
-    from recipes.mnist import MnistTrainer, Net, as_normalized_tensors
 
     started = time.perf_counter()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))

@@ -8,7 +8,7 @@ from torch import nn
 def Net() -> nn.Module:
     """The tutorial's MNIST network (the recipe's own class), dropout off: DDP and the
     single-process reference must compute the same thing."""
-    from recipes.mnist import Net as TutorialNet
+    from ddptrain.recipes.mnist import Net as TutorialNet
 
     return TutorialNet(conv_dropout=0.0, fc_dropout=0.0)
 

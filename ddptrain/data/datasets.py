@@ -8,9 +8,8 @@ so that offline machines and read-only shared copies work:
    uncompressed IDX files, they are used.
 3. Otherwise the four files (``.gz`` or uncompressed) are looked for in that folder,
    then in each directory of ``$DDPTRAIN_DATA_SOURCES`` (``os.pathsep``-separated), then
-   in ``<repo>/../shared/data``, then in system locations (Debian's
-   ``/usr/share/datasets/fashion-mnist``); ``DDPTRAIN_DATA_SOURCES_ONLY=1`` skips these last
-   two. A source directory may hold the files
+   in system locations (Debian's ``/usr/share/datasets/fashion-mnist``);
+   ``DDPTRAIN_DATA_SOURCES_ONLY=1`` skips the system locations. A source directory may hold the files
    directly or in ``<Folder>/raw/`` or ``<Folder>/``. The first complete set is
    decompressed into ``<root>/<Folder>/raw/``; sources are never written to.
 4. Otherwise ``download=True`` lets torchvision download them, and failing that a
@@ -25,15 +24,15 @@ files from being taken for Fashion-MNIST (the file names are the same).
 from __future__ import annotations
 
 import gzip
-import math
 import os
 import shutil
 import struct
 import tempfile
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Optional, Sequence, Union
+from typing import Any, BinaryIO, Union
 
 import torch
 from torch.utils.data import Dataset
@@ -51,17 +50,64 @@ __all__ = [
     "DATASET_NAMES",
 ]
 
-PathLike = Union[str, os.PathLike]
+PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on Python 3.10
 
 DATA_ROOT_ENV = "DDPTRAIN_DATA"
 DATA_SOURCES_ENV = "DDPTRAIN_DATA_SOURCES"
 
-# <repo>/../shared/data: a read-only copy that sits next to the checkout on shared machines.
-_REPO_SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-
 
 class DatasetNotFoundError(FileNotFoundError):
-    """The dataset's files are neither in the data root nor in any known source."""
+    """The dataset's files are neither in the data root nor in any known source (nor downloaded).
+
+    ``str(error)`` speaks Python (``root=``, ``download=True``); :meth:`explain` words the same
+    facts with the knobs of another interface (the command line's ``data.root=``...).
+
+    Attributes:
+        dataset: the dataset's name. files: the four file names. raw_dir: where they belong.
+        searched: existing directories searched. skipped: sources holding another dataset.
+        download_error: why the download failed, or None if none was attempted.
+    """
+
+    def __init__(
+        self,
+        dataset: str,
+        files: Sequence[str],
+        raw_dir: Path,
+        searched: Sequence[Path],
+        skipped: Sequence[str] = (),
+        download_error: str | None = None,
+        apt_hint: str = "",
+    ):
+        self.dataset, self.files, self.raw_dir = dataset, list(files), Path(raw_dir)
+        self.searched, self.skipped = list(searched), list(skipped)
+        self.download_error, self.apt_hint = download_error, apt_hint
+        super().__init__(self.explain())
+
+    def explain(
+        self,
+        root_knob: str = "the root argument (default: $DDPTRAIN_DATA, else ./data)",
+        download_knob: str = "download=True",
+        forbid_knob: str = "",
+    ) -> str:
+        """The message, naming ``root_knob`` for the data root and ``download_knob`` for downloading."""
+        if self.download_error is None:
+            how = f"it was not downloaded ({download_knob} allows it on a machine with internet access)"
+        else:
+            how = f"the download failed ({self.download_error})" + (
+                f"; {forbid_knob} forbids it" if forbid_knob else ""
+            )
+        lines = [
+            f"{self.dataset} was not found and {how}. It needs the four files {', '.join(self.files)} "
+            f"(or the same without .gz): put them in {self.raw_dir}/, or point {root_knob} at a directory "
+            f"holding {self.raw_dir.parent.name}/raw/, or list directories holding them in ${DATA_SOURCES_ENV}.",
+        ]
+        if self.apt_hint:
+            lines.append(self.apt_hint)
+        searched = ", ".join(str(d) for d in self.searched) or "no existing directory"
+        lines.append(f"Searched: {searched}.")
+        if self.skipped:
+            lines.append("Skipped, another dataset: " + "; ".join(self.skipped))
+        return "\n".join(lines)
 
 
 class DatasetCorruptError(ValueError):
@@ -114,7 +160,7 @@ class _Spec:
     test_label_counts: tuple[int, ...]
     extra_layouts: tuple[str, ...] = ()
     system_dirs: tuple[str, ...] = ()
-    apt_package: Optional[str] = None
+    apt_package: str | None = None
 
     def layouts(self) -> tuple[str, ...]:
         return (f"{self.folder}/raw", self.folder, *self.extra_layouts, ".")
@@ -147,7 +193,7 @@ _FASHION_MNIST = _Spec(
 )
 
 
-def resolve_data_root(root: Optional[PathLike] = None) -> Path:
+def resolve_data_root(root: PathLike | None = None) -> Path:
     """Return the data root: ``root``, else ``$DDPTRAIN_DATA``, else ``./data``."""
     if root is not None and str(root) != "":
         return Path(root).expanduser()
@@ -156,11 +202,11 @@ def resolve_data_root(root: Optional[PathLike] = None) -> Path:
 
 
 def mnist(
-    root: Optional[PathLike] = None,
+    root: PathLike | None = None,
     train: bool = True,
     download: bool = False,
-    transform: Optional[Callable] = None,
-    target_transform: Optional[Callable] = None,
+    transform: Callable | None = None,
+    target_transform: Callable | None = None,
 ) -> Dataset:
     """Return torchvision's MNIST, found locally as described in the module docstring.
 
@@ -180,11 +226,11 @@ def mnist(
 
 
 def fashion_mnist(
-    root: Optional[PathLike] = None,
+    root: PathLike | None = None,
     train: bool = True,
     download: bool = False,
-    transform: Optional[Callable] = None,
-    target_transform: Optional[Callable] = None,
+    transform: Callable | None = None,
+    target_transform: Callable | None = None,
 ) -> Dataset:
     """Return torchvision's FashionMNIST, found locally like ``mnist``.
 
@@ -201,11 +247,11 @@ def fashion_mnist(
 
 def _load(
     spec: _Spec,
-    root: Optional[PathLike],
+    root: PathLike | None,
     train: bool,
     download: bool,
-    transform: Optional[Callable],
-    target_transform: Optional[Callable],
+    transform: Callable | None,
+    target_transform: Callable | None,
 ) -> Dataset:
     from torchvision import transforms
 
@@ -239,13 +285,12 @@ def _prepare_raw_folder(spec: _Spec, data_root: Path, train: bool, download: boo
             continue
         _install(spec, sources, raw)
         return raw
-    message = _not_found_message(spec, data_root, searched, skipped)
     if not download:
-        raise DatasetNotFoundError(message)
+        raise _not_found(spec, data_root, searched, skipped, None)
     try:
         _torchvision_download(spec, data_root, train)
     except Exception as err:  # any failure (offline, mirror down) means: no dataset
-        raise DatasetNotFoundError(f"{message}\nThe download (download=True) failed: {err!r}") from err
+        raise _not_found(spec, data_root, searched, skipped, _short_reason(err)) from err
     for f in _FILES:
         _validate_file(spec, f, raw / f.stem)
     return raw
@@ -260,8 +305,6 @@ def _candidate_dirs(spec: _Spec, raw: Path) -> list[Path]:
     # DDPTRAIN_DATA_SOURCES_ONLY=1: search nothing but the root and $DDPTRAIN_DATA_SOURCES (to
     # reproduce an offline machine, or to be sure which copy is used).
     only_listed = envvars.get_flag("DDPTRAIN_DATA_SOURCES_ONLY")
-    if not only_listed:
-        bases.append(_REPO_SHARED_DATA)
     dirs = [raw] + [base / layout for base in bases for layout in spec.layouts()]
     if not only_listed:
         dirs += [Path(d) for d in spec.system_dirs]
@@ -273,7 +316,7 @@ def _candidate_dirs(spec: _Spec, raw: Path) -> list[Path]:
     return unique
 
 
-def _find_source(directory: Path, f: _IdxFile) -> Optional[Path]:
+def _find_source(directory: Path, f: _IdxFile) -> Path | None:
     for name in (f.stem, f.stem + ".gz"):
         if (directory / name).is_file():
             return directory / name
@@ -284,7 +327,7 @@ def _open(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
-def _identity_problem(spec: _Spec, sources: Sequence[Path]) -> Optional[str]:
+def _identity_problem(spec: _Spec, sources: Sequence[Path]) -> str | None:
     """Return why these four files are not ``spec``'s dataset, or None if labels match."""
     for f, path in zip(_FILES, sources):
         if not f.images:
@@ -294,7 +337,7 @@ def _identity_problem(spec: _Spec, sources: Sequence[Path]) -> Optional[str]:
     return None
 
 
-def _label_problem(spec: _Spec, f: _IdxFile, path: Path) -> Optional[str]:
+def _label_problem(spec: _Spec, f: _IdxFile, path: Path) -> str | None:
     # The label histogram identifies the dataset: MNIST and Fashion-MNIST share file
     # names and formats, but Fashion-MNIST has exactly 6000/1000 labels per class.
     data = _read_all(path)
@@ -387,42 +430,51 @@ def _check_idx(f: _IdxFile, header: bytes, size: int, path: Path) -> None:
 
 
 def _corrupt(path: Path, err: BaseException) -> DatasetCorruptError:
-    return DatasetCorruptError(f"{path} is truncated or corrupt and cannot be read ({err}); replace it with a good copy")
+    return DatasetCorruptError(
+        f"{path} is truncated or corrupt and cannot be read ({err}); replace it with a good copy"
+    )
 
 
-def _not_found_message(spec: _Spec, data_root: Path, searched: list[Path], skipped: list[str]) -> str:
-    names = ", ".join(f.stem + ".gz" for f in _FILES)
-    lines = [
-        f"{spec.name} was not found. It needs the four files {names} (or the same without .gz).",
-        f"Put them in {data_root / spec.folder / 'raw'}/ (the data root is the root argument, else "
-        f"${DATA_ROOT_ENV}, else ./data), or list a directory holding them in ${DATA_SOURCES_ENV} "
-        f"(separated by '{os.pathsep}'), or pass download=True on a machine with internet access.",
-    ]
+def _not_found(
+    spec: _Spec, data_root: Path, searched: list[Path], skipped: list[str], download_error: str | None
+) -> DatasetNotFoundError:
+    apt = ""
     if spec.apt_package:
-        lines.append(
-            f"On Debian/Ubuntu: apt-get install {spec.apt_package} (puts them in "
-            f"{', '.join(spec.system_dirs)})."
-        )
-    lines.append("Searched (existing directories): " + (", ".join(str(d) for d in searched) or "no existing directory"))
-    if skipped:
-        lines.append("Skipped, another dataset: " + "; ".join(skipped))
-    return "\n".join(lines)
+        apt = f"On Debian/Ubuntu: apt-get install {spec.apt_package} (puts them in {', '.join(spec.system_dirs)})."
+    return DatasetNotFoundError(
+        spec.name,
+        [f.stem + ".gz" for f in _FILES],
+        data_root / spec.folder / "raw",
+        searched,
+        skipped,
+        download_error,
+        apt,
+    )
+
+
+def _short_reason(err: BaseException) -> str:
+    """The gist of a failed download: urllib's last "<urlopen error ...>" line, or the error itself."""
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    reason = next((ln for ln in reversed(lines) if "error" in ln.lower()), lines[-1] if lines else repr(err))
+    return reason.strip("<>")
 
 
 class SyntheticClassification(Dataset):
     """A deterministic in-memory classification task, for benchmarks and tests.
 
-    Inputs are standard normal; the label of ``x`` is ``argmax(flatten(x) @ W)`` for a
-    fixed random projection ``W``, so the task is learnable (linearly separable) and a
-    model's loss falls. ``W`` depends only on ``seed``; the train and test splits draw
-    different inputs for the same ``W``.
+    Each class has a fixed random template; a sample of class ``y`` is standard normal noise
+    plus ``signal`` times template ``y``, so any model (an MLP, the tutorial's convolutional
+    network) learns it within a few dozen steps and its loss falls clearly — what a smoke run
+    needs. The templates depend only on ``seed``; the train and test splits draw different
+    labels and noise for the same templates.
 
     Args:
         num_samples: Number of samples.
         input_shape: Shape of one input, default MNIST's ``(1, 28, 28)``.
         num_classes: Number of labels.
-        seed: Seed of the projection and of the inputs.
-        train: Which split's inputs to draw.
+        seed: Seed of the templates and of the samples.
+        train: Which split's samples to draw.
+        signal: Strength of the class template against unit noise (larger: easier).
     """
 
     def __init__(
@@ -432,17 +484,18 @@ class SyntheticClassification(Dataset):
         num_classes: int = 10,
         seed: int = 0,
         train: bool = True,
+        signal: float = 2.0,
     ) -> None:
         if num_samples < 1 or num_classes < 2:
             raise ValueError(f"need num_samples >= 1 and num_classes >= 2, got {num_samples} and {num_classes}")
         self.input_shape = tuple(input_shape)
         self.num_classes = num_classes
         self.seed = seed
-        projection = torch.randn(math.prod(self.input_shape), num_classes, generator=torch.Generator().manual_seed(seed))
+        templates = torch.randn(num_classes, *self.input_shape, generator=torch.Generator().manual_seed(seed))
         # 2 * seed + split is a distinct stream for every (seed, split) pair.
         samples = torch.Generator().manual_seed(2 * seed + (0 if train else 1))
-        self.data = torch.randn(num_samples, *self.input_shape, generator=samples)
-        self.targets = (self.data.flatten(1) @ projection).argmax(dim=1)
+        self.targets = torch.randint(0, num_classes, (num_samples,), generator=samples)
+        self.data = torch.randn(num_samples, *self.input_shape, generator=samples) + signal * templates[self.targets]
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -458,7 +511,7 @@ _SYNTHETIC_DEFAULT_SAMPLES = {True: 10000, False: 2000}
 
 
 def build_dataset(
-    name: str, root: Optional[PathLike] = None, train: bool = True, download: bool = False, **kwargs: Any
+    name: str, root: PathLike | None = None, train: bool = True, download: bool = False, **kwargs: Any
 ) -> Dataset:
     """Build a dataset by name: ``"mnist"``, ``"fashion_mnist"`` or ``"synthetic"``.
 

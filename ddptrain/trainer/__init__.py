@@ -1,9 +1,6 @@
 """The Trainer, its configuration, callbacks and checkpoint files."""
 
-from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
-from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
-from .checkpointing import TrainState
-from .config import (
+from ..config import (
     Config,
     ConfigError,
     DataConfig,
@@ -14,6 +11,9 @@ from .config import (
     SchedulerConfig,
     TrainerConfig,
 )
+from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
+from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
+from .checkpointing import TrainState
 from .metrics import SmokeCheckError
 from .runner import run
 from .trainer import Trainer

@@ -27,9 +27,9 @@ from torch import nn
 
 from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.process_group import ProcessGroup
+from ..config import Config
 from ..data import DistributedSampler
 from .checkpoint_io import FORMAT_VERSION, CheckpointError, load_checkpoint, resolve_resume_path, save_checkpoint
-from .config import Config
 from .metrics import TrainingMetrics
 from .rng import capture_rng_state, restore_rng_state, seed_everything
 

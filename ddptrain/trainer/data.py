@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
+from ..config import DataConfig
 from ..data import build_dataset
-from .config import DataConfig
 
 __all__ = [
     "preload",

@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from ..comm.objects import all_gather_object
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
-from .config import DataConfig
+from ..config import DataConfig
 from .data import batch_size_of, make_batches, move_to
 from .rng import preserved_rng_state
 

@@ -7,7 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
-from .config import ConfigError, OptimizerConfig
+from ..config import ConfigError, OptimizerConfig
 
 __all__ = ["build_optimizer", "build_scheduler"]
 

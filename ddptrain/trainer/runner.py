@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
+from ..config import Config, ConfigError, check_device, locate, resolve_backend, validate
 from ..launch import MpiexecNotFoundError, WorkerFailedError, launch
 from ..launch.env import ClusterEnvironment, detect_environment
+from ..logs import setup_logging
 from .checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
-from .config import Config, ConfigError, check_device, locate, resolve_backend, validate
 
 __all__ = ["run", "load_trainer_class"]
 
@@ -72,6 +72,7 @@ def run(config: Config) -> dict[str, Any]:
             f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
             "to spawn the workers here."
         )
+    setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
     world_size = config.dist.world_size
     validate(config, world_size)
     check_device(config, world_size)
@@ -161,21 +162,5 @@ def _check_launcher(config: Config, env: ClusterEnvironment) -> None:
 
 def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
     """One rank's whole job (also the local workers' entry point)."""
-    _setup_logging(rank, config)
+    setup_logging(rank, config.trainer.output_dir)
     return load_trainer_class(config)(config).fit()
-
-
-def _setup_logging(rank: int, config: Config) -> None:
-    """Console logging for ranks that have none (spawned workers, ranks > 0 of an external launch)."""
-    logger = logging.getLogger("ddptrain")
-    if logging.getLogger().handlers or logger.handlers:
-        return  # e.g. rank 0 under Hydra: its handlers (console and file) already do the job
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter(f"[%(asctime)s][rank {rank}][%(levelname)s] %(message)s", "%H:%M:%S"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    if rank == 0 and config.trainer.output_dir:
-        Path(config.trainer.output_dir).mkdir(parents=True, exist_ok=True)
-        file_handler = logging.FileHandler(Path(config.trainer.output_dir) / "train.log")
-        file_handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
-        logger.addHandler(file_handler)

@@ -44,6 +44,7 @@ from torch.utils.data import Dataset
 from ..comm.objects import broadcast_object
 from ..comm.process_group import ProcessGroup
 from ..comm.ring import RingAllReducer
+from ..config import Config, ConfigError, check_device, instantiate, per_rank_batch_size, resolve_backend
 from ..data import DistributedSampler, build_dataset
 from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..launch.env import detect_environment
@@ -51,7 +52,6 @@ from ..launch.join import Membership, RendezvousError, join_process_group
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
-from .config import Config, ConfigError, check_device, instantiate, per_rank_batch_size, resolve_backend
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler

@@ -28,7 +28,7 @@ def make_config(output_dir, **trainer) -> Config:
             "tensorboard": False, "output_dir": str(output_dir)}
     base.update(trainer)
     return Config.from_dict({
-        "model": {"_target_": "recipes.mnist.Net", "conv_dropout": 0.3, "fc_dropout": 0.5},
+        "model": {"_target_": "ddptrain.recipes.mnist.Net", "conv_dropout": 0.3, "fc_dropout": 0.5},
         "data": {"name": "synthetic", "num_train_samples": 480, "num_val_samples": 100,
                  "global_batch_size": 48, "eval_batch_size": 16},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9,

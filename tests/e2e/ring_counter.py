@@ -9,7 +9,7 @@ A ``dist.algorithm=ring`` that is silently ignored sends none.
 import json
 
 from ddptrain.comm.ring import RING_TAG
-from recipes.mnist import MnistTrainer
+from ddptrain.recipes.mnist import MnistTrainer
 
 
 class RingCountingMnistTrainer(MnistTrainer):

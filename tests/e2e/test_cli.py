@@ -5,6 +5,7 @@ from the ``mnist_root`` fixture: a data root ddptrain's own loader prepared once
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -49,13 +50,13 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     proc = run_cli("recipe=mnist", "dist.world_size=4", "trainer.epochs=1", "--cfg", "job", cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
     for line in (
-        "trainer_class: recipes.mnist.MnistTrainer",
+        "trainer_class: ddptrain.recipes.mnist.MnistTrainer",
         "world_size: 4",
         "epochs: 1",
         "lr: 0.01",
         "momentum: 0.5",
         "global_batch_size: 128",
-        "_target_: recipes.mnist.Net",
+        "_target_: ddptrain.recipes.mnist.Net",
     ):
         assert line in proc.stdout
     helped = run_cli("--help", cwd=tmp_path, timeout=60)
@@ -67,12 +68,57 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
         assert proc.returncode == 0 and "FashionMnistTrainer" in proc.stdout, proc.stderr
 
 
-def test_unknown_recipe_and_overrides_are_short_errors(tmp_path):
-    _short_error(run_cli("recipe=imagenet", cwd=tmp_path, timeout=60), "recipe/imagenet", "mnist")
-    _short_error(run_cli("recipe=mnist", "trainer.epoch=3", cwd=tmp_path, timeout=60), "trainer.epoch")
-    appended = run_cli("recipe=mnist", "+trainer.epoch=3", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=60)
-    _short_error(appended, "unknown config key trainer.epoch", "Did you mean trainer.epochs?")
-    assert appended.returncode == 2
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("recipe=mnst", ["unknown recipe 'mnst'", "Did you mean recipe=mnist?", "fashion_mnist, mnist, synthetic"]),
+        ("backend=glo", ["unknown backend 'glo'", "Did you mean backend=gloo?"]),
+        ("launcher=torchrn", ["unknown launcher 'torchrn'", "Did you mean launcher=torchrun?"]),
+        ("model=tutorial", ["unknown model 'tutorial'", "Did you mean model=tutorial_net?"]),
+        ("data=fashion", ["unknown data 'fashion'", "Did you mean data=fashion_mnist?"]),
+        ("optimizer=adam", ["unknown optimizer 'adam'", "Did you mean optimizer=adamw?"]),
+        ("trainer=smok", ["unknown trainer 'smok'", "Did you mean trainer=smoke?"]),
+        ("trainer.epoch=3", ["unknown config key trainer.epoch.", "Did you mean trainer.epochs?"]),
+        ("+trainer.epoch=3", ["unknown config key trainer.epoch.", "Did you mean trainer.epochs?"]),
+        ("dist.world_sise=3", ["Did you mean dist.world_size?"]),
+        ("launcher.max_restart=1", ["Did you mean launcher.max_restarts?"]),
+        ("data.global_batch=64", ["Did you mean data.global_batch_size?"]),
+        ("optimizer.scheduler.nam=cosine", ["Did you mean optimizer.scheduler.name?"]),
+        ("recipe.nme=x", ["Did you mean recipe.name?"]),
+        ("trainer.epochs=ten", ["trainer.epochs=ten", "could not be converted to Integer"]),
+    ],
+)
+def test_a_typo_in_any_group_gets_did_you_mean_and_exit_2(tmp_path, override, words):
+    args = [override] if override.startswith("recipe=") else ["recipe=mnist", override]
+    proc = run_cli(*args, f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path, timeout=60)
+    _short_error(proc, *words)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "r").exists()
+
+
+def test_a_missing_recipe_lists_them(tmp_path):
+    proc = run_cli("trainer.epochs=1", cwd=tmp_path, timeout=60)
+    _short_error(proc, "choose a recipe: recipe=<name>, one of fashion_mnist, mnist, synthetic")
+    assert proc.returncode == 2
+
+
+def test_nccl_backend_group_selects_cuda(tmp_path):
+    proc = run_cli("recipe=mnist", "backend=nccl", "--cfg", "job", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout
+    assert "backend: nccl" in job
+    assert "device: cuda" in job.split("trainer:", 1)[1], job
+
+
+def test_version_names_ddptrain_and_torch(tmp_path):
+    import torch
+
+    import ddptrain
+
+    proc = run_cli("--version", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().startswith(f"ddptrain {ddptrain.__version__} (torch {torch.__version__.split('+')[0]}")
+    assert "Hydra" not in proc.stdout
 
 
 def test_global_batch_not_divisible(tmp_path):
@@ -81,22 +127,78 @@ def test_global_batch_not_divisible(tmp_path):
     assert proc.returncode == 2
 
 
-def test_dataset_missing_offline(tmp_path):
-    # An offline machine without the shared copy: DDPTRAIN_DATA_SOURCES_ONLY=1 searches only the
-    # root and the (empty) list of sources, so the real command must say what to put where.
+def test_dataset_missing_offline_is_one_short_error_in_cli_terms(tmp_path):
+    # No MNIST anywhere (no sources, an empty root): the default tries to download, which fails on an
+    # offline machine (and is forbidden here with data.download=false, so it fails the same way online).
     empty = tmp_path / "empty-root"
     empty.mkdir()
+    env = {"DDPTRAIN_DATA_SOURCES": "", "DDPTRAIN_DATA_SOURCES_ONLY": "1"}
+    started = time.monotonic()
     proc = run_cli(
         "recipe=mnist",
         f"data.root={empty}",
+        "data.download=false",
         f"hydra.run.dir={tmp_path / 'r'}",
         cwd=tmp_path,
         timeout=90,
-        env={"DDPTRAIN_DATA_SOURCES": "", "DDPTRAIN_DATA_SOURCES_ONLY": "1"},
+        env=env,
     )
+    assert time.monotonic() - started < 60
     _short_error(
-        proc, "MNIST was not found", "train-images-idx3-ubyte.gz", str(empty / "MNIST" / "raw"), "DDPTRAIN_DATA_SOURCES"
+        proc,
+        "MNIST was not found and it was not downloaded (data.download=true allows it",
+        "train-images-idx3-ubyte.gz, train-labels-idx1-ubyte.gz, t10k-images-idx3-ubyte.gz, t10k-labels-idx1-ubyte.gz",
+        str(empty / "MNIST" / "raw"),
+        "data.root=<dir>",
+        "DDPTRAIN_DATA_SOURCES",
     )
+    assert proc.returncode == 1
+    assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
+
+
+def test_files_in_data_root_are_used_without_any_download(tmp_path, mnist_root):
+    """A proxy that records connections: with the files in data.root nothing may reach it."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    connections = []
+
+    def accept():
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            connections.append(conn)
+
+    threading.Thread(target=accept, daemon=True).start()
+    proxy = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    env = {
+        "DDPTRAIN_DATA_SOURCES": "",
+        "DDPTRAIN_DATA_SOURCES_ONLY": "1",
+        "http_proxy": proxy,
+        "https_proxy": proxy,
+        "HTTP_PROXY": proxy,
+        "HTTPS_PROXY": proxy,
+    }
+    try:
+        proc = run_cli(
+            "recipe=mnist",
+            "trainer.max_steps=2",
+            "dist.world_size=1",
+            f"data.root={mnist_root}",
+            f"hydra.run.dir={tmp_path / 'r'}",
+            cwd=tmp_path,
+            timeout=150,
+            env=env,
+        )
+    finally:
+        listener.close()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert connections == [], "a download was attempted although data.root held the files"
 
 
 def test_sweep_runs_every_point(tmp_path):

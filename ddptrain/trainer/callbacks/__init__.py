@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import TrainerConfig
+from ...config import TrainerConfig
 from .base import Callback, TrainerView
 from .checkpoint import CheckpointCallback
 from .progress import ProgressCallback
@@ -13,7 +13,7 @@ __all__ = ["Callback", "TrainerView", "CheckpointCallback", "ProgressCallback", 
 
 def from_config(config: TrainerConfig) -> list[Callback]:
     """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, checkpoints."""
-    callbacks: list[Callback] = [ProgressCallback(bar=None if config.progress else False)]
+    callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress.lower()))]
     if config.tensorboard:
         callbacks.append(TensorBoardCallback())
     if config.checkpoint_every_epochs or config.checkpoint_every_steps or config.checkpoint_at_end:

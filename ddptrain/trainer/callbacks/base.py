@@ -20,8 +20,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from ...config import Config
 from ..checkpointing import TrainState
-from ..config import Config
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
-"""Console progress on rank 0: a tqdm bar per epoch on a terminal, one log line per epoch always."""
+"""Progress on rank 0: a tqdm bar per epoch on a terminal; log lines every ``trainer.log_every_steps``
+steps (to the console too when no bar is shown) and after every epoch."""
 
 from __future__ import annotations
 
@@ -77,6 +78,18 @@ class ProgressCallback(Callback):
     def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", refresh=False)
+        if trainer.is_main:  # the log file always; the console only when no bar shows the same
+            total = trainer.steps_per_epoch * trainer.config.trainer.epochs
+            log.info(
+                "step %d/%d (epoch %d): loss %.4f, %.0f samples/s, lr %.3g",
+                trainer.state.step,
+                total,
+                trainer.state.epoch + 1,
+                scalars["train/loss"],
+                scalars.get("train/samples_per_s", 0.0),
+                scalars.get("train/lr", 0.0),
+                extra={"console": self.bar is None},
+            )
 
     def on_epoch_end(self, trainer: TrainerView, epoch: int, metrics: dict[str, Any]) -> None:
         self._close()

@@ -2,8 +2,8 @@
 
 import torch
 
+from ddptrain.config import DataConfig
 from ddptrain.data import DistributedSampler, SyntheticClassification
-from ddptrain.trainer.config import DataConfig
 from ddptrain.trainer.data import TensorBatches, batch_size_of, default_dataset, group_micro_batches, preload
 
 

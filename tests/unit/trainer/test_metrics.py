@@ -7,9 +7,9 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddptrain import comm as dist
+from ddptrain.config import DataConfig
 from ddptrain.data import DistributedSampler
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.config import DataConfig
 from ddptrain.trainer.metrics import (
     ExactMean,
     SmokeCheckError,

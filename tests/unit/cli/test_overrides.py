@@ -1,0 +1,56 @@
+"""Overrides checked against the schema before Hydra: did-you-mean for keys and group options."""
+
+from ddptrain.cli.overrides import config_dirs_of, first_problem, group_options, override_tokens
+
+OPTIONS = {"recipe": ["fashion_mnist", "mnist", "synthetic"], "trainer": ["default", "smoke"]}
+
+
+def test_flags_and_their_values_are_not_overrides():
+    argv = ["-m", "--config-dir", "x", "recipe=mnist", "--cfg", "job", "-cd=y", "~trainer.resume", "+model.x=1"]
+    assert override_tokens(argv) == ["recipe=mnist", "~trainer.resume", "+model.x=1"]
+
+
+def test_config_dirs_come_from_the_flags(tmp_path):
+    assert config_dirs_of(["--config-dir", "a", "--config-dir=b", "-cd", "c"], tmp_path) == [
+        tmp_path,
+        *map(__import__("pathlib").Path, ("a", "b", "c")),
+    ]
+
+
+def test_options_are_read_from_every_directory(tmp_path):
+    for where, name in ((tmp_path / "one", "mnist"), (tmp_path / "two", "mine")):
+        (where / "recipe").mkdir(parents=True)
+        (where / "recipe" / f"{name}.yaml").write_text("")
+    assert group_options([tmp_path / "one", tmp_path / "two"]) == {"recipe": ["mine", "mnist"]}
+
+
+def test_known_keys_free_form_model_hydra_and_sweeps_pass():
+    ok = [
+        "trainer.epochs=3",
+        "model.hidden=7",
+        "+model.new_arg=1",
+        "hydra.run.dir=x",
+        "recipe=mnist,synthetic",
+        "trainer=smoke",
+        "optimizer.scheduler.name=cosine",
+        "~trainer.resume",
+    ]
+    assert first_problem(ok, OPTIONS) is None
+
+
+def test_a_typo_in_a_key_suggests_the_closest_key_anywhere():
+    assert "Did you mean trainer.epochs?" in first_problem(["epochs=3"], OPTIONS)
+    assert "Did you mean dist.bucket_cap_mb?" in first_problem(["dist.bucket_cap=5"], OPTIONS)
+    assert "Keys under trainer:" in first_problem(["trainer.zzz=1"], OPTIONS)
+
+
+def test_a_value_is_not_a_section():
+    assert first_problem(["trainer.epochs.max=1"], OPTIONS) == (
+        "trainer.epochs is a value, not a section: trainer.epochs.max does not exist."
+    )
+
+
+def test_an_unknown_option_lists_the_available_ones():
+    message = first_problem(["recipe=mnst"], OPTIONS)
+    assert "unknown recipe 'mnst'. Did you mean recipe=mnist? Available: fashion_mnist, mnist, synthetic" in message
+    assert "unknown trainer 'fast'" in first_problem(["trainer=smoke,fast"], OPTIONS)
