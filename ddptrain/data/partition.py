@@ -12,8 +12,9 @@ per-epoch reshuffle across ranks (shuffle *within* a partition with the DataLoad
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence, Sized
 from random import Random
-from typing import Any, Sequence, Sized
+from typing import Any
 
 __all__ = ["Partition", "DataPartitioner", "partition_dataset"]
 
@@ -120,9 +121,7 @@ def _validate_sizes(sizes: list[float]) -> None:
         raise ValueError("sizes must list at least one fraction, got an empty sequence")
     bad = [s for s in sizes if not (isinstance(s, (int, float)) and math.isfinite(s) and s > 0)]
     if bad:
-        raise ValueError(
-            f"every partition fraction must be a positive number; got {bad} in sizes={sizes}"
-        )
+        raise ValueError(f"every partition fraction must be a positive number; got {bad} in sizes={sizes}")
     total = sum(sizes)
     if total > 1.0 + _SUM_TOLERANCE:
         raise ValueError(

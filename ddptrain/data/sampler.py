@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterator, Mapping, Sized, Union
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
@@ -82,7 +83,7 @@ class DistributedSampler(Sampler[int]):
 
     def __init__(
         self,
-        dataset_or_len: Union[Sized, int],
+        dataset_or_len: Sized | int,
         num_replicas: int,
         rank: int,
         shuffle: bool = True,
@@ -229,8 +230,7 @@ class DistributedSampler(Sampler[int]):
         """
         if not 0 <= num_samples <= self.num_samples:
             raise ValueError(
-                f"consumed must be in [0, {self.num_samples}] (this rank's samples per epoch), "
-                f"got {num_samples}"
+                f"consumed must be in [0, {self.num_samples}] (this rank's samples per epoch), got {num_samples}"
             )
         self._auto_count = False
         self._consumed = num_samples
@@ -382,7 +382,7 @@ class DistributedSampler(Sampler[int]):
         )
 
 
-def _length_of(dataset_or_len: Union[Sized, int]) -> int:
+def _length_of(dataset_or_len: Sized | int) -> int:
     if isinstance(dataset_or_len, bool):
         raise TypeError("dataset_or_len must be a dataset with len() or an int, got a bool")
     if isinstance(dataset_or_len, int):
@@ -403,8 +403,7 @@ def _validate_replicas(num_replicas: int, rank: int) -> None:
         raise ValueError(f"num_replicas (the world size) must be an int >= 1, got {num_replicas!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
         raise ValueError(
-            f"invalid rank {rank!r}: with num_replicas={num_replicas} the rank must be in "
-            f"[0, {num_replicas - 1}]"
+            f"invalid rank {rank!r}: with num_replicas={num_replicas} the rank must be in [0, {num_replicas - 1}]"
         )
 
 

@@ -12,6 +12,7 @@ Results travel back pickled to bytes: ``launch`` currently cannot return torch t
 through torch's shared-memory reducer and the worker exits before the parent reads them) — see
 ``test_launch_can_return_tensors``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -66,8 +67,11 @@ def make_ring_input(rank: int, dtype_name: str, op: str, n: int, shape=None) -> 
         if op == "PRODUCT":
             x = 1 + x / 10
     else:
-        x = torch.randint(-3, 4, (n,), generator=g) if op == "PRODUCT" else \
-            torch.randint(-10**6, 10**6, (n,), generator=g)
+        x = (
+            torch.randint(-3, 4, (n,), generator=g)
+            if op == "PRODUCT"
+            else torch.randint(-(10**6), 10**6, (n,), generator=g)
+        )
         x = x.to(dtype)
     return x.view(shape) if shape is not None else x
 
@@ -110,23 +114,28 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
 
     for dn, dtype in DTYPES.items():
         for src in range(ws):
+
             def bcast():
                 t = make_input(rank, dn, f"bcast{src}")
                 assert dist.broadcast(t, src) is None
                 return t
+
             _capture(R, ("broadcast", dn, src), bcast)
 
         for op in OPS:
+
             def allreduce():
                 t = make_input(rank, dn, "allreduce", op)
                 assert dist.all_reduce(t, op=op_of[op]) is None
                 return t
+
             _capture(R, ("all_reduce", dn, op), allreduce)
 
             def reduce():
                 t = make_input(rank, dn, "reduce", op)
                 dist.reduce(t, OPS.index(op) % ws, op=op_of[op])
                 return t
+
             _capture(R, ("reduce", dn, op), reduce)
 
             def reduce_scatter():
@@ -134,12 +143,14 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
                 out = torch.full(SHAPE, 99, dtype=dtype)
                 dist.reduce_scatter(out, inputs, op=op_of[op])
                 return out
+
             _capture(R, ("reduce_scatter", dn, op), reduce_scatter)
 
         def all_gather():
             out = [torch.zeros(SHAPE, dtype=dtype) for _ in range(ws)]
             dist.all_gather(out, make_input(rank, dn, "allgather"))
             return out
+
         _capture(R, ("all_gather", dn), all_gather)
 
         def gather():
@@ -147,6 +158,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
             out = [torch.zeros(SHAPE, dtype=dtype) for _ in range(ws)] if rank == dst else None
             dist.gather(make_input(rank, dn, "gather"), out, dst)
             return out
+
         _capture(R, ("gather", dn), gather)
 
         def scatter():
@@ -155,6 +167,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
             out = torch.zeros(SHAPE, dtype=dtype)
             dist.scatter(out, lst, src)
             return out
+
         _capture(R, ("scatter", dn), scatter)
 
         def all_to_all():  # uneven sizes: rank r sends r+j+1 elements to rank j
@@ -162,9 +175,11 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
             outputs = [torch.zeros(j + rank + 1, dtype=dtype) for j in range(ws)]
             dist.all_to_all(outputs, inputs)
             return outputs
+
         _capture(R, ("all_to_all", dn), all_to_all)
 
         if ws > 1:
+
             def send_recv():  # blocking, round the ring: even ranks send first, odd ranks receive first
                 right, left = (rank + 1) % ws, (rank - 1) % ws
                 out = torch.zeros(SHAPE, dtype=dtype)
@@ -176,6 +191,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
                     dist.recv(out, left)
                     dist.send(mine, right)
                 return out
+
             _capture(R, ("send_recv", dn), send_recv)
 
             def isend_irecv():
@@ -185,9 +201,11 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
                 for req in reqs:
                     req.wait()
                 return out, [req.is_completed() for req in reqs]
+
             _capture(R, ("isend_irecv", dn), isend_irecv)
 
     if ws > 1:
+
         def tags():  # messages are matched by tag, not by arrival order
             a, b = torch.zeros(2), torch.zeros(2)
             if rank == 0:
@@ -199,6 +217,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
                 r1 = dist.irecv(a, 0, tag=11)
                 r2.wait(), r1.wait()
             return a, b
+
         _capture(R, "tags", tags)
 
     def barrier():  # nobody may leave the barrier before the late rank arrives
@@ -210,14 +229,14 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         arrivals = [torch.zeros(1, dtype=torch.float64) for _ in range(ws)]
         dist.all_gather(arrivals, torch.tensor([arrived], dtype=torch.float64))
         return left >= max(a.item() for a in arrivals)
+
     _capture(R, "barrier", barrier)
 
     # AVG on integers is refused before anything moves, identically on every rank
     for name, call in [
         ("all_reduce", lambda t: dist.all_reduce(t, op=dist.ReduceOp.AVG)),
         ("reduce", lambda t: dist.reduce(t, 0, op=dist.ReduceOp.AVG)),
-        ("reduce_scatter", lambda t: dist.reduce_scatter(t, [t.clone() for _ in range(ws)],
-                                                         op=dist.ReduceOp.AVG)),
+        ("reduce_scatter", lambda t: dist.reduce_scatter(t, [t.clone() for _ in range(ws)], op=dist.ReduceOp.AVG)),
         ("ring_all_reduce", lambda t: dist.ring_all_reduce(t, op=dist.ReduceOp.AVG)),
     ]:
         _capture(R, ("avg_int", name), lambda: call(torch.ones(4, dtype=torch.int64)))
@@ -227,8 +246,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         out = {}
         t = make_input(rank, "float32", "async_ar")
         w = dist.all_reduce(t, async_op=True)
-        out["all_reduce"] = (isinstance(w, dist.Work), w.wait(), w.is_completed(),
-                             w.get_future().wait(), t)
+        out["all_reduce"] = (isinstance(w, dist.Work), w.wait(), w.is_completed(), w.get_future().wait(), t)
         t = make_input(rank, "float32", "async_bc")
         w = dist.broadcast(t, ws - 1, async_op=True)
         out["broadcast"] = (isinstance(w, dist.Work), w.wait(), w.is_completed(), w.get_future().wait(), t)
@@ -236,13 +254,15 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         w = dist.all_gather(lst, make_input(rank, "float32", "async_ag"), async_op=True)
         out["all_gather"] = (isinstance(w, dist.Work), w.wait(), w.is_completed(), w.get_future().wait(), lst)
         o = torch.zeros(SHAPE)
-        w = dist.reduce_scatter(o, [make_input(rank, "float32", f"async_rs{j}") for j in range(ws)],
-                                async_op=True)
+        w = dist.reduce_scatter(o, [make_input(rank, "float32", f"async_rs{j}") for j in range(ws)], async_op=True)
         out["reduce_scatter"] = (isinstance(w, dist.Work), w.wait(), w.is_completed(), None, o)
         _capture(out, "reduce_scatter/future", lambda: w.get_future().wait())
         outs = [torch.zeros(j + rank + 1) for j in range(ws)]
-        w = dist.all_to_all(outs, [make_input(rank, "float32", f"async_a2a{j}", shape=(rank + j + 1,))
-                                   for j in range(ws)], async_op=True)
+        w = dist.all_to_all(
+            outs,
+            [make_input(rank, "float32", f"async_a2a{j}", shape=(rank + j + 1,)) for j in range(ws)],
+            async_op=True,
+        )
         # get_future() before wait(): the value must already be unpacked into the outputs
         fut_val = w.get_future().wait()
         out["all_to_all"] = (isinstance(w, dist.Work), w.wait(), w.is_completed(), fut_val, outs)
@@ -261,20 +281,25 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         out["then"] = fut.wait()
         if ws > 1:
             r = torch.zeros(SHAPE)
-            reqs = [dist.isend(make_input(rank, "float32", "async_p2p"), (rank + 1) % ws),
-                    dist.irecv(r, (rank - 1) % ws)]
+            reqs = [
+                dist.isend(make_input(rank, "float32", "async_p2p"), (rank + 1) % ws),
+                dist.irecv(r, (rank - 1) % ws),
+            ]
             for req in reqs:
                 req.wait()
             out["p2p"] = (r, [req.is_completed() for req in reqs])
             r2 = torch.zeros(SHAPE)
-            reqs = [dist.isend(make_input(rank, "float32", "async_p2p_fut"), (rank + 1) % ws),
-                    dist.irecv(r2, (rank - 1) % ws)]
+            reqs = [
+                dist.isend(make_input(rank, "float32", "async_p2p_fut"), (rank + 1) % ws),
+                dist.irecv(r2, (rank - 1) % ws),
+            ]
             for name, req in zip(("isend", "irecv"), reqs):
                 _capture(out, f"p2p/{name} future", lambda req=req: req.get_future().wait())
             for req in reqs:
                 req.wait()
             out["p2p/irecv buffer"] = r2
         return out
+
     _capture(R, "async", async_checks)
 
     def async_temporary_inputs():
@@ -288,14 +313,20 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         works.append(dist.broadcast(torch.full((n,), float(rank)), 0, async_op=True))
         # reduce_scatter stacks its inputs into a temporary of its own: it must outlive the call
         scattered = [torch.zeros(n) for _ in range(4)]
-        works += [dist.reduce_scatter(o, [torch.full((n,), float(j + 1)) for j in range(ws)], async_op=True)
-                  for o in scattered]
+        works += [
+            dist.reduce_scatter(o, [torch.full((n,), float(j + 1)) for j in range(ws)], async_op=True)
+            for o in scattered
+        ]
         junk = [torch.full((n * ws,), -7.0) for _ in range(64)]
         for w in works:
             w.wait()
         del junk
-        return ([o[[0, n - 1]].tolist() for o in outs], [s.abs().max().item() for s in sums],
-                [o[[0, n - 1]].tolist() for o in scattered])
+        return (
+            [o[[0, n - 1]].tolist() for o in outs],
+            [s.abs().max().item() for s in sums],
+            [o[[0, n - 1]].tolist() for o in scattered],
+        )
+
     _capture(R, "async_temporary_inputs", async_temporary_inputs)
 
     # ring all-reduce against the native one
@@ -303,7 +334,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         out = {}
         for dn, dtype in DTYPES.items():
             for n in RING_LENGTHS:
-                for op in (OPS if n != BIG else ["SUM"]):
+                for op in OPS if n != BIG else ["SUM"]:
                     if op == "AVG" and not dtype.is_floating_point:
                         continue
                     x = make_ring_input(rank, dn, op, n)
@@ -313,8 +344,11 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
                     dist.all_reduce(native_t, op=op_of[op])
                     in_place = returned is ring_t and ring_t.data_ptr() == ptr
                     if n == BIG:
-                        same = torch.equal(ring_t, native_t) if not dtype.is_floating_point else \
-                            bool(torch.allclose(ring_t, native_t, rtol=1e-5, atol=1e-5))
+                        same = (
+                            torch.equal(ring_t, native_t)
+                            if not dtype.is_floating_point
+                            else bool(torch.allclose(ring_t, native_t, rtol=1e-5, atol=1e-5))
+                        )
                         full = ring_t if rank == 0 else None
                         out[(dn, n, op)] = (in_place, same, full, float(ring_t.double().sum()))
                     else:
@@ -330,10 +364,12 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
             def native_on_view():  # native all_reduce on the non-contiguous view itself
                 dist.all_reduce(native_base[:, ::2].t())
                 return native_base
+
             _capture(out, (dn, "native_noncontig"), native_on_view)
             dist.ring_all_reduce(view)
             out[(dn, "noncontig")] = (base, view.clone(), expect_native)
         return out
+
     _capture(R, "ring", ring)
 
     # subgroups of a subset of ranks: src/dst are global ranks
@@ -390,6 +426,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         dist.all_reduce(t)
         out["world"] = t
         return out
+
     _capture(R, "subgroups", subgroups)
 
     def store():
@@ -407,6 +444,7 @@ def _body(rank: int, ws: int, init_args=None) -> bytes:  # noqa: C901 - one laun
         except dist.CommTimeoutError as exc:
             missing = str(exc)
         return values, total, missing, time.monotonic() - t0
+
     _capture(R, "store", store)
     if init_args is not None:  # the other init methods, in the same processes (spawning costs seconds)
         dist.destroy_process_group()
@@ -478,8 +516,9 @@ def not_raised(value):
 
 
 ws_param = pytest.mark.parametrize("backend, ws", WORLDS, ids=[f"{b}-{w}" for b, w in WORLDS])
-multi_param = pytest.mark.parametrize("backend, ws", [(b, w) for b, w in WORLDS if w > 1],
-                                      ids=[f"{b}-{w}" for b, w in WORLDS if w > 1])
+multi_param = pytest.mark.parametrize(
+    "backend, ws", [(b, w) for b, w in WORLDS if w > 1], ids=[f"{b}-{w}" for b, w in WORLDS if w > 1]
+)
 
 
 @ws_param
@@ -494,8 +533,7 @@ def test_broadcast_from_every_root(backend, ws):
     for rank, res in enumerate(world(backend, ws)):
         for dn in DTYPES:
             for src in range(ws):
-                m.tensor(f"rank {rank} {dn} src={src}", res[("broadcast", dn, src)],
-                         make_input(src, dn, f"bcast{src}"))
+                m.tensor(f"rank {rank} {dn} src={src}", res[("broadcast", dn, src)], make_input(src, dn, f"bcast{src}"))
     m.check()
 
 
@@ -616,8 +654,11 @@ def test_async_handles(backend, ws):
         a = not_raised(res["async"])
         for name in ["all_reduce", "broadcast", "all_gather", "all_to_all", "barrier"]:
             is_work, waited, completed = a[name][:3]
-            m.ok(f"{name} rank {rank}: Work/wait()/is_completed()", (is_work, waited, completed) == (True, True, True),
-                 (is_work, waited, completed))
+            m.ok(
+                f"{name} rank {rank}: Work/wait()/is_completed()",
+                (is_work, waited, completed) == (True, True, True),
+                (is_work, waited, completed),
+            )
         for name in ["all_reduce", "broadcast"]:
             _, _, _, fut_value, tensor = a[name]
             m.tensor(f"{name} rank {rank} tensor", tensor, expected[name])
@@ -629,20 +670,33 @@ def test_async_handles(backend, ws):
             m.tensor(f"all_gather rank {rank} [{i}]", lst[i], e)
             m.tensor(f"all_gather rank {rank} future [{i}]", fut_value[i], e)
         o = a["reduce_scatter"][4]
-        m.tensor(f"reduce_scatter rank {rank}", o,
-                 reduce_local("SUM", [make_input(q, "float32", f"async_rs{rank}") for q in range(ws)]))
+        m.tensor(
+            f"reduce_scatter rank {rank}",
+            o,
+            reduce_local("SUM", [make_input(q, "float32", f"async_rs{rank}") for q in range(ws)]),
+        )
         _, _, _, fut_value, outs = a["all_to_all"]
         for j in range(ws):
             e = make_input(j, "float32", f"async_a2a{rank}", shape=(j + rank + 1,))
             m.tensor(f"all_to_all rank {rank} from {j}", outs[j], e)
             m.tensor(f"all_to_all rank {rank} future from {j}", fut_value[j], e)
         got_a, got_b = a["two_outstanding"]
-        m.tensor(f"outstanding AVG rank {rank} (divided exactly once)", got_a,
-                 reduce_local("AVG", [make_input(r, "float64", "async_a") for r in range(ws)]), exact=False)
-        m.tensor(f"outstanding MAX rank {rank}", got_b,
-                 reduce_local("MAX", [make_input(r, "float64", "async_b") for r in range(ws)]))
-        m.tensor(f"then() rank {rank}", a["then"],
-                 2 * reduce_local("SUM", [make_input(r, "float32", "async_then") for r in range(ws)]))
+        m.tensor(
+            f"outstanding AVG rank {rank} (divided exactly once)",
+            got_a,
+            reduce_local("AVG", [make_input(r, "float64", "async_a") for r in range(ws)]),
+            exact=False,
+        )
+        m.tensor(
+            f"outstanding MAX rank {rank}",
+            got_b,
+            reduce_local("MAX", [make_input(r, "float64", "async_b") for r in range(ws)]),
+        )
+        m.tensor(
+            f"then() rank {rank}",
+            a["then"],
+            2 * reduce_local("SUM", [make_input(r, "float32", "async_then") for r in range(ws)]),
+        )
         if ws > 1:
             r, completed = a["p2p"]
             m.tensor(f"irecv rank {rank}", r, make_input((rank - 1) % ws, "float32", "async_p2p"))
@@ -664,20 +718,31 @@ def test_reduce_scatter_and_p2p_handles(backend, ws):
     m = Mismatches()
     for rank, res in enumerate(world(backend, ws)):
         a = not_raised(res["async"])
-        m.ok(f"reduce_scatter rank {rank}: Work/wait()/is_completed()",
-             a["reduce_scatter"][:3] == (True, True, True), a["reduce_scatter"][:3])
+        m.ok(
+            f"reduce_scatter rank {rank}: Work/wait()/is_completed()",
+            a["reduce_scatter"][:3] == (True, True, True),
+            a["reduce_scatter"][:3],
+        )
         fut_value = a["reduce_scatter/future"]
-        m.tensor(f"reduce_scatter rank {rank} future", fut_value[0] if isinstance(fut_value, list) else fut_value,
-                 reduce_local("SUM", [make_input(q, "float32", f"async_rs{rank}") for q in range(ws)]))
+        m.tensor(
+            f"reduce_scatter rank {rank} future",
+            fut_value[0] if isinstance(fut_value, list) else fut_value,
+            reduce_local("SUM", [make_input(q, "float32", f"async_rs{rank}") for q in range(ws)]),
+        )
         if ws > 1:  # each future's value: the tensor sent, and the tensor received (the message)
             sent, received = a["p2p/isend future"], a["p2p/irecv future"]
-            for what, got, expected in (("isend", sent, make_input(rank, "float32", "async_p2p_fut")),
-                                        ("irecv", received, make_input((rank - 1) % ws, "float32", "async_p2p_fut"))):
+            for what, got, expected in (
+                ("isend", sent, make_input(rank, "float32", "async_p2p_fut")),
+                ("irecv", received, make_input((rank - 1) % ws, "float32", "async_p2p_fut")),
+            ):
                 m.ok(f"{what} rank {rank} get_future() value is [tensor]", isinstance(got, list) and len(got) == 1, got)
                 if isinstance(got, list) and len(got) == 1:
                     m.tensor(f"{what} rank {rank} get_future() value", got[0], expected)
-            m.tensor(f"irecv rank {rank} buffer", a["p2p/irecv buffer"],
-                     make_input((rank - 1) % ws, "float32", "async_p2p_fut"))
+            m.tensor(
+                f"irecv rank {rank} buffer",
+                a["p2p/irecv buffer"],
+                make_input((rank - 1) % ws, "float32", "async_p2p_fut"),
+            )
     m.check()
 
 
@@ -688,7 +753,7 @@ def test_ring_all_reduce_matches_native_and_local(backend, ws):
     for dn, dtype in DTYPES.items():
         exact = not dtype.is_floating_point
         for n in RING_LENGTHS:
-            for op in (OPS if n != BIG else ["SUM"]):
+            for op in OPS if n != BIG else ["SUM"]:
                 if op == "AVG" and exact:
                     continue
                 expected = reduce_local(op, [make_ring_input(r, dn, op, n) for r in range(ws)])
@@ -739,8 +804,9 @@ def test_native_all_reduce_on_non_contiguous_view_is_right_or_refused(backend, w
             if isinstance(got, tuple) and got[0] == RAISED:
                 m.ok(f"{dn} rank {rank} refusal names the rule", "contiguous" in got[2], got)
                 continue
-            m.tensor(f"{dn} rank {rank} native on the view", got[:, ::2].t(), expected,
-                     exact=not dtype.is_floating_point)
+            m.tensor(
+                f"{dn} rank {rank} native on the view", got[:, ::2].t(), expected, exact=not dtype.is_floating_point
+            )
             m.tensor(f"{dn} rank {rank} elements outside the view untouched", got[:, 1::2], inputs[rank][:, 1::2])
     m.check()
 
@@ -755,13 +821,20 @@ def test_subgroup_of_a_subset_of_ranks(backend, ws):
         m.tensor(f"rank {rank} world after subgroup", s["world"], torch.tensor([float(ws)]))
         if rank in members:
             m.ok(f"rank {rank} group rank/size", s["rank_size"] == (members.index(rank), len(members)), s["rank_size"])
-            m.tensor(f"rank {rank} all_reduce", s["all_reduce"],
-                     torch.tensor([sum(r + 1.0 for r in members), sum(10.0 * (r + 1) for r in members)]))
-            m.tensor(f"rank {rank} broadcast from global {members[-1]}", s["broadcast"],
-                     torch.full((3,), float(members[-1])))
+            m.tensor(
+                f"rank {rank} all_reduce",
+                s["all_reduce"],
+                torch.tensor([sum(r + 1.0 for r in members), sum(10.0 * (r + 1) for r in members)]),
+            )
+            m.tensor(
+                f"rank {rank} broadcast from global {members[-1]}", s["broadcast"], torch.full((3,), float(members[-1]))
+            )
             if rank == members[-1]:
-                m.tensor(f"rank {rank} reduce MAX", s["reduce"],
-                         torch.tensor([max(members), max(-r for r in members)], dtype=torch.int64))
+                m.tensor(
+                    f"rank {rank} reduce MAX",
+                    s["reduce"],
+                    torch.tensor([max(members), max(-r for r in members)], dtype=torch.int64),
+                )
             for i, r in enumerate(members):
                 m.tensor(f"rank {rank} all_gather[{i}]", s["all_gather"][i], torch.tensor([r, r * 2.0]))
             if rank == members[0]:
@@ -773,8 +846,13 @@ def test_subgroup_of_a_subset_of_ranks(backend, ws):
                 m.tensor(f"rank {rank} p2p", s["p2p"], torch.tensor([5.0, 6.0]))
             if ws > len(members):
                 got = s["foreign_src"]
-                m.ok(f"rank {rank} foreign src refused", got[:2] == (RAISED, "GroupError")
-                     and "not a member" in got[2] and str([r for r in range(ws) if r not in members][0]) in got[2], got)
+                m.ok(
+                    f"rank {rank} foreign src refused",
+                    got[:2] == (RAISED, "GroupError")
+                    and "not a member" in got[2]
+                    and str([r for r in range(ws) if r not in members][0]) in got[2],
+                    got,
+                )
         else:
             for name in ["all_reduce", "broadcast", "barrier"]:
                 got = s[name]
@@ -787,7 +865,7 @@ def test_subgroup_of_a_subset_of_ranks(backend, ws):
 
 @ws_param
 def test_store_set_get_add_wait(backend, ws):
-    for rank, res in enumerate(world(backend, ws)):
+    for _rank, res in enumerate(world(backend, ws)):
         if backend in ("mpi", "threaded"):  # ranks that meet without a store: asking for one is refused clearly
             name, msg = res["store"][1:]
             assert name == "GroupError" and f"backend ({backend}) uses no key-value store" in msg, res["store"]
@@ -816,19 +894,20 @@ def _init_methods_body(rank: int, ws: int, tcp_port: int, store_port: int, torch
         dist.destroy_process_group()
         out[label + "/after_destroy"] = dist.is_initialized()
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tcp_port}", rank=rank, world_size=ws,
-                            timeout=60)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{tcp_port}", rank=rank, world_size=ws, timeout=60)
     exercise("tcp")
-    dist.init_process_group("gloo", init_method=f"file://{file_path}", rank=rank, world_size=ws,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{file_path}", rank=rank, world_size=ws, timeout=timedelta(seconds=60)
+    )
     exercise("file")
     dist.init_process_group("gloo", init_method="env://", timeout=60)  # launch set RANK, WORLD_SIZE, MASTER_*
     exercise("env")
     c10d_store = torch.distributed.TCPStore("127.0.0.1", store_port, ws, rank == 0, timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.Store(c10d_store), rank=rank, world_size=ws, timeout=60)
     # torch.distributed's own default group coexists with ddptrain's
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank,
-                                         world_size=ws, timeout=timedelta(seconds=60))
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{torch_port}", rank=rank, world_size=ws, timeout=timedelta(seconds=60)
+    )
     a, b = torch.tensor([rank + 1.0]), torch.tensor([10.0 * (rank + 1)])
     torch.distributed.all_reduce(a)
     dist.all_reduce(b)

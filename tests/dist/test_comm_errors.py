@@ -4,6 +4,7 @@ Every test asserts on the message text (the rule broken and the actual values), 
 it took where a timeout is involved. Whatever can run in this process does (world size 1 gloo
 groups, rendezvous with a missing peer); the rest shares as few spawned launches as possible.
 """
+
 from __future__ import annotations
 
 import errno
@@ -115,8 +116,12 @@ def test_port_already_in_use_env(monkeypatch):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        for name, value in [("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
-                            ("WORLD_SIZE", "1")]:
+        for name, value in [
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", str(port)),
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+        ]:
             monkeypatch.setenv(name, value)
         with pytest.raises(RendezvousError, match=rf"cannot listen on 127\.0\.0\.1:{port}.*already in use"):
             dist.init_process_group("gloo", timeout=10)
@@ -151,7 +156,9 @@ def test_unknown_backend_is_reported_before_the_rendezvous():
 
 
 def test_unknown_init_method_and_bad_urls():
-    with pytest.raises(RendezvousError, match=r"unknown init_method 'udp://x:1'.*env://, tcp://HOST:PORT or file:///PATH"):
+    with pytest.raises(
+        RendezvousError, match=r"unknown init_method 'udp://x:1'.*env://, tcp://HOST:PORT or file:///PATH"
+    ):
         dist.init_process_group("gloo", init_method="udp://x:1", rank=0, world_size=1)
     with pytest.raises(RendezvousError, match=r"must look like tcp://HOST:PORT"):
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1", rank=0, world_size=1)
@@ -167,11 +174,14 @@ def test_bad_timeout_values():
 def test_file_init_in_a_missing_directory():
     t0 = time.monotonic()
     with pytest.raises(RendezvousError) as info:
-        dist.init_process_group("gloo", init_method="file:///nonexistent-ddptrain-dir/sub/store",
-                                rank=0, world_size=1, timeout=5)
+        dist.init_process_group(
+            "gloo", init_method="file:///nonexistent-ddptrain-dir/sub/store", rank=0, world_size=1, timeout=5
+        )
     assert time.monotonic() - t0 < 2
     msg = str(info.value)
-    assert "'/nonexistent-ddptrain-dir/sub' does not exist" in msg and "file:///nonexistent-ddptrain-dir/sub/store" in msg
+    assert (
+        "'/nonexistent-ddptrain-dir/sub' does not exist" in msg and "file:///nonexistent-ddptrain-dir/sub/store" in msg
+    )
 
 
 def test_file_init_in_a_read_only_place():
@@ -186,8 +196,9 @@ def test_file_init_in_a_read_only_place():
             pytest.skip(f"creating {path} fails with ENOENT here")
     t0 = time.monotonic()
     with pytest.raises(RendezvousError) as info:
-        dist.init_process_group("gloo", init_method="file:///sys/kernel/ddptrain-store", rank=0, world_size=1,
-                                timeout=5)
+        dist.init_process_group(
+            "gloo", init_method="file:///sys/kernel/ddptrain-store", rank=0, world_size=1, timeout=5
+        )
     assert time.monotonic() - t0 < 2
     msg = str(info.value)
     assert "file:///sys/kernel/ddptrain-store" in msg and ("not writable" in msg or "Permission denied" in msg), msg
@@ -229,8 +240,13 @@ def test_rank_that_never_joins_times_out_with_the_count(scheme, tmp_path, monkey
     elapsed = time.monotonic() - t0
     assert timeout_s - 0.1 <= elapsed < timeout_s + 2, elapsed
     msg = str(info.value)
-    for part in [f"init_method={url!r}", "expected world size 3", "1 rank(s) arrived", "missing rank(s) [1, 2]",
-                 "1.5 s"]:
+    for part in [
+        f"init_method={url!r}",
+        "expected world size 3",
+        "1 rank(s) arrived",
+        "missing rank(s) [1, 2]",
+        "1.5 s",
+    ]:
         assert part in msg, (part, msg)
     assert not dist.is_initialized()
 
@@ -313,6 +329,7 @@ def _mismatches_body(rank: int, ws: int) -> bytes:
         # With the argument check on, an async call first waits for its peers (see
         # api._check_uniform); code that overlaps it with p2p runs with the check off.
         from ddptrain.comm import api
+
         api._state.check_collectives = False
         x = torch.ones(2)
         if rank == 0:
@@ -327,6 +344,7 @@ def _mismatches_body(rank: int, ws: int) -> bytes:
         api._state.check_collectives = True
         if x.tolist() != [3.0, 3.0]:
             raise AssertionError(f"overlapped all_reduce gave {x.tolist()}")
+
     capture("async_overlap", overlap)
     dist.barrier()
 
@@ -348,8 +366,7 @@ backend_param = pytest.mark.parametrize("backend", BACKENDS)
 
 def mismatch_results(backend):
     """Per-rank results of the one 3-rank launch per backend shared by the tests below."""
-    return launch_once(("mismatches", backend), _mismatches_body, 3, backend=backend, timeout_s=60,
-                       comm_timeout_s=30)
+    return launch_once(("mismatches", backend), _mismatches_body, 3, backend=backend, timeout_s=60, comm_timeout_s=30)
 
 
 @pytest.mark.dist
@@ -367,10 +384,13 @@ def test_all_reduce_of_different_sizes_lists_every_rank(backend):
 @pytest.mark.dist
 @backend_param
 def test_mismatched_dtypes_ops_collectives_and_roots(backend):
-    for rank, out in enumerate(mismatch_results(backend)):
+    for _rank, out in enumerate(mismatch_results(backend)):
         name, msg, _ = out["dtypes"]
-        assert name == "ValueError" and "rank 1: all_reduce of 4 elements, dtype torch.float64" in msg \
-            and "rank 0: all_reduce of 4 elements, dtype torch.float32" in msg, msg
+        assert (
+            name == "ValueError"
+            and "rank 1: all_reduce of 4 elements, dtype torch.float64" in msg
+            and "rank 0: all_reduce of 4 elements, dtype torch.float32" in msg
+        ), msg
         name, msg, _ = out["ops"]
         assert name == "ValueError" and "op/root" in msg, msg
         name, msg, _ = out["collectives"]

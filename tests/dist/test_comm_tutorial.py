@@ -13,6 +13,7 @@ in torch: rank 2 must be refused clearly when it uses a group it is not a member
 The collectives of the tutorial's list have no code in the tutorial; ``collectives_example`` calls
 each one with exactly the signature the list gives.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,6 +41,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)]
 # ------------------------------------------------------------------------------------------------
 """Blocking point-to-point communication."""
 
+
 def run_blocking_p2p(rank, size):
     tensor = torch.zeros(1)
     if rank == 0:
@@ -49,10 +51,11 @@ def run_blocking_p2p(rank, size):
     else:
         # Receive tensor from process 0
         dist.recv(tensor=tensor, src=0)
-    print('Rank ', rank, ' has data ', tensor[0])
+    print("Rank ", rank, " has data ", tensor[0])
 
 
 """Non-blocking point-to-point communication."""
+
 
 def run_nonblocking_p2p(rank, size):
     tensor = torch.zeros(1)
@@ -61,25 +64,29 @@ def run_nonblocking_p2p(rank, size):
         tensor += 1
         # Send the tensor to process 1
         req = dist.isend(tensor=tensor, dst=1)
-        print('Rank 0 started sending')
+        print("Rank 0 started sending")
     else:
         # Receive tensor from process 0
         req = dist.irecv(tensor=tensor, src=0)
-        print('Rank 1 started receiving')
+        print("Rank 1 started receiving")
     req.wait()
-    print('Rank ', rank, ' has data ', tensor[0])
+    print("Rank ", rank, " has data ", tensor[0])
 
 
 """ All-Reduce example."""
+
+
 def run_all_reduce_group(rank, size):
-    """ Simple collective communication. """
+    """Simple collective communication."""
     group = dist.new_group([0, 1])
     tensor = torch.ones(1)
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    print('Rank ', rank, ' has data ', tensor[0])
+    print("Rank ", rank, " has data ", tensor[0])
 
 
 """ Gradient averaging. """
+
+
 def average_gradients(model):
     size = float(dist.get_world_size())
     for param in model.parameters():
@@ -88,29 +95,31 @@ def average_gradients(model):
 
 
 """ Implementation of a ring-reduce with addition. """
+
+
 def allreduce(send, recv):
-   rank = dist.get_rank()
-   size = dist.get_world_size()
-   send_buff = send.clone()
-   recv_buff = send.clone()
-   accum = send.clone()
+    rank = dist.get_rank()
+    size = dist.get_world_size()
+    send_buff = send.clone()
+    recv_buff = send.clone()
+    accum = send.clone()
 
-   left = ((rank - 1) + size) % size
-   right = (rank + 1) % size
+    left = ((rank - 1) + size) % size
+    right = (rank + 1) % size
 
-   for i in range(size - 1):
-       if i % 2 == 0:
-           # Send send_buff
-           send_req = dist.isend(send_buff, right)
-           dist.recv(recv_buff, left)
-           accum[:] += recv_buff[:]
-       else:
-           # Send recv_buff
-           send_req = dist.isend(recv_buff, right)
-           dist.recv(send_buff, left)
-           accum[:] += send_buff[:]
-       send_req.wait()
-   recv[:] = accum[:]
+    for i in range(size - 1):
+        if i % 2 == 0:
+            # Send send_buff
+            send_req = dist.isend(send_buff, right)
+            dist.recv(recv_buff, left)
+            accum[:] += recv_buff[:]
+        else:
+            # Send recv_buff
+            send_req = dist.isend(recv_buff, right)
+            dist.recv(send_buff, left)
+            accum[:] += send_buff[:]
+        send_req.wait()
+    recv[:] = accum[:]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -260,8 +269,9 @@ def test_each_collective_of_the_list(backend, size):
         c = res[rank]["collectives"]
         torch.testing.assert_close(c["broadcast"], torch.tensor([2.0, 20.0]))
         if rank == 0:
-            torch.testing.assert_close(c["reduce"], torch.tensor([sum(r + 1.0 for r in ranks),
-                                                                  sum(10.0 * (r + 1) for r in ranks)]))
+            torch.testing.assert_close(
+                c["reduce"], torch.tensor([sum(r + 1.0 for r in ranks), sum(10.0 * (r + 1) for r in ranks)])
+            )
         vals = torch.stack([torch.tensor([r + 1.0, -2.0 * (r + 1)]) for r in ranks])
         torch.testing.assert_close(c["all_reduce", "SUM"], vals.sum(0))
         torch.testing.assert_close(c["all_reduce", "PRODUCT"], vals.prod(0))

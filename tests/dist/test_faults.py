@@ -1,5 +1,6 @@
 """Faults: a killed worker ends the job promptly, a hung collective names the missing rank,
 diverged replicas are caught."""
+
 import os
 import signal
 import time

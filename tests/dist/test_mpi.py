@@ -1,5 +1,6 @@
 """The mpi backend under a real `mpiexec` (Open MPI from the `mpi` extra), and how
 `ddptrain.launch.launch` starts ranks: through mpiexec for backend mpi, spawned otherwise."""
+
 import json
 import os
 import re
@@ -76,13 +77,16 @@ def test_what_open_mpi_sets_is_read_as_mpi_and_pmix_alone_is_refused(tmp_path):
 
 def _sleeps(rank, ws):
     import time
+
     time.sleep(120)
 
 
 def test_a_stuck_mpi_job_is_killed_at_the_launch_timeout_with_every_rank():
     import time
+
     from ddptrain.launch import LaunchTimeoutError
     from ddptrain.testing import run_distributed
+
     _need_mpiexec()
     t0 = time.monotonic()
     with pytest.raises(LaunchTimeoutError, match=r"did not finish within 8 s; rank\(s\) \[0, 1\] still running"):
@@ -99,6 +103,7 @@ def test_world_size_that_differs_from_mpirun_is_refused():
 
 def test_missing_mpi4py_gives_the_install_command(monkeypatch):
     import ddptrain.comm.backends as backends
+
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     monkeypatch.delitem(sys.modules, "ddptrain.comm.backends.mpi", raising=False)
     with pytest.raises(Exception, match=r"pip install 'ddptrain\[mpi\]'"):
@@ -107,6 +112,7 @@ def test_missing_mpi4py_gives_the_install_command(monkeypatch):
 
 def test_a_rank_that_crashes_under_mpiexec_ends_the_job():
     import time
+
     t0 = time.monotonic()
     proc = _mpiexec(2, os.path.join(ROOT, "tests", "mpi_worker.py"), "crash", timeout=90)
     assert proc.returncode != 0
@@ -114,7 +120,7 @@ def test_a_rank_that_crashes_under_mpiexec_ends_the_job():
     assert "rank 1 crashes on purpose" in proc.stderr
 
 
-_SCRIPT = '''
+_SCRIPT = """
 import sys, time
 sys.path.insert(0, {root!r})
 import torch
@@ -139,7 +145,7 @@ if __name__ == "__main__":
         print("RESULT", run_distributed(body, 2, 10.0, backend="mpi", timeout_s=60))
     else:
         run_distributed(sleeps, 2, backend="mpi", timeout_s=300)
-'''
+"""
 
 
 def _write_script(tmp_path):
@@ -161,9 +167,11 @@ def test_a_function_of_the_users_script_runs_under_mpiexec(tmp_path):
 def test_killing_the_launcher_takes_mpiexec_and_its_ranks_with_it(tmp_path):
     import signal
     import time
+
     script = _write_script(tmp_path)
-    proc = subprocess.Popen([sys.executable, str(script), "sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), "sleep"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 60
         seen = ""

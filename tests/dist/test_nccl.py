@@ -1,4 +1,5 @@
 """NCCL paths: collectives and DDP on CUDA tensors. Skipped without two GPUs (none in CI here)."""
+
 import copy
 
 import pytest
@@ -11,10 +12,13 @@ from ddptrain.testing import run_distributed
 from tests.models import Net
 
 pytestmark = [
-    pytest.mark.dist, pytest.mark.timeout(180),
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                       reason="NCCL needs two CUDA GPUs; this machine has "
-                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}"),
+    pytest.mark.dist,
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+        reason="NCCL needs two CUDA GPUs; this machine has "
+        f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}",
+    ),
 ]
 
 
@@ -30,7 +34,7 @@ def _nccl_body(rank, ws):
     ddp = DDP(model, device_ids=[rank], bucket_cap_mb=0.01)
     x = torch.randn(16, 1, 28, 28, device="cuda")
     y = torch.randint(0, 10, (16,), device="cuda")
-    F.nll_loss(ddp(x[rank * 8:(rank + 1) * 8]), y[rank * 8:(rank + 1) * 8]).backward()
+    F.nll_loss(ddp(x[rank * 8 : (rank + 1) * 8]), y[rank * 8 : (rank + 1) * 8]).backward()
     F.nll_loss(ref(x), y).backward()
     diff = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
     return t[0].item(), avg[0].item(), diff

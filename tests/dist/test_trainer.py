@@ -5,6 +5,7 @@ group), because a spawn costs seconds on two busy cores. Bodies return plain dat
 asserts. The setup is small but exercises everything a resume must restore: dropout (per-rank
 RNG), momentum, a step schedule, gradient accumulation under ``no_sync`` and clipping.
 """
+
 import math
 from pathlib import Path
 
@@ -23,18 +24,38 @@ STEPS_PER_EPOCH = 10  # 480 samples / (48 per step); 2 ranks: 20 micro-batches o
 
 def make_config(output_dir, **trainer) -> Config:
     """2 epochs of 10 steps; divisible by 1, 2 and 3 ranks (48 = 3 x 2 x 8)."""
-    base = {"epochs": 2, "seed": 7, "grad_accum_steps": 2, "grad_clip_norm": 0.5, "log_every_steps": 5,
-            "checkpoint_every_epochs": 1, "keep_last_checkpoints": 10, "progress": False,
-            "tensorboard": False, "output_dir": str(output_dir)}
+    base = {
+        "epochs": 2,
+        "seed": 7,
+        "grad_accum_steps": 2,
+        "grad_clip_norm": 0.5,
+        "log_every_steps": 5,
+        "checkpoint_every_epochs": 1,
+        "keep_last_checkpoints": 10,
+        "progress": False,
+        "tensorboard": False,
+        "output_dir": str(output_dir),
+    }
     base.update(trainer)
-    return Config.from_dict({
-        "model": {"_target_": "ddptrain.recipes.mnist.Net", "conv_dropout": 0.3, "fc_dropout": 0.5},
-        "data": {"name": "synthetic", "num_train_samples": 480, "num_val_samples": 100,
-                 "global_batch_size": 48, "eval_batch_size": 16},
-        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9,
-                      "scheduler": {"name": "step", "step_size": 6, "gamma": 0.5, "warmup_steps": 2}},
-        "trainer": base,
-    })
+    return Config.from_dict(
+        {
+            "model": {"_target_": "ddptrain.recipes.mnist.Net", "conv_dropout": 0.3, "fc_dropout": 0.5},
+            "data": {
+                "name": "synthetic",
+                "num_train_samples": 480,
+                "num_val_samples": 100,
+                "global_batch_size": 48,
+                "eval_batch_size": 16,
+            },
+            "optimizer": {
+                "name": "sgd",
+                "lr": 0.05,
+                "momentum": 0.9,
+                "scheduler": {"name": "step", "step_size": 6, "gamma": 0.5, "warmup_steps": 2},
+            },
+            "trainer": base,
+        }
+    )
 
 
 def _fit(output_dir, **trainer):
@@ -59,10 +80,21 @@ def resume_body(rank, world_size, root):
     c2, _ = _fit(root / "epoch", resume=str(root / "epoch"))
     out["epoch_stop"], out["epoch_resumed"] = c1, c2
     # D: a mid-epoch checkpoint every 3 steps, only the last 2 kept; resume from step 9's file.
-    d1, _ = _fit(root / "every3", checkpoint_every_steps=3, checkpoint_every_epochs=0, keep_last_checkpoints=2,
-                 stop_after_steps=9, checkpoint_at_end=False)
-    d2, _ = _fit(root / "every3", checkpoint_every_steps=3, checkpoint_every_epochs=0, keep_last_checkpoints=2,
-                 resume=str(root / "every3" / "checkpoints" / "step_000000009.pt"))
+    d1, _ = _fit(
+        root / "every3",
+        checkpoint_every_steps=3,
+        checkpoint_every_epochs=0,
+        keep_last_checkpoints=2,
+        stop_after_steps=9,
+        checkpoint_at_end=False,
+    )
+    d2, _ = _fit(
+        root / "every3",
+        checkpoint_every_steps=3,
+        checkpoint_every_epochs=0,
+        keep_last_checkpoints=2,
+        resume=str(root / "every3" / "checkpoints" / "step_000000009.pt"),
+    )
     out["every3_resumed"] = d2
     return out
 
@@ -125,8 +157,15 @@ def test_tensorboard_scalars_readable(two_rank_runs):
     acc = EventAccumulator(str(root / "straight" / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    expected = {"train/loss", "train/lr", "train/samples_per_s", "train/comm_wait_s", "train/epoch_loss",
-                "eval/loss", "eval/accuracy"}
+    expected = {
+        "train/loss",
+        "train/lr",
+        "train/samples_per_s",
+        "train/comm_wait_s",
+        "train/epoch_loss",
+        "eval/loss",
+        "eval/accuracy",
+    }
     assert expected <= tags, tags
     loss_events = acc.Scalars("train/loss")
     assert [e.step for e in loss_events] == [5, 10, 15, 20]

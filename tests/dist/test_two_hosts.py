@@ -3,6 +3,7 @@
 Needs root and `ip netns` (iproute2); skips with the reason otherwise. Only the namespaces' own
 addresses (10.231.<n>.1/.2, made here and removed afterwards) and loopback are used.
 """
+
 import os
 import re
 import shutil
@@ -52,9 +53,24 @@ def test_two_node_torchrun_job_between_namespaces(two_hosts):
     env.pop("MASTER_ADDR", None)
     procs = []
     for node, ns in ((0, ns_a), (1, ns_b)):
-        cmd = ["ip", "netns", "exec", ns, torchrun, "--nnodes", "2", "--node-rank", str(node),
-               "--nproc-per-node", "1", "--master-addr", addr_a, "--master-port", "29555",
-               os.path.join(ROOT, "tests", "two_host_train.py")]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            torchrun,
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "1",
+            "--master-addr",
+            addr_a,
+            "--master-port",
+            "29555",
+            os.path.join(ROOT, "tests", "two_host_train.py"),
+        ]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     for p in procs:

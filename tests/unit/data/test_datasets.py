@@ -22,7 +22,7 @@ from ddptrain.data import (
     resolve_data_root,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")
 GZ_NAMES = [
     "train-images-idx3-ubyte.gz",
