@@ -197,8 +197,7 @@ def _exit_status(metrics: dict[str, Any]) -> int:
 def _print_summary(config: Any, metrics: dict[str, Any], argv: list[str]) -> None:
     run_dir = config.trainer.output_dir
     if metrics.get("stopped_by"):
-        kept = [a for a in argv if not a.startswith(("trainer.resume=", "hydra.run.dir="))]
-        resume = shlex.join(["python", "-m", "ddptrain", *kept, f"trainer.resume={run_dir}"])
+        resume = _resume_command(argv, run_dir)
         saved = metrics.get("checkpoint") or "no checkpoint could be written"
         print(
             f"ddptrain: stopped by {metrics['stopped_by']} at step {metrics.get('step')} ({saved}). "
@@ -214,6 +213,20 @@ def _print_summary(config: Any, metrics: dict[str, Any], argv: list[str]) -> Non
         f"ddptrain: outputs (checkpoints, metrics.json, train.log, tensorboard/) in {run_dir}",
         flush=True,
     )
+
+
+def _resume_command(args: list[str], run_dir: str) -> str:
+    """The exact command that continues this run: the console script or ``<python> -m ddptrain``
+    with the same arguments and ``trainer.resume``; under torchrun/mpirun/srun only the arguments
+    (the launch command around them is the user's to repeat)."""
+    from ..launch.env import detect_environment
+
+    kept = [a for a in args if not a.startswith(("trainer.resume=", "hydra.run.dir="))]
+    arguments = [*kept, f"trainer.resume={run_dir}"]
+    if detect_environment().is_launched_externally():
+        return "the same launch command with the arguments " + shlex.join(arguments)
+    program = ["ddptrain"] if Path(sys.argv[0]).name == "ddptrain" else [sys.executable, "-m", "ddptrain"]
+    return shlex.join(program + arguments)
 
 
 def _save_traceback(output_dir: str | None, text: str) -> str | None:

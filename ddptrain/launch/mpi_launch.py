@@ -39,6 +39,7 @@ from .failures import (
     failure_without_report,
     root_cause,
 )
+from .signals import SignalForwarder, die_with_parent
 
 _log = logging.getLogger("ddptrain.launch")
 
@@ -163,7 +164,8 @@ def _run_mpiexec(
     )
     stderr_tail = _tee(proc.stderr)
     try:
-        code = proc.wait(timeout=timeout_s)
+        with SignalForwarder(lambda: _rank_pids(proc.pid)):  # mpiexec would kill the ranks: pass it to them
+            code = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         running = [r for r in range(world_size) if not report_path(report_dir, r).exists()]
         raise LaunchTimeoutError(
@@ -235,19 +237,25 @@ def _main_reference(call: bytes) -> tuple[str, str] | None:
 def _terminate_with_parent() -> None:
     """In mpiexec's child process before exec: get SIGTERM (which mpiexec forwards to the ranks)
     if the launching process dies without cleaning up, e.g. killed by a scheduler."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: best effort only
-        pass
+    die_with_parent(signal.SIGTERM)
 
 
 def _tee(stream) -> _Tee:
     tee = _Tee(stream)
     tee.start()
     return tee
+
+
+def _rank_pids(mpiexec_pid: int) -> list[int]:
+    """The rank processes below mpiexec (not its daemons)."""
+    ranks = []
+    for pid in _descendants(mpiexec_pid):
+        try:
+            if b"ddptrain.launch.mpi_entry" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                ranks.append(pid)
+        except OSError:
+            continue
+    return ranks
 
 
 def _descendants(pid: int) -> list[int]:

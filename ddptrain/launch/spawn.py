@@ -33,6 +33,7 @@ from .failures import (
     failure_without_report,
     root_cause,
 )
+from .signals import SignalForwarder, die_with_parent
 from .worker import report, run_rank
 
 # The errors and describe_exitcode live in .failures; they stay importable from here too (cli.py,
@@ -102,7 +103,8 @@ def spawn_workers(
             writer.close()
             procs.append(proc)
             readers[reader] = rank
-        return _Watcher(procs, readers, timeout_s).collect()
+        with SignalForwarder(lambda: [p.pid for p in procs if p.is_alive()]):
+            return _Watcher(procs, readers, timeout_s).collect()
     finally:
         _stop(procs)
         for reader in readers:
@@ -135,6 +137,9 @@ class _WorkerSpec:
 
 
 def _worker_main(spec: _WorkerSpec, fn: Callable, args: Sequence, kwargs: dict, conn) -> None:
+    # A group of its own: a terminal's Ctrl-C reaches the launcher only, which passes it on once.
+    os.setpgid(0, 0)
+    die_with_parent()  # a launcher killed outright leaves no worker behind
     os.environ.update(spec.env)
     body = partial(
         run_rank,

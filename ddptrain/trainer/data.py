@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from ..config import DataConfig
-from ..data import build_dataset
+from ..config import Config, DataConfig, per_rank_batch_size
+from ..data import DistributedSampler, build_dataset
 
 __all__ = [
     "preload",
@@ -152,3 +153,29 @@ def move_to(batch: Any, device: torch.device, non_blocking: bool = False) -> Any
 def num_batches(num_samples: int, batch_size: int) -> int:
     """Batches needed for ``num_samples`` (the last one may be short)."""
     return -(-num_samples // batch_size)
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    """How one rank walks the data: its samplers, its micro-batch size, the steps of an epoch and
+    of the run (``trainer.max_steps`` included)."""
+
+    train_sampler: DistributedSampler
+    val_sampler: DistributedSampler | None
+    batch_size: int
+    steps_per_epoch: int
+    total_steps: int
+
+
+def plan_epochs(config: Config, train_set: Dataset, val_set: Dataset | None, world_size: int, rank: int) -> EpochPlan:
+    """This rank's samplers and step counts (the global batch split over ranks and accumulation)."""
+    batch_size = per_rank_batch_size(config, world_size)
+    seed, drop_last = config.trainer.seed, config.data.drop_last
+    train_sampler = DistributedSampler(train_set, world_size, rank, seed=seed, drop_last=drop_last)
+    val_sampler = None if val_set is None else DistributedSampler(val_set, world_size, rank, shuffle=False)
+    micro = num_batches(len(train_sampler), batch_size)
+    steps_per_epoch = num_batches(micro, config.trainer.grad_accum_steps)
+    total_steps = steps_per_epoch * config.trainer.epochs
+    if config.trainer.max_steps is not None:
+        total_steps = min(total_steps, config.trainer.max_steps)
+    return EpochPlan(train_sampler, val_sampler, batch_size, steps_per_epoch, total_steps)

@@ -44,7 +44,7 @@ from torch.utils.data import Dataset
 from ..comm.objects import broadcast_object
 from ..comm.process_group import ProcessGroup
 from ..comm.ring import RingAllReducer
-from ..config import Config, ConfigError, check_device, instantiate, per_rank_batch_size, resolve_backend
+from ..config import Config, ConfigError, check_device, instantiate, resolve_backend
 from ..data import DistributedSampler, build_dataset
 from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..launch.env import detect_environment
@@ -52,10 +52,11 @@ from ..launch.join import Membership, RendezvousError, join_process_group
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
-from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches
+from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
 from .rng import seed_everything
+from .stopping import GracefulStop, checkpoint_now
 
 # check_world_size: runner.preflight_resume imports it from here.
 __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
@@ -167,6 +168,7 @@ class Trainer:
         fit_start = time.perf_counter()
         self._reset()  # a Trainer may fit more than once
         owns_group = self.setup_distributed()  # ranks: launcher env, or an existing group
+        self._stop.install()  # SIGINT/SIGTERM: stop at an agreed step, with a checkpoint
         try:
             self.setup()  # model in DDP, data, optimizer, callbacks; resumed if asked
             self._call("on_fit_start")
@@ -180,6 +182,7 @@ class Trainer:
                     callback.on_exception(self, exc)
             raise
         finally:
+            self._stop.uninstall()
             if owns_group:
                 self._membership.leave()
 
@@ -244,13 +247,15 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
     def should_stop(self) -> bool:
-        """Whether to stop now: ``trainer.max_steps`` or ``trainer.stop_after_steps`` is reached.
+        """Whether to stop now: ``trainer.max_steps`` or ``trainer.stop_after_steps`` is reached, or
+        every rank agreed to stop for a signal (``stopped_by``).
 
         Asked before every epoch and after every optimizer step, on every rank: an override must
         answer the same on all ranks (decide on reduced values, e.g. in ``on_log``).
         """
         t = self.config.trainer
-        return any(limit is not None and self.state.step >= limit for limit in (t.max_steps, t.stop_after_steps))
+        limits = (t.max_steps, t.stop_after_steps)
+        return self.stopped_by is not None or any(n is not None and self.state.step >= n for n in limits)
 
     def evaluate(self) -> dict[str, float]:
         """Metrics of ``validation_step`` averaged over exactly the validation set, on every rank.
@@ -335,22 +340,11 @@ class Trainer:
             self.model.register_comm_hook(RingAllReducer(self.process_group), ring_allreduce_hook)
 
     def _setup_data(self) -> None:
-        cfg = self.config
-        self.batch_size = per_rank_batch_size(cfg, self.world_size)
         self.train_set, self.val_set = self.train_dataset(), self.val_dataset()
-        seed, drop_last = cfg.trainer.seed, cfg.data.drop_last
-        self.train_sampler = DistributedSampler(
-            self.train_set, self.world_size, self.rank, seed=seed, drop_last=drop_last
-        )
+        plan = plan_epochs(self.config, self.train_set, self.val_set, self.world_size, self.rank)
+        self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
+        self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
         self.state.sampler = self.train_sampler  # the one owner of the epoch and the position in it
-        self.val_sampler = None
-        if self.val_set is not None:
-            self.val_sampler = DistributedSampler(self.val_set, self.world_size, self.rank, shuffle=False)
-        micro = num_batches(len(self.train_sampler), self.batch_size)
-        self.steps_per_epoch = num_batches(micro, cfg.trainer.grad_accum_steps)
-        self.total_steps = self.steps_per_epoch * cfg.trainer.epochs
-        if cfg.trainer.max_steps is not None:
-            self.total_steps = min(self.total_steps, cfg.trainer.max_steps)
 
     def _optimizers(self):
         result = self.configure_optimizers(self.model.module)
@@ -397,6 +391,8 @@ class Trainer:
         self.callbacks: list[Callback] = []
         self.metrics = TrainingMetrics(self.process_group)
         self.smoke_probe: SmokeProbe | None = None
+        self.stopped_by: str | None = None  # "SIGINT"/"SIGTERM" once every rank agreed to stop for it
+        self._stop = GracefulStop()
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -413,22 +409,27 @@ class Trainer:
         every = self.config.trainer.check_sync_every_n_steps
         if every and self.state.step % every == 0:
             self.model.check_parameters_in_sync()  # collective: every rank reaches this step
+        self.stopped_by = self.stopped_by or self._stop.agreed(self.process_group)  # collective, asynchronous
 
     def _reduce_window(self) -> dict[str, float]:
         """The logging window's scalars reduced over ranks (collective), added to the loss history."""
         return self.metrics.reduce_window(self.state.step, float(self.optimizer.param_groups[0]["lr"]))
 
     def _finish(self, fit_start: float) -> dict[str, Any]:
+        self._stop.finish()  # the last stop request, posted after the last step (collective)
         if self.metrics.window.steps:
             self._call("on_log", self._reduce_window())
-        if self.val_set is not None and self.metrics.last_eval_step != self.state.step:
+        stopped = self.stopped_by is not None  # by a signal: no evaluation, a checkpoint now
+        if not stopped and self.val_set is not None and self.metrics.last_eval_step != self.state.step:
             self.evaluate()
         step, epoch, fit_s = self.state.step, self.state.epoch, time.perf_counter() - fit_start
         final = self.metrics.final(self.model.module, step=step, epoch=epoch, fit_s=fit_s)  # collective
+        if stopped:
+            final.update(stopped_by=self.stopped_by, checkpoint=str(checkpoint_now(self, self.callbacks)))
         if self.is_main:
             (self.output_dir / "metrics.json").write_text(json.dumps(final, indent=2) + "\n")
         self._call("on_fit_end", final)
-        if self.smoke_probe is not None:
+        if self.smoke_probe is not None and not stopped:
             passed = self.smoke_probe.check(self.metrics, self.model.module, final)
             if self.is_main:
                 log.info(passed)

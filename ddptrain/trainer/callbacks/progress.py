@@ -99,7 +99,8 @@ class ProgressCallback(Callback):
     def on_fit_end(self, trainer: TrainerView, metrics: dict[str, Any]) -> None:
         self._close()
         if trainer.is_main:
-            log.info("done: %s", _fmt(metrics))
+            how = f"stopped by {metrics['stopped_by']}" if metrics.get("stopped_by") else "done"
+            log.info("%s: %s", how, _fmt(metrics))
 
     def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         self._close()

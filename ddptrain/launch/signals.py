@@ -1,0 +1,76 @@
+"""Ctrl-C and SIGTERM around a job: launchers pass them on once, and a killed launcher leaves nothing.
+
+A terminal's Ctrl-C reaches its foreground process group; SLURM's ``scancel`` and schedulers send
+SIGTERM. Ranks started here sit in process groups of their own, so only the launcher receives a
+terminal's signal, and :class:`SignalForwarder` passes it on to every rank exactly once: the
+ranks then stop at the next step boundary they agree on and write a checkpoint
+(:mod:`ddptrain.trainer.stopping`). A second signal, a moment later, means "now": the launcher
+raises ``KeyboardInterrupt`` and its cleanup kills the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+__all__ = ["SignalForwarder", "STOP_SIGNALS", "die_with_parent", "SECOND_SIGNAL_AFTER_S"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SECOND_SIGNAL_AFTER_S = 1.0
+"""A second signal counts as "stop now" only this long after the first: one keypress may reach a
+process twice within milliseconds (from the terminal and from a launcher passing it on)."""
+
+_log = logging.getLogger("ddptrain.launch")
+
+
+class SignalForwarder:
+    """While active (a context manager, main thread only), SIGINT/SIGTERM go on to ``targets()``.
+
+    Args:
+        targets: the pids to pass a signal on to, asked when it arrives.
+    """
+
+    def __init__(self, targets: Callable[[], Iterable[int]]):
+        self.targets = targets
+        self.received: str | None = None
+        self._first_at = 0.0
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> SignalForwarder:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum: int, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is None:
+            self.received, self._first_at = name, time.monotonic()
+            _log.warning("%s: the ranks stop after their current step and write a checkpoint (again: stop now)", name)
+            for pid in self.targets():
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        elif time.monotonic() - self._first_at >= SECOND_SIGNAL_AFTER_S:
+            raise KeyboardInterrupt(f"second {name}: stopping the ranks now")
+
+
+def die_with_parent(signum: int = signal.SIGKILL) -> None:
+    """Ask the kernel to send ``signum`` to this process when its parent dies (Linux; elsewhere a
+    no-op): a launcher killed outright must not leave ranks running."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signum)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass

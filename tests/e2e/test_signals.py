@@ -1,0 +1,174 @@
+"""Ctrl-C and SIGTERM on a running job, under each launcher: a prompt, clean stop with a
+checkpoint at the interrupt step, one line saying how to resume — and resuming ends bitwise where
+an uninterrupted run ends.
+
+Each job trains a small synthetic task whose steps sleep 40 ms (tests/e2e/slow_trainer.py), so
+the signal lands in the middle of the run; it is sent once the log shows step 10.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import MPIEXEC, PYTHON, REPO, TORCHRUN, cli_env, descendants, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+JOB = [
+    "recipe=synthetic",
+    "recipe.trainer_class=tests.e2e.slow_trainer.SlowTrainer",
+    "data.num_train_samples=2560",  # 20 steps of 128 per epoch
+    "data.num_val_samples=256",
+    "trainer.epochs=3",
+    "trainer.log_every_steps=5",
+    "trainer.progress=false",
+]
+ENV = {"PYTHONPATH": str(REPO)}
+
+
+def _alive(pids: list[int], wait_s: float = 5.0) -> list[str]:
+    """The processes among ``pids`` still running (zombies awaiting their reaper do not count)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] != "Z":
+                alive.append(f"{pid} {cmd}")
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _sha(run_dir: Path) -> str:
+    return json.loads((run_dir / "metrics.json").read_text())["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> str:
+    cwd = tmp_path_factory.mktemp("twin")
+    proc = run_cli(*JOB, f"hydra.run.dir={cwd / 'run'}", cwd=cwd, env=ENV, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return _sha(cwd / "run")
+
+
+def _start(command: list[str], cwd: Path) -> subprocess.Popen:
+    """Start a job in a session of its own, as a terminal would run it in the foreground."""
+    return subprocess.Popen(
+        command,
+        cwd=cwd,
+        env=cli_env(**ENV),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int = 10, timeout_s: float = 120) -> None:
+    log = run_dir / "train.log"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended before step {step}: {proc.communicate()}")
+        if log.exists() and re.search(rf"step {step}/", log.read_text()):
+            return
+        time.sleep(0.1)
+    pytest.fail(f"no step {step} in {log} within {timeout_s} s")
+
+
+def _stop_and_check(proc: subprocess.Popen, send, run_dir: Path, signal_name: str, code: int) -> int:
+    """Send the signal; the job must end within 10 s with ``code``, one line, a checkpoint; returns
+    the interrupt step."""
+    job_pids = descendants(proc.pid)
+    sent = time.monotonic()
+    send()
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    took = time.monotonic() - sent
+    assert took < 10, f"the job took {took:.1f} s to stop"
+    assert proc.returncode == code, out + err
+    assert "Traceback" not in out + err, out + err
+    line = [ln for ln in out.splitlines() if ln.startswith("ddptrain: stopped by")]
+    assert len(line) == 1, out
+    match = re.match(rf"ddptrain: stopped by {signal_name} at step (\d+) \((\S+)\)\. Resume with: (.+)$", line[0])
+    assert match, line[0]
+    step = int(match.group(1))
+    assert 10 <= step < 60, step
+    assert Path(match.group(2)) == run_dir / "checkpoints" / f"step_{step:09d}.pt" and Path(match.group(2)).exists()
+    assert f"trainer.resume={run_dir}" in match.group(3)
+    assert _alive(job_pids) == [], "processes left running"
+    return step
+
+
+def _resume(cwd: Path, run_dir: Path, *extra: str) -> str:
+    proc = run_cli(
+        *JOB, *extra, f"trainer.resume={run_dir}", f"hydra.run.dir={cwd / 'resumed'}", cwd=cwd, env=ENV, timeout=200
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return _sha(cwd / "resumed")
+
+
+def test_ctrl_c_on_the_local_launcher(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    proc = _start([PYTHON, "-m", "ddptrain", *JOB, f"hydra.run.dir={run_dir}"], tmp_path)
+    _wait_for_step(run_dir, proc)
+    # A terminal's Ctrl-C: SIGINT to the foreground process group (the ranks sit in groups of their own).
+    _stop_and_check(proc, lambda: os.killpg(proc.pid, signal.SIGINT), run_dir, "SIGINT", 130)
+    assert _resume(tmp_path, run_dir) == uninterrupted
+
+
+def test_sigterm_to_the_local_launcher_with_mpi_ranks(tmp_path, uninterrupted):
+    if MPIEXEC is None:
+        pytest.skip("no mpiexec")
+    run_dir = tmp_path / "run"
+    proc = _start([PYTHON, "-m", "ddptrain", *JOB, "backend=mpi", f"hydra.run.dir={run_dir}"], tmp_path)
+    _wait_for_step(run_dir, proc)
+    # What a scheduler does: SIGTERM to the launching process alone.
+    _stop_and_check(proc, lambda: os.kill(proc.pid, signal.SIGTERM), run_dir, "SIGTERM", 143)
+    assert _resume(tmp_path, run_dir, "backend=mpi") == uninterrupted
+
+
+def test_ctrl_c_under_torchrun(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    command = [
+        TORCHRUN,
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "ddptrain",
+        *JOB,
+        "launcher=torchrun",
+        f"hydra.run.dir={run_dir}",
+    ]
+    proc = _start(command, tmp_path)
+    _wait_for_step(run_dir, proc)
+    job_pids = descendants(proc.pid)
+    sent = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)  # the terminal's Ctrl-C reaches torchrun and its workers
+    try:
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert time.monotonic() - sent < 10
+    step = int(re.search(r"ddptrain: stopped by SIGINT at step (\d+)", out).group(1))
+    assert (run_dir / "checkpoints" / f"step_{step:09d}.pt").exists()
+    assert "Resume with: the same launch command with the arguments" in out
+    assert _alive(job_pids) == [], "processes left running"
+    assert _resume(tmp_path, run_dir) == uninterrupted
