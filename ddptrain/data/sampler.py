@@ -69,8 +69,9 @@ class DistributedSampler(Sampler[int]):
 
     Args:
         dataset_or_len: The dataset (anything with ``len``) or its length.
-        num_replicas: Number of ranks sharing the dataset (the world size).
-        rank: This rank, in ``[0, num_replicas)``.
+        num_replicas: Number of ranks sharing the dataset (the world size). Default, as in
+            torch: the size of the current process group (ddptrain's, else torch.distributed's).
+        rank: This rank, in ``[0, num_replicas)``. Default: this process's rank in that group.
         shuffle: Draw a new random order every epoch (``set_epoch``).
         seed: Base seed of the shuffle; must be the same on every rank.
         drop_last: Cut the tail so that ranks need no padding, instead of repeating
@@ -84,14 +85,18 @@ class DistributedSampler(Sampler[int]):
     def __init__(
         self,
         dataset_or_len: Sized | int,
-        num_replicas: int,
-        rank: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
         super().__init__()
         dataset_len = _length_of(dataset_or_len)
+        if num_replicas is None or rank is None:
+            group_size, group_rank = _current_group()
+            num_replicas = group_size if num_replicas is None else num_replicas
+            rank = group_rank if rank is None else rank
         _validate_replicas(num_replicas, rank)
         if dataset_len == 0:
             raise ValueError("DistributedSampler got an empty dataset (length 0); there is nothing to sample")
@@ -396,6 +401,23 @@ def _length_of(dataset_or_len: Sized | int) -> int:
             f"DistributedSampler needs a map-style dataset with __len__ (or its length as an "
             f"int); got {type(dataset_or_len).__name__}, which has no length"
         ) from err
+
+
+def _current_group() -> tuple[int, int]:
+    """(world size, rank) of the current process group: ddptrain's, else torch.distributed's."""
+    from ..comm import api
+
+    if api.is_initialized():
+        return api.get_world_size(), api.get_rank()
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_world_size(), tdist.get_rank()
+    raise ValueError(
+        "DistributedSampler without num_replicas and rank takes them from the current process group, and "
+        "there is none: call ddptrain.comm.init_process_group(...) (or torch.distributed.init_process_group) "
+        "first, or pass num_replicas= and rank="
+    )
 
 
 def _validate_replicas(num_replicas: int, rank: int) -> None:

@@ -291,3 +291,33 @@ def test_world_size_change_at_end_of_epoch_stays_finished():
     new = DistributedSampler(10, 3, 0)
     new.load_state_dict(old.state_dict(), allow_world_size_change=True)
     assert list(new) == []
+
+
+def test_rank_and_world_size_default_to_the_current_group_as_in_torch():
+    from ddptrain.testing import run_threaded
+
+    def body(rank, world_size):
+        sampler = DistributedSampler(range(10))
+        return sampler.num_replicas, sampler.rank, list(sampler)
+
+    results = run_threaded(body, 3)
+    assert [(n, r) for n, r, _ in results] == [(3, 0), (3, 1), (3, 2)]
+    assert [idx for _, _, idx in results] == [list(DistributedSampler(range(10), 3, r)) for r in range(3)]
+
+
+def test_torch_distributed_group_is_used_when_ddptrain_has_none(tmp_path):
+    import torch.distributed as tdist
+
+    tdist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        sampler = DistributedSampler(range(4))
+    finally:
+        tdist.destroy_process_group()
+    assert (sampler.num_replicas, sampler.rank) == (1, 0)
+
+
+def test_no_group_and_no_ranks_is_a_clear_error():
+    with pytest.raises(
+        ValueError, match=r"takes them from the current process group, and there is none.*num_replicas="
+    ):
+        DistributedSampler(range(4))
