@@ -305,3 +305,25 @@ def test_mpirun_job_on_the_mpi_backend(tmp_path):
     assert "finished on 2 rank(s) at step 4" in proc.stdout
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["params_agree"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_the_readmes_trainer_example_runs_as_written(tmp_path):
+    import re
+
+    from tests.conftest import REPO
+
+    example = next(
+        b for b in re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S) if "class MyTrainer" in b
+    )
+    (tmp_path / "mytask.py").write_text(example)
+    proc = run_cli(
+        "recipe=synthetic",
+        "recipe.trainer_class=mytask.MyTrainer",
+        "trainer.max_steps=10",
+        "hydra.run.dir=run",
+        cwd=tmp_path,
+        timeout=150,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "training MyTrainer on 2 rank(s)" in proc.stdout
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["step"] == 10
