@@ -172,3 +172,38 @@ def test_ctrl_c_under_torchrun(tmp_path, uninterrupted):
     assert "Resume with: the same launch command with the arguments" in out
     assert _alive(job_pids) == [], "processes left running"
     assert _resume(tmp_path, run_dir) == uninterrupted
+
+
+@pytest.mark.parametrize(
+    "launch, how",
+    [("local", "SIGTERM to the launcher"), ("mpi", "Ctrl-C"), ("torchrun", "SIGTERM to the launcher")],
+)
+def test_the_other_signal_on_each_launcher_stops_with_a_checkpoint(tmp_path, launch, how):
+    """The remaining launcher x signal pairs: a prompt stop with the checkpoint (resuming from such a
+    checkpoint is shown bitwise above, once per launcher)."""
+    if launch == "mpi" and MPIEXEC is None:
+        pytest.skip("no mpiexec")
+    run_dir = tmp_path / "run"
+    args = [*JOB, f"hydra.run.dir={run_dir}"]
+    command = {
+        "local": [PYTHON, "-m", "ddptrain", *args],
+        "mpi": [PYTHON, "-m", "ddptrain", *args, "backend=mpi"],
+        "torchrun": [TORCHRUN, "--standalone", "--nproc-per-node=2", "-m", "ddptrain", *args, "launcher=torchrun"],
+    }[launch]
+    proc = _start(command, tmp_path)
+    _wait_for_step(run_dir, proc)
+    if how == "Ctrl-C":
+        send, name, code = (lambda: os.killpg(proc.pid, signal.SIGINT)), "SIGINT", 130
+    else:
+        send, name, code = (lambda: os.kill(proc.pid, signal.SIGTERM)), "SIGTERM", 143
+    if launch == "torchrun":  # torchrun's own exit code and output are torchrun's; the ranks' line is ours
+        job_pids = descendants(proc.pid)
+        sent = time.monotonic()
+        send()
+        out, _ = proc.communicate(timeout=30)
+        assert time.monotonic() - sent < 10
+        step = int(re.search(rf"ddptrain: stopped by {name} at step (\d+)", out).group(1))
+        assert (run_dir / "checkpoints" / f"step_{step:09d}.pt").exists()
+        assert _alive(job_pids) == [], "processes left running"
+        return
+    _stop_and_check(proc, send, run_dir, name, code)
