@@ -73,6 +73,28 @@ def spawned_workers(pid: int | None = None) -> list[int]:
     return [child for _, child in sorted(found)]
 
 
+LOG_LINE = r"^\[\d\d:\d\d:\d\d\]\[(rank \d+|launcher)\]\[(INFO|WARNING|ERROR)\] "
+"""The one line format of ddptrain's log, on the console and in ``train.log``."""
+
+
+def check_run_log(run_dir: Path, output: str, steps_logged: list[int]) -> None:
+    """One ``train.log`` in the run directory (no second log file), every line in the one format,
+    with the step lines of ``steps_logged``; the console's ddptrain lines in the same format."""
+    import re
+
+    logs = sorted(p.name for p in Path(run_dir).iterdir() if p.suffix == ".log" and p.name != "error.log")
+    assert logs == ["train.log"], logs
+    lines = (Path(run_dir) / "train.log").read_text().splitlines()
+    assert lines and all(re.match(LOG_LINE, line) for line in lines), lines
+    for step in steps_logged:
+        assert any(
+            re.search(rf"\[rank 0\]\[INFO\] step {step}/\d+ \(epoch \d+\): loss [\d.]+, \d+ samples/s", ln)
+            for ln in lines
+        ), (step, lines)
+    console = [ln for ln in output.splitlines() if ln.startswith("[") and "][" in ln[:30]]
+    assert console and all(re.match(LOG_LINE, ln) for ln in console), console
+
+
 def missing(reason: str):
     """Skip for a missing resource, but fail in CI, where everything must be there."""
     if IN_CI:

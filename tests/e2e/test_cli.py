@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, TORCHRUN, run_cli
+from tests.conftest import PYTHON, TORCHRUN, check_run_log, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -43,6 +43,7 @@ def test_smoke_run_mnist(tmp_path, mnist_root):
     assert metrics["eval/samples"] == 10000 and metrics["world_size"] == 2
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert [p.name for p in (run_dir / "checkpoints").glob("*.pt")] == ["step_000000040.pt"]
+    check_run_log(run_dir, proc.stdout, steps_logged=[10, 20, 30, 40])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # one output directory, nothing else
 
 
@@ -255,6 +256,7 @@ def test_torchrun_job_uses_one_directory(torchrun_run):
         "step_000000006.pt",
     ]
     assert json.loads((run_dir / "metrics.json").read_text())["params_agree"]
+    check_run_log(run_dir, proc.stdout, steps_logged=[6])
 
 
 @pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed next to the Python used")

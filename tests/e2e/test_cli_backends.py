@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import check_run_log
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,3 +57,4 @@ def test_backend_mpi_with_the_local_launcher_goes_through_mpiexec(tmp_path):
     assert proc.returncode == 0, out[-3000:]
     assert "mpiexec -n 2" in out and "smoke check passed" in out
     assert "finished on 2 rank(s)" in out
+    check_run_log(tmp_path / "run", proc.stdout, steps_logged=[10, 20, 30, 40])
