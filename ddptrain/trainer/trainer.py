@@ -314,7 +314,9 @@ class Trainer:
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
         self.optimizer, self.scheduler = self._optimizers()
-        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
+        from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
+
+        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
         self.checkpointer = Checkpointer(
             model=self.model.module,
             optimizer=self.optimizer,
