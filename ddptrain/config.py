@@ -227,6 +227,10 @@ class TrainerConfig:
     resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), or ``latest``
     (this run's checkpoint directory; starts fresh with a warning when it holds none)."""
+    init_from: str | None = None
+    """Fine-tuning: start from the model weights only of a checkpoint file, a run directory (its
+    newest checkpoint) or a run's ``checkpoints/best`` directory (its best); the optimizer, schedule
+    and step start fresh. ``trainer.resume``, when it finds a checkpoint, wins (a restarted fine-tune continues)."""
     allow_world_size_change: bool = False
     """Accept a checkpoint written by another number of ranks (the epoch continues from the same
     global sample position)."""
