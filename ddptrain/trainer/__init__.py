@@ -11,7 +11,14 @@ from ..config import (
     SchedulerConfig,
     TrainerConfig,
 )
-from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
+from .callbacks import (
+    Callback,
+    CheckpointCallback,
+    EarlyStopping,
+    ProgressCallback,
+    TensorBoardCallback,
+    TrainerView,
+)
 from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from .checkpointing import TrainState
 from .metrics import SmokeCheckError
@@ -27,6 +34,7 @@ __all__ = [
     "CheckpointCallback",
     "ProgressCallback",
     "TensorBoardCallback",
+    "EarlyStopping",
     "CheckpointError",
     "CheckpointWarning",
     "load_checkpoint",
