@@ -12,6 +12,7 @@ from ..config import (
     TrainerConfig,
 )
 from .callbacks import (
+    BestCheckpoints,
     Callback,
     CheckpointCallback,
     EarlyStopping,
@@ -32,6 +33,7 @@ __all__ = [
     "Callback",
     "TrainerView",
     "CheckpointCallback",
+    "BestCheckpoints",
     "ProgressCallback",
     "TensorBoardCallback",
     "EarlyStopping",

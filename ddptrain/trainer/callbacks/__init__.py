@@ -1,9 +1,10 @@
-"""Callbacks: the interface, what they see of the trainer, and the three built-ins."""
+"""Callbacks: the interface, what they see of the trainer, and the built-ins."""
 
 from __future__ import annotations
 
 from ...config import TrainerConfig
 from .base import Callback, TrainerView
+from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback
 from .early_stopping import EarlyStopping
 from .progress import ProgressCallback
@@ -12,6 +13,7 @@ from .tensorboard import TensorBoardCallback
 __all__ = [
     "Callback",
     "TrainerView",
+    "BestCheckpoints",
     "CheckpointCallback",
     "EarlyStopping",
     "ProgressCallback",
@@ -21,8 +23,8 @@ __all__ = [
 
 
 def from_config(config: TrainerConfig) -> list[Callback]:
-    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, checkpoints,
-    early stopping."""
+    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, (best)
+    checkpoints, early stopping."""
     callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress.lower()))]
     if config.tensorboard:
         callbacks.append(TensorBoardCallback())
@@ -34,6 +36,10 @@ def from_config(config: TrainerConfig) -> list[Callback]:
                 at_end=config.checkpoint_at_end,
                 keep_last=config.keep_last_checkpoints,
             )
+        )
+    if config.checkpoint_monitor:
+        callbacks.append(
+            BestCheckpoints(config.checkpoint_monitor, config.checkpoint_mode, config.checkpoint_save_top_k)
         )
     stop = config.early_stopping
     if stop.monitor:

@@ -41,6 +41,7 @@ class TrainerView(Protocol):
         should_stop: set it to True to stop training; the ranks agree on it, so all stop at the
             same step (after the next step when set during a step; before the next step when set
             at an evaluation or an epoch end).
+        process_group: the ranks of the job (for a callback that must agree on a decision).
     """
 
     config: Config
@@ -51,6 +52,7 @@ class TrainerView(Protocol):
     steps_per_epoch: int
     callback_metrics: dict[str, float]
     should_stop: bool
+    process_group: Any
 
     @property
     def is_main(self) -> bool:
@@ -64,8 +66,8 @@ class TrainerView(Protocol):
     def steps_done_in_epoch(self) -> int:
         """Optimizer steps of the current epoch already done (more than 0 after a mid-epoch resume)."""
 
-    def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a checkpoint to ``path``; a collective: every rank calls it at the same step."""
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint to ``path`` (plus ``extra`` entries); collective: all ranks call it at one step."""
 
 
 class Callback:
