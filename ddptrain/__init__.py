@@ -12,6 +12,7 @@ _EXPORTS = {
     "Trainer": "ddptrain.trainer",
     "TrainState": "ddptrain.trainer",
     "Callback": "ddptrain.trainer",
+    "EarlyStopping": "ddptrain.trainer",
     "Config": "ddptrain.trainer",
     "TrainerConfig": "ddptrain.trainer",
     "DataConfig": "ddptrain.trainer",

@@ -130,6 +130,23 @@ class Checkpointer:
         self.process_group, self.device, self.config = process_group, device, config
         self.directory, self.trainer_class = directory, trainer_class
 
+    @classmethod
+    def of(cls, trainer: Any) -> Checkpointer:
+        """The checkpointer of a ``Trainer`` whose ``setup`` built its model, data and optimizer."""
+        return cls(
+            model=trainer.model.module,
+            optimizer=trainer.optimizer,
+            scheduler=trainer.scheduler,
+            sampler=trainer.train_sampler,
+            state=trainer.state,
+            metrics=trainer.metrics,
+            process_group=trainer.process_group,
+            device=trainer.device,
+            config=trainer.config,
+            directory=trainer.checkpoint_dir,
+            trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}",
+        )
+
     @property
     def is_main(self) -> bool:
         return self.process_group.rank() == 0
