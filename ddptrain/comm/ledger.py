@@ -109,7 +109,7 @@ _sites: dict = {}  # (code object, line) -> encoded "file:line in function"
 def frame_kind(filename: str) -> int:
     """Whether a frame is user code, another part of ddptrain (a fallback site), or skipped."""
     path = os.path.abspath(filename)
-    if path.startswith(_SKIPPED) or filename.startswith("<frozen"):
+    if path.startswith(_SKIPPED) or filename.startswith("<"):  # <string>: python -c, spawn's bootstrap
         return _SKIP
     if path.startswith(_PKG + os.sep):
         return _FALLBACK
@@ -117,7 +117,10 @@ def frame_kind(filename: str) -> int:
 
 
 def short_path(filename: str) -> str:
-    """A path relative to the working directory when under it, else as it is."""
+    """A path relative to the working directory when under it (ddptrain's own: ``ddptrain/...``),
+    else as it is."""
+    if filename.startswith(_PKG + os.sep):
+        return "ddptrain" + filename[len(_PKG) :]
     try:
         rel = os.path.relpath(filename)
     except ValueError:
