@@ -304,7 +304,9 @@ class Trainer(InferenceHooks):
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
         self.optimizer, self.scheduler = self._optimizers()
-        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
+        from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
+
+        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
         self.checkpointer = Checkpointer.of(self)
         self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
         if cfg.trainer.smoke_check:
