@@ -216,6 +216,14 @@ class TrainerConfig:
     """Write a checkpoint when training stops, if the last one is older."""
     keep_last_checkpoints: int = 3
     """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
+    checkpoint_monitor: str | None = None
+    """Also keep the best checkpoints by this metric (e.g. ``eval/accuracy``, ``eval/loss``,
+    ``train/loss``) in ``<output_dir>/checkpoints/best``, each storing its value; ``trainer.resume=best``
+    and ``ddptrain.load_model(run, which="best")`` take the best. ``None``: no best checkpoints."""
+    checkpoint_mode: str = "min"
+    """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy) for ``checkpoint_monitor``."""
+    checkpoint_save_top_k: int = 1
+    """How many best checkpoints ``checkpoint_monitor`` keeps (exactly these; ties keep the earlier step)."""
     resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), or ``latest``
     (this run's checkpoint directory; starts fresh with a warning when it holds none)."""
@@ -417,6 +425,8 @@ def validate(config: Config, world_size: int) -> None:
             "to write no checkpoints set trainer.checkpoint_every_epochs=0 and "
             "trainer.checkpoint_at_end=false"
         )
+    _one_of("trainer.checkpoint_mode", t.checkpoint_mode, ("min", "max"))
+    _positive("trainer.checkpoint_save_top_k", t.checkpoint_save_top_k)
     if t.grad_clip_norm is not None and t.grad_clip_norm <= 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be positive, or null for no clipping")
     _one_of("optimizer.name", o.name, OPTIMIZERS)

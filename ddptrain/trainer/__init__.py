@@ -11,7 +11,7 @@ from ..config import (
     SchedulerConfig,
     TrainerConfig,
 )
-from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
+from .callbacks import BestCheckpoints, Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
 from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from .checkpointing import TrainState
 from .metrics import SmokeCheckError
@@ -25,6 +25,7 @@ __all__ = [
     "Callback",
     "TrainerView",
     "CheckpointCallback",
+    "BestCheckpoints",
     "ProgressCallback",
     "TensorBoardCallback",
     "CheckpointError",

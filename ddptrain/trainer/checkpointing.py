@@ -11,7 +11,9 @@ A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load
 - ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
 - ``rng``: every rank's generator states, in rank order;
 - ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`.metrics.TrainingMetrics.state_dict`;
-- ``config`` and ``trainer_class``: what wrote it, for people reading it (a resume uses the new run's config).
+- ``config`` and ``trainer_class``: what wrote it (a resume uses the new run's config;
+  ``ddptrain.load_model`` builds the model through them);
+- ``monitor`` (best checkpoints only): ``{"name", "mode", "value"}`` of the monitored metric.
 """
 
 from __future__ import annotations
@@ -151,9 +153,9 @@ class Checkpointer:
             "trainer_class": self.trainer_class,
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write a checkpoint (collective; rank 0 writes, atomically). Returns ``path``."""
-        checkpoint = self.state_dict()
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint plus ``extra`` entries (collective; rank 0 writes, atomically). Returns ``path``."""
+        checkpoint = {**self.state_dict(), **(extra or {})}
         path = Path(path)
         if self.is_main:
             save_checkpoint(path, checkpoint)

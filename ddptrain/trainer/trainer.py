@@ -390,9 +390,9 @@ class Trainer:
         """``(step, train/loss)`` at every logging point of the run (resumes included)."""
         return self.metrics.loss_history
 
-    def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a checkpoint (collective; rank 0 writes, atomically). Returns ``path``."""
-        return self.checkpointer.save(path)
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint, with ``extra`` entries (collective; rank 0 writes, atomically). Returns ``path``."""
+        return self.checkpointer.save(path, extra)
 
     def _reset(self) -> None:
         self.state = TrainState()
