@@ -31,6 +31,8 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainerConfig",
+    "DoctorConfig",
+    "EarlyStoppingConfig",
     "validate",
     "resolve_backend",
     "per_rank_batch_size",
@@ -46,6 +48,7 @@ PROGRESS_CHOICES = ("auto", "true", "false")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("none", "step", "cosine")
 _BACKENDS = ("auto", "gloo", "nccl", "mpi")
+MONITOR_MODES = ("min", "max")
 
 
 class ConfigError(ValueError):
@@ -186,6 +189,20 @@ class OptimizerConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """``trainer.early_stopping.*``: stop when a monitored metric stops improving (off by default)."""
+
+    monitor: str | None = None
+    """Metric to watch, e.g. ``eval/loss`` or a name given to ``self.log`` (``None``: no early stopping)."""
+    mode: str = "min"
+    """``min``: lower is better; ``max``: higher is better."""
+    patience: int = 3
+    """Checks without improvement before stopping (a check: each evaluation; each epoch end without one)."""
+    min_delta: float = 0.0
+    """An improvement must beat the best value by more than this."""
+
+
+@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -206,6 +223,10 @@ class TrainerConfig:
     """``cpu`` or ``cuda``: each rank then uses ``cuda:{local_rank}`` (and nccl)."""
     eval_every_epochs: int = 1
     """Evaluate every this many epochs (0: only at the end)."""
+    eval_every_steps: int = 0
+    """Also evaluate every this many optimizer steps (0: off); with ``eval_every_epochs`` both apply."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stop when ``early_stopping.monitor`` stops improving; every rank stops at the same step."""
     log_every_steps: int = 10
     """Reduce and log training scalars every this many optimizer steps."""
     checkpoint_every_epochs: int = 1
@@ -227,6 +248,10 @@ class TrainerConfig:
     resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), or ``latest``
     (this run's checkpoint directory; starts fresh with a warning when it holds none)."""
+    init_from: str | None = None
+    """Fine-tuning: start from the model weights only of a checkpoint file, a run directory (its
+    newest checkpoint) or a run's ``checkpoints/best`` directory (its best); the optimizer, schedule
+    and step start fresh. ``trainer.resume``, when it finds a checkpoint, wins (a restarted fine-tune continues)."""
     allow_world_size_change: bool = False
     """Accept a checkpoint written by another number of ranks (the epoch continues from the same
     global sample position)."""
@@ -251,6 +276,26 @@ class TrainerConfig:
     """After training, fail unless the parameters are identical on every rank and the training
     loss fell by at least 1%, measured on the same samples (the training set's first
     ``data.global_batch_size``, model in eval mode) before and after training (for CI smoke runs)."""
+    doctor: bool = False
+    """Measure a window of steps (``doctor.*``) and write ``<output_dir>/doctor.json``: why the run
+    is slow, what to change, how it scales (``python -m ddptrain.doctor`` does only that)."""
+
+
+@dataclass
+class DoctorConfig:
+    """``ddptrain doctor``: the measured window and the what-if of the scaling prediction."""
+
+    warmup_steps: int = 3
+    """Optimizer steps left unmeasured first (bucket rebuild, allocator, caches)."""
+    steps: int = 10
+    """Optimizer steps measured, on every rank."""
+    world_sizes: list = field(default_factory=lambda: [2, 4, 8, 64])
+    """World sizes the scaling prediction is made for."""
+    link_gbps: float | None = None
+    """Link speed (Gbit/s) of the prediction; ``None``: the link measured in this run."""
+    hosts: int = 0
+    """Hosts of the predicted jobs: their ranks share those hosts' cores. 0: as many hosts as
+    needed at this run's ranks per host."""
 
 
 @dataclass
@@ -272,6 +317,8 @@ class Config:
     """Optimizer and schedule."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, evaluation, logging, checkpoints."""
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    """``trainer.doctor`` / ``python -m ddptrain.doctor``: the measured window and the prediction."""
 
     @classmethod
     def from_dict(cls, data: dict | None = None) -> Config:
@@ -398,6 +445,7 @@ def validate(config: Config, world_size: int) -> None:
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.grad_accum_steps", t.grad_accum_steps)
     _positive("trainer.log_every_steps", t.log_every_steps)
+    _positive("doctor.steps", config.doctor.steps)
     _positive("data.global_batch_size", d.global_batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("dist.world_size", world_size)
@@ -411,11 +459,15 @@ def validate(config: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be at least 1, or null for no limit")
     for key, value in (
         ("trainer.eval_every_epochs", t.eval_every_epochs),
+        ("trainer.eval_every_steps", t.eval_every_steps),
+        ("trainer.early_stopping.patience", t.early_stopping.patience),
         ("trainer.checkpoint_every_epochs", t.checkpoint_every_epochs),
         ("trainer.checkpoint_every_steps", t.checkpoint_every_steps),
         ("data.num_workers", d.num_workers),
         ("dist.threads_per_worker", config.dist.threads_per_worker),
         ("trainer.check_sync_every_n_steps", t.check_sync_every_n_steps),
+        ("doctor.warmup_steps", config.doctor.warmup_steps),
+        ("doctor.hosts", config.doctor.hosts),
     ):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off / picks the default)")
@@ -425,6 +477,8 @@ def validate(config: Config, world_size: int) -> None:
             "to write no checkpoints set trainer.checkpoint_every_epochs=0 and "
             "trainer.checkpoint_at_end=false"
         )
+    if t.early_stopping.min_delta < 0:
+        raise ConfigError(f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0")
     _one_of("trainer.checkpoint_mode", t.checkpoint_mode, ("min", "max"))
     _positive("trainer.checkpoint_save_top_k", t.checkpoint_save_top_k)
     if t.grad_clip_norm is not None and t.grad_clip_norm <= 0:
@@ -434,6 +488,7 @@ def validate(config: Config, world_size: int) -> None:
     _one_of("launcher.name", config.launcher.name, LAUNCHERS)
     _one_of("dist.backend", config.dist.backend, _BACKENDS)
     _one_of("trainer.progress", t.progress.lower(), PROGRESS_CHOICES)
+    _one_of("trainer.early_stopping.mode", t.early_stopping.mode, MONITOR_MODES)
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be positive")
     per_rank_batch_size(config, world_size)

@@ -11,7 +11,15 @@ from ..config import (
     SchedulerConfig,
     TrainerConfig,
 )
-from .callbacks import BestCheckpoints, Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
+from .callbacks import (
+    BestCheckpoints,
+    Callback,
+    CheckpointCallback,
+    EarlyStopping,
+    ProgressCallback,
+    TensorBoardCallback,
+    TrainerView,
+)
 from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from .checkpointing import TrainState
 from .metrics import SmokeCheckError
@@ -28,6 +36,7 @@ __all__ = [
     "BestCheckpoints",
     "ProgressCallback",
     "TensorBoardCallback",
+    "EarlyStopping",
     "CheckpointError",
     "CheckpointWarning",
     "load_checkpoint",

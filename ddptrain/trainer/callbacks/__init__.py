@@ -6,6 +6,7 @@ from ...config import TrainerConfig
 from .base import Callback, TrainerView
 from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback
+from .early_stopping import EarlyStopping
 from .progress import ProgressCallback
 from .tensorboard import TensorBoardCallback
 
@@ -14,6 +15,7 @@ __all__ = [
     "TrainerView",
     "BestCheckpoints",
     "CheckpointCallback",
+    "EarlyStopping",
     "ProgressCallback",
     "TensorBoardCallback",
     "from_config",
@@ -21,7 +23,8 @@ __all__ = [
 
 
 def from_config(config: TrainerConfig) -> list[Callback]:
-    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, (best) checkpoints."""
+    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, (best)
+    checkpoints, early stopping."""
     callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress.lower()))]
     if config.tensorboard:
         callbacks.append(TensorBoardCallback())
@@ -38,4 +41,7 @@ def from_config(config: TrainerConfig) -> list[Callback]:
         callbacks.append(
             BestCheckpoints(config.checkpoint_monitor, config.checkpoint_mode, config.checkpoint_save_top_k)
         )
+    stop = config.early_stopping
+    if stop.monitor:
+        callbacks.append(EarlyStopping(stop.monitor, stop.mode, stop.patience, stop.min_delta))
     return callbacks

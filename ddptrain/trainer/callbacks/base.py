@@ -35,6 +35,12 @@ class TrainerView(Protocol):
         device: this rank's device.
         output_dir: the run's directory (the same on every rank).
         steps_per_epoch: optimizer steps in a full epoch.
+        callback_metrics: the latest value of every metric, reduced over all ranks (the same on
+            every rank): ``train/*`` at each logging point, ``eval/*`` after each evaluation,
+            ``train/epoch_loss`` at epoch ends, and what ``self.log`` reported.
+        should_stop: set it to True to stop training; the ranks agree on it, so all stop at the
+            same step (after the next step when set during a step; before the next step when set
+            at an evaluation or an epoch end).
         process_group: the ranks of the job (for a callback that must agree on a decision).
     """
 
@@ -44,6 +50,8 @@ class TrainerView(Protocol):
     device: torch.device
     output_dir: Path
     steps_per_epoch: int
+    callback_metrics: dict[str, float]
+    should_stop: bool
     process_group: Any
 
     @property
