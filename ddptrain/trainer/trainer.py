@@ -266,6 +266,7 @@ class Trainer:
         if self.val_set is None:
             return {}
         started = time.perf_counter()
+        self.model.sync_buffers()  # rank 0's BatchNorm statistics on every rank: one model is evaluated
         module = self.model.module
         was_training = module.training
         module.eval()
@@ -423,6 +424,7 @@ class Trainer:
         if not stopped and self.val_set is not None and self.metrics.last_eval_step != self.state.step:
             self.evaluate()
         step, epoch, fit_s = self.state.step, self.state.epoch, time.perf_counter() - fit_start
+        self.model.sync_buffers()  # the digest is of the model rank 0 checkpoints, on every rank
         final = self.metrics.final(self.model.module, step=step, epoch=epoch, fit_s=fit_s)  # collective
         if stopped:
             final.update(stopped_by=self.stopped_by, checkpoint=str(checkpoint_now(self, self.callbacks)))
