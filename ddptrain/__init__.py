@@ -12,6 +12,7 @@ _EXPORTS = {
     "Trainer": "ddptrain.trainer",
     "TrainState": "ddptrain.trainer",
     "Callback": "ddptrain.trainer",
+    "EarlyStopping": "ddptrain.trainer",
     "Config": "ddptrain.trainer",
     "TrainerConfig": "ddptrain.trainer",
     "DataConfig": "ddptrain.trainer",
@@ -24,6 +25,8 @@ _EXPORTS = {
     "CheckpointError": "ddptrain.trainer",
     "SmokeCheckError": "ddptrain.trainer",
     "run": "ddptrain.trainer",
+    "load_model": "ddptrain.loading",
+    "BestCheckpoints": "ddptrain.trainer",
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -31,6 +31,8 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainerConfig",
+    "DoctorConfig",
+    "EarlyStoppingConfig",
     "validate",
     "resolve_backend",
     "per_rank_batch_size",
@@ -46,6 +48,7 @@ PROGRESS_CHOICES = ("auto", "true", "false")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 SCHEDULERS = ("none", "step", "cosine")
 _BACKENDS = ("auto", "gloo", "nccl", "mpi")
+MONITOR_MODES = ("min", "max")
 
 
 class ConfigError(ValueError):
@@ -186,6 +189,20 @@ class OptimizerConfig:
 
 
 @dataclass
+class EarlyStoppingConfig:
+    """``trainer.early_stopping.*``: stop when a monitored metric stops improving (off by default)."""
+
+    monitor: str | None = None
+    """Metric to watch, e.g. ``eval/loss`` or a name given to ``self.log`` (``None``: no early stopping)."""
+    mode: str = "min"
+    """``min``: lower is better; ``max``: higher is better."""
+    patience: int = 3
+    """Checks without improvement before stopping (a check: each evaluation; each epoch end without one)."""
+    min_delta: float = 0.0
+    """An improvement must beat the best value by more than this."""
+
+
+@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -206,6 +223,10 @@ class TrainerConfig:
     """``cpu`` or ``cuda``: each rank then uses ``cuda:{local_rank}`` (and nccl)."""
     eval_every_epochs: int = 1
     """Evaluate every this many epochs (0: only at the end)."""
+    eval_every_steps: int = 0
+    """Also evaluate every this many optimizer steps (0: off); with ``eval_every_epochs`` both apply."""
+    early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
+    """Stop when ``early_stopping.monitor`` stops improving; every rank stops at the same step."""
     log_every_steps: int = 10
     """Reduce and log training scalars every this many optimizer steps."""
     checkpoint_every_epochs: int = 1
@@ -216,9 +237,21 @@ class TrainerConfig:
     """Write a checkpoint when training stops, if the last one is older."""
     keep_last_checkpoints: int = 3
     """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
+    checkpoint_monitor: str | None = None
+    """Also keep the best checkpoints by this metric (e.g. ``eval/accuracy``, ``eval/loss``,
+    ``train/loss``) in ``<output_dir>/checkpoints/best``, each storing its value; ``trainer.resume=best``
+    and ``ddptrain.load_model(run, which="best")`` take the best. ``None``: no best checkpoints."""
+    checkpoint_mode: str = "min"
+    """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy) for ``checkpoint_monitor``."""
+    checkpoint_save_top_k: int = 1
+    """How many best checkpoints ``checkpoint_monitor`` keeps (exactly these; ties keep the earlier step)."""
     resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), or ``latest``
     (this run's checkpoint directory; starts fresh with a warning when it holds none)."""
+    init_from: str | None = None
+    """Fine-tuning: start from the model weights only of a checkpoint file, a run directory (its
+    newest checkpoint) or a run's ``checkpoints/best`` directory (its best); the optimizer, schedule
+    and step start fresh. ``trainer.resume``, when it finds a checkpoint, wins (a restarted fine-tune continues)."""
     allow_world_size_change: bool = False
     """Accept a checkpoint written by another number of ranks (the epoch continues from the same
     global sample position)."""
@@ -233,10 +266,36 @@ class TrainerConfig:
     check_sync_every_n_steps: int = 0
     """Desynchronisation guard: every N optimizer steps, check (one checksum per rank, gathered)
     that parameters are identical on every rank; stop with the diverged ranks named. 0: off."""
+    world_size_invariant: bool = False
+    """Bitwise-identical training whatever the world size: each global batch is cut into
+    ``virtual_ranks`` fixed shards by sample position, gradients are summed exactly (int64 fixed
+    point), randomness is seeded per shard and threads are pinned (README: World-size-invariant training)."""
+    virtual_ranks: int = 8
+    """Shards per micro-batch in world-size-invariant mode; the world size must divide it."""
     smoke_check: bool = False
     """After training, fail unless the parameters are identical on every rank and the training
     loss fell by at least 1%, measured on the same samples (the training set's first
     ``data.global_batch_size``, model in eval mode) before and after training (for CI smoke runs)."""
+    doctor: bool = False
+    """Measure a window of steps (``doctor.*``) and write ``<output_dir>/doctor.json``: why the run
+    is slow, what to change, how it scales (``python -m ddptrain.doctor`` does only that)."""
+
+
+@dataclass
+class DoctorConfig:
+    """``ddptrain doctor``: the measured window and the what-if of the scaling prediction."""
+
+    warmup_steps: int = 3
+    """Optimizer steps left unmeasured first (bucket rebuild, allocator, caches)."""
+    steps: int = 10
+    """Optimizer steps measured, on every rank."""
+    world_sizes: list = field(default_factory=lambda: [2, 4, 8, 64])
+    """World sizes the scaling prediction is made for."""
+    link_gbps: float | None = None
+    """Link speed (Gbit/s) of the prediction; ``None``: the link measured in this run."""
+    hosts: int = 0
+    """Hosts of the predicted jobs: their ranks share those hosts' cores. 0: as many hosts as
+    needed at this run's ranks per host."""
 
 
 @dataclass
@@ -258,6 +317,8 @@ class Config:
     """Optimizer and schedule."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, evaluation, logging, checkpoints."""
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    """``trainer.doctor`` / ``python -m ddptrain.doctor``: the measured window and the prediction."""
 
     @classmethod
     def from_dict(cls, data: dict | None = None) -> Config:
@@ -384,6 +445,7 @@ def validate(config: Config, world_size: int) -> None:
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.grad_accum_steps", t.grad_accum_steps)
     _positive("trainer.log_every_steps", t.log_every_steps)
+    _positive("doctor.steps", config.doctor.steps)
     _positive("data.global_batch_size", d.global_batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("dist.world_size", world_size)
@@ -397,11 +459,15 @@ def validate(config: Config, world_size: int) -> None:
             raise ConfigError(f"{key}={value} must be at least 1, or null for no limit")
     for key, value in (
         ("trainer.eval_every_epochs", t.eval_every_epochs),
+        ("trainer.eval_every_steps", t.eval_every_steps),
+        ("trainer.early_stopping.patience", t.early_stopping.patience),
         ("trainer.checkpoint_every_epochs", t.checkpoint_every_epochs),
         ("trainer.checkpoint_every_steps", t.checkpoint_every_steps),
         ("data.num_workers", d.num_workers),
         ("dist.threads_per_worker", config.dist.threads_per_worker),
         ("trainer.check_sync_every_n_steps", t.check_sync_every_n_steps),
+        ("doctor.warmup_steps", config.doctor.warmup_steps),
+        ("doctor.hosts", config.doctor.hosts),
     ):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off / picks the default)")
@@ -411,6 +477,10 @@ def validate(config: Config, world_size: int) -> None:
             "to write no checkpoints set trainer.checkpoint_every_epochs=0 and "
             "trainer.checkpoint_at_end=false"
         )
+    if t.early_stopping.min_delta < 0:
+        raise ConfigError(f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0")
+    _one_of("trainer.checkpoint_mode", t.checkpoint_mode, ("min", "max"))
+    _positive("trainer.checkpoint_save_top_k", t.checkpoint_save_top_k)
     if t.grad_clip_norm is not None and t.grad_clip_norm <= 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be positive, or null for no clipping")
     _one_of("optimizer.name", o.name, OPTIMIZERS)
@@ -418,10 +488,32 @@ def validate(config: Config, world_size: int) -> None:
     _one_of("launcher.name", config.launcher.name, LAUNCHERS)
     _one_of("dist.backend", config.dist.backend, _BACKENDS)
     _one_of("trainer.progress", t.progress.lower(), PROGRESS_CHOICES)
+    _one_of("trainer.early_stopping.mode", t.early_stopping.mode, MONITOR_MODES)
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be positive")
     per_rank_batch_size(config, world_size)
+    check_world_size_invariant(config, world_size)
     check_device(config)
+
+
+def check_world_size_invariant(config: Config, world_size: int) -> None:
+    """World-size-invariant mode: the world size must divide ``trainer.virtual_ranks``; no ``drop_last``."""
+    t = config.trainer
+    if not t.world_size_invariant:
+        return
+    _positive("trainer.virtual_ranks", t.virtual_ranks)
+    if t.virtual_ranks % world_size:
+        valid = [w for w in range(1, t.virtual_ranks + 1) if t.virtual_ranks % w == 0]
+        raise ConfigError(
+            f"trainer.world_size_invariant=true: the world size must divide trainer.virtual_ranks (W must "
+            f"divide V), got dist.world_size={world_size} and trainer.virtual_ranks={t.virtual_ranks}. "
+            f"Use dist.world_size in {valid}, or set trainer.virtual_ranks to a multiple of {world_size}"
+        )
+    if config.data.drop_last:
+        raise ConfigError(
+            "trainer.world_size_invariant=true takes every sample once (the last global batch may be "
+            "short), so data.drop_last=true is refused: set data.drop_last=false"
+        )
 
 
 def check_device(config: Config, local_world_size: int = 1) -> None:

@@ -11,7 +11,15 @@ from ..config import (
     SchedulerConfig,
     TrainerConfig,
 )
-from .callbacks import Callback, CheckpointCallback, ProgressCallback, TensorBoardCallback, TrainerView
+from .callbacks import (
+    BestCheckpoints,
+    Callback,
+    CheckpointCallback,
+    EarlyStopping,
+    ProgressCallback,
+    TensorBoardCallback,
+    TrainerView,
+)
 from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from .checkpointing import TrainState
 from .metrics import SmokeCheckError
@@ -25,8 +33,10 @@ __all__ = [
     "Callback",
     "TrainerView",
     "CheckpointCallback",
+    "BestCheckpoints",
     "ProgressCallback",
     "TensorBoardCallback",
+    "EarlyStopping",
     "CheckpointError",
     "CheckpointWarning",
     "load_checkpoint",

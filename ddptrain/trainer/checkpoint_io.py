@@ -32,12 +32,19 @@ __all__ = [
     "resolve_resume_path",
     "prune_checkpoints",
     "checkpoint_name",
+    "BEST_DIR",
+    "monitor_entry",
+    "best_checkpoint",
+    "remove_checkpoint",
+    "load_step",
 ]
 
 FORMAT_VERSION = 1
 """Version of the dictionary layout written by ``checkpointing.Checkpointer.state_dict``."""
 REQUIRED_KEYS = ("format_version", "step", "epoch", "world_size", "model", "optimizer", "sampler", "rng")
 _NAME = re.compile(r"^step_(\d+)\.pt$")
+BEST_DIR = "best"
+"""Sub-directory of a run's ``checkpoints/`` that holds the best ``trainer.checkpoint_save_top_k``."""
 PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on Python 3.10
 
 
@@ -200,45 +207,112 @@ def latest_valid_checkpoint(directory: PathLike) -> Path | None:
     return None
 
 
-def resolve_resume_path(resume: str, checkpoint_dir: PathLike) -> Path | None:
-    """Turn ``trainer.resume`` into a checkpoint file.
+def resolve_resume_path(resume: str, checkpoint_dir: PathLike, key: str = "trainer.resume") -> Path | None:
+    """Turn ``trainer.resume`` (or ``trainer.init_from``: ``key``) into a checkpoint file.
 
     Args:
-        resume: ``latest`` (newest valid in ``checkpoint_dir``), a directory (newest valid in it or
-            in its ``checkpoints/``), or a file.
+        resume: ``latest`` or ``last`` (newest valid in ``checkpoint_dir``), ``best`` (the best in
+            ``checkpoint_dir/best`` by its stored monitored value), a directory (newest valid in it
+            or in its ``checkpoints/``; a ``best`` directory: its best), or a file.
         checkpoint_dir: this run's checkpoint directory.
+        key: the config key, for messages.
 
     Returns:
         The file, or ``None`` for ``latest`` when ``checkpoint_dir`` holds no checkpoint at all.
 
     Raises:
-        CheckpointError: a path that does not exist, or a directory without a valid checkpoint.
+        CheckpointError: a path that does not exist, a directory without a valid checkpoint, or
+            ``best`` without a best checkpoint.
     """
-    if resume == "latest":
+    if resume in ("latest", "last"):
         return latest_valid_checkpoint(checkpoint_dir)
+    if resume == "best":
+        return best_checkpoint(Path(checkpoint_dir) / BEST_DIR, f"{key}=best")
     path = Path(resume).expanduser()
     if path.is_dir():
+        if path.name == BEST_DIR:
+            return best_checkpoint(path, f"{key}={resume}")
         for directory in (path, path / "checkpoints"):
             if list_checkpoints(directory):
                 return latest_valid_checkpoint(directory)
         raise CheckpointError(
-            f"trainer.resume={resume}: the directory holds no checkpoint (step_*.pt), nor does its checkpoints/ folder"
+            f"{key}={resume}: the directory holds no checkpoint (step_*.pt), nor does its checkpoints/ folder"
         )
     if not path.is_file():
         raise CheckpointError(
-            f"trainer.resume={resume}: no such file or directory. Pass a checkpoint file, a run directory, or 'latest'"
+            f"{key}={resume}: no such file or directory. Pass a checkpoint file, a run directory, 'latest' or 'best'"
         )
     return path
+
+
+def monitor_entry(path: PathLike) -> dict[str, Any] | None:
+    """The ``monitor`` entry (``{"name", "mode", "value"}``) a best checkpoint stores; ``None`` if
+    it has none or cannot be read. Reads lazily (memory-mapped): no tensor is loaded."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # unreadable: not a candidate; load_checkpoint says why when it is chosen
+        return None
+    entry = state.get("monitor") if isinstance(state, dict) else None
+    return dict(entry) if isinstance(entry, dict) and {"name", "mode", "value"} <= set(entry) else None
+
+
+def best_checkpoint(directory: PathLike, what: str = "best") -> Path:
+    """The best valid checkpoint in ``directory`` (a run's ``checkpoints/best``) by the monitored
+    value each stores (lowest for mode ``min``, highest for ``max``; on a tie the earlier step).
+
+    Raises:
+        CheckpointError: no best checkpoint there (saying how to get one), checkpoints of
+            different monitors, or none of them valid.
+    """
+    directory = Path(directory)
+    entries = [(p, monitor_entry(p)) for p in list_checkpoints(directory)]
+    entries = [(p, e) for p, e in entries if e is not None]
+    if not entries:
+        latest = list_checkpoints(directory.parent)
+        raise CheckpointError(
+            f"{what}: there is no best checkpoint in {directory}. Best checkpoints are kept only when "
+            "the run sets trainer.checkpoint_monitor=<metric> (with trainer.checkpoint_mode and "
+            "trainer.checkpoint_save_top_k)"
+            + (f"; this run has latest checkpoints: use 'latest' ({latest[-1].name})." if latest else ".")
+        )
+    monitors = sorted({(e["name"], e["mode"]) for _, e in entries})
+    if len(monitors) > 1:
+        raise CheckpointError(f"{what}: {directory} mixes checkpoints of several monitors {monitors}; pass a file")
+    sign = 1.0 if monitors[0][1] == "min" else -1.0
+    ranked = sorted(entries, key=lambda pe: (sign * float(pe[1]["value"]), int(load_step(pe[0]))))
+    problems = []
+    for path, _ in ranked:
+        try:
+            load_checkpoint(path)
+            return path
+        except CheckpointError as exc:
+            problems.append(str(exc))
+            warnings.warn(f"skipping best checkpoint {path}: {exc}", CheckpointWarning, stacklevel=2)
+    raise CheckpointError(f"{what}: none of the best checkpoints in {directory} is valid:\n  " + "\n  ".join(problems))
+
+
+def load_step(path: PathLike) -> int:
+    """The step in a checkpoint's file name (``step_<step>.pt``)."""
+    match = _NAME.match(Path(path).name)
+    if match is None:
+        raise ValueError(f"{path} is not named step_<step>.pt")
+    return int(match.group(1))
 
 
 def prune_checkpoints(directory: PathLike, keep_last: int) -> list[Path]:
     """Delete all but the newest ``keep_last`` checkpoints (and their digests); return the deleted."""
     deleted = []
     for path in list_checkpoints(directory)[:-keep_last] if keep_last > 0 else []:
-        for p in (path, path.with_name(path.name + ".sha256")):
-            try:
-                p.unlink()
-            except FileNotFoundError:
-                pass
+        remove_checkpoint(path)
         deleted.append(path)
     return deleted
+
+
+def remove_checkpoint(path: PathLike) -> None:
+    """Delete a checkpoint and its digest (either may already be gone)."""
+    path = Path(path)
+    for p in (path, path.with_name(path.name + ".sha256")):
+        try:
+            p.unlink()
+        except FileNotFoundError:
+            pass

@@ -11,7 +11,9 @@ A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load
 - ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
 - ``rng``: every rank's generator states, in rank order;
 - ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`.metrics.TrainingMetrics.state_dict`;
-- ``config`` and ``trainer_class``: what wrote it, for people reading it (a resume uses the new run's config).
+- ``config`` and ``trainer_class``: what wrote it (a resume uses the new run's config;
+  ``ddptrain.load_model`` builds the model through them);
+- ``monitor`` (best checkpoints only): ``{"name", "mode", "value"}`` of the monitored metric.
 """
 
 from __future__ import annotations
@@ -128,6 +130,23 @@ class Checkpointer:
         self.process_group, self.device, self.config = process_group, device, config
         self.directory, self.trainer_class = directory, trainer_class
 
+    @classmethod
+    def of(cls, trainer: Any) -> Checkpointer:
+        """The checkpointer of a ``Trainer`` whose ``setup`` built its model, data and optimizer."""
+        return cls(
+            model=trainer.model.module,
+            optimizer=trainer.optimizer,
+            scheduler=trainer.scheduler,
+            sampler=trainer.train_sampler,
+            state=trainer.state,
+            metrics=trainer.metrics,
+            process_group=trainer.process_group,
+            device=trainer.device,
+            config=trainer.config,
+            directory=trainer.checkpoint_dir,
+            trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}",
+        )
+
     @property
     def is_main(self) -> bool:
         return self.process_group.rank() == 0
@@ -151,9 +170,9 @@ class Checkpointer:
             "trainer_class": self.trainer_class,
         }
 
-    def save(self, path: str | Path) -> Path:
-        """Write a checkpoint (collective; rank 0 writes, atomically). Returns ``path``."""
-        checkpoint = self.state_dict()
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint plus ``extra`` entries (collective; rank 0 writes, atomically). Returns ``path``."""
+        checkpoint = {**self.state_dict(), **(extra or {})}
         path = Path(path)
         if self.is_main:
             save_checkpoint(path, checkpoint)
@@ -178,18 +197,19 @@ class Checkpointer:
             seed_everything(self.config.trainer.seed + rank + 1_000_003 * checkpoint["step"])
 
     def resume_if_asked(self) -> bool:
-        """Resume from ``trainer.resume``, or from the latest checkpoint after a torchrun restart."""
+        """Resume from ``trainer.resume``, or from the latest checkpoint after a torchrun restart;
+        failing that (nothing to resume), start from ``trainer.init_from``'s weights if set."""
         resume = self.config.trainer.resume or elastic_restart_resume()
-        return self.resume(resume) if resume else False
+        if resume and self.resume(resume):
+            return True
+        init_from = self.config.trainer.init_from
+        return self.init_weights(init_from) if init_from else False
 
-    def resume(self, resume: str) -> bool:
-        """Continue from ``trainer.resume`` (a file, a directory, or ``latest``); False if nothing to resume.
-
-        Rank 0 picks the file and every rank loads it, so all agree (or all fail together).
-        """
+    def _agree_on_path(self, value: str, key: str) -> str | None:
+        """Rank 0 resolves ``value`` (``key``'s) to a file and every rank gets its answer (or its error)."""
         if self.is_main:
             try:
-                found, error = resolve_resume_path(resume, self.directory), None
+                found, error = resolve_resume_path(value, self.directory, key), None
             except CheckpointError as exc:
                 found, error = None, str(exc)
             choice = (None if found is None else str(found), error)
@@ -198,6 +218,34 @@ class Checkpointer:
         path, error = broadcast_object(self.process_group, choice, 0)
         if error:
             raise CheckpointError(error)
+        return path
+
+    def init_weights(self, source: str) -> bool:
+        """Fine-tuning: load only the model weights of ``source`` (``trainer.init_from``: a file, a run
+        or checkpoint directory, a ``best`` directory); the optimizer, schedule, step and data
+        position start fresh. Every rank loads the same file."""
+        path = self._agree_on_path(source, "trainer.init_from")
+        if path is None:
+            raise CheckpointError(f"trainer.init_from={source}: there is no checkpoint to start from")
+        checkpoint = load_checkpoint(path)
+        try:
+            self.model.load_state_dict(checkpoint["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"trainer.init_from={source}: the weights in {path} do not fit this run's model "
+                f"({' '.join(str(exc).split())}). init_from loads every parameter and buffer by name: build the "
+                "same model (model.* / configure_model) as the run that wrote it."
+            ) from None
+        if self.is_main:
+            log.info("weights from %s (step %d of its run); training starts at step 0", path, checkpoint["step"])
+        return True
+
+    def resume(self, resume: str) -> bool:
+        """Continue from ``trainer.resume`` (a file, a directory, ``latest`` or ``best``); False if nothing to resume.
+
+        Rank 0 picks the file and every rank loads it, so all agree (or all fail together).
+        """
+        path = self._agree_on_path(resume, "trainer.resume")
         if path is None:
             if self.is_main:
                 log.warning("trainer.resume=latest: no checkpoint in %s yet; starting from scratch", self.directory)

@@ -1,12 +1,16 @@
-"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill).
+"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill), or when
+a callback or hook sets ``trainer.should_stop`` (e.g. :class:`~ddptrain.trainer.EarlyStopping`).
 
 While :class:`GracefulStop` is installed, the first such signal does not interrupt the rank: it
 asks to stop. Ranks receive signals at different moments, so they agree on *when*: after every
 optimizer step each rank posts an asynchronous all-reduce (MAX) of its request and, one step
 later, reads the answer — every rank reads the same answer after the same step, so they all stop
-there, write a checkpoint together and end. The price is one 8-byte all-reduce per step that
-nobody waits for until the next step. A second signal, a moment after the first, raises
-``KeyboardInterrupt`` as Python's default handler would.
+there, write a checkpoint together and end. The price is one 16-byte all-reduce per step that
+nobody waits for until the next step. ``trainer.should_stop`` travels in the same all-reduce: one
+rank setting it is enough, and all ranks stop at the same step. At evaluations and epoch ends the
+trainer asks with ``wait=True`` instead, so a decision taken there stops before the next step.
+A second signal, a moment after the first, raises ``KeyboardInterrupt`` as Python's default
+handler would.
 """
 
 from __future__ import annotations
@@ -62,19 +66,33 @@ class GracefulStop:
         elif time.monotonic() - self._first_at >= SECOND_SIGNAL_AFTER_S:
             raise KeyboardInterrupt(f"second {name}")
 
-    def agreed(self, process_group: ProcessGroup) -> str | None:
-        """Call after every optimizer step, on every rank: the signal all ranks now stop for, or None.
+    def agreed(
+        self, process_group: ProcessGroup, should_stop: bool = False, wait: bool = False
+    ) -> tuple[str | None, bool]:
+        """Call after every optimizer step, on every rank: ``(signal, should_stop)`` agreed by all ranks.
 
-        Reads the answer to the request posted after the previous step and posts this step's.
+        ``signal`` is the signal every rank now stops for (or None); ``should_stop`` is True when
+        any rank had set its flag. Reads the answer to the request posted after the previous step
+        and posts this step's; with ``wait=True`` also waits for this step's answer (a blocking
+        collective, for points where every rank already waits: evaluations, epoch ends).
         """
-        decided = None
-        if self._work is not None:
-            self._work.wait()
-            decided = _NAMES.get(int(self._flag.item()))
+        signal_code, flag = self._read()
         code = _CODES.get(self.requested, 0)
-        self._flag = torch.tensor([code], dtype=torch.int64, device=process_group.device)
+        self._flag = torch.tensor([code, int(bool(should_stop))], dtype=torch.int64, device=process_group.device)
         self._work = process_group.all_reduce(self._flag, ReduceOp.MAX)
-        return decided
+        if wait:
+            now_code, now_flag = self._read()
+            signal_code, flag = max(signal_code, now_code), flag or now_flag
+        return _NAMES.get(signal_code), flag
+
+    def _read(self) -> tuple[int, bool]:
+        """The posted request's answer (waits for it), or ``(0, False)`` when none is pending."""
+        if self._work is None:
+            return 0, False
+        self._work.wait()
+        self._work = None
+        signal_code, flag = (int(v) for v in self._flag.tolist())
+        return signal_code, bool(flag)
 
     def finish(self) -> None:
         """Wait for the last posted request (every rank, at the same point) and give back the signals."""

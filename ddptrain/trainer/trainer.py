@@ -8,8 +8,11 @@ rank 0 only. Like torchtitan's trainer it runs over seams that a subclass overri
 - ``train_step(micro_batches)``: forward and backward of one optimizer step's micro-batches
   (all but the last under ``no_sync()``), returning the step's loss;
 - ``optimizer_step()``: clip, step, schedule, zero the gradients;
-- ``evaluate()``: the validation metrics, exact over the whole set;
-- ``should_stop()``: whether to stop after the current step;
+- ``evaluate()``: the validation metrics, exact over the whole set (every epoch and/or every
+  ``trainer.eval_every_steps`` steps);
+
+and the flag ``should_stop``, which any hook or callback may set (e.g. ``EarlyStopping``): the
+ranks agree on it, so every rank stops at the same step;
 
 and the user hooks ``configure_model``, ``configure_optimizers``, ``train_dataset``,
 ``val_dataset``, ``training_step``, ``validation_step``, ``configure_callbacks`` and the class
@@ -21,14 +24,15 @@ training sampler; the loop reports each step's samples to it (``advance``).
 Synchronisation points (every rank must reach them together, which the loop guarantees because
 all ranks run the same number of steps): DDP's construction and every synchronised backward;
 the logging all-reduce every ``trainer.log_every_steps`` steps and at the end of each epoch; one
-all-reduce per evaluation; one all-gather per checkpoint (RNG states); a few small broadcasts at
-start-up (output directory, resume path) and one all-gather at the end (parameter checksums).
+all-reduce per evaluation; one all-gather per checkpoint (RNG states); the stop agreement (an
+asynchronous all-reduce after every step, a blocking one at evaluations and epoch ends); a few
+small broadcasts at start-up (output directory, resume path) and one all-gather at the end
+(parameter checksums).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -41,22 +45,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from ..comm.objects import broadcast_object
-from ..comm.process_group import ProcessGroup
-from ..comm.ring import RingAllReducer
-from ..config import Config, ConfigError, check_device, instantiate, resolve_backend
+from ..config import Config, instantiate
 from ..data import DistributedSampler, build_dataset
-from ..ddp import DistributedDataParallel, ring_allreduce_hook
-from ..launch.env import detect_environment
-from ..launch.join import Membership, RendezvousError, join_process_group
+from ..ddp import DistributedDataParallel
+from ..launch.join import Membership
+from .building import agree_on_directory, finish_fit, join_job, wrap_model
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
+from .invariant import InvariantSteps
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
 from .rng import seed_everything
-from .stopping import GracefulStop, checkpoint_now
+from .stopping import GracefulStop
 
 # check_world_size: runner.preflight_resume imports it from here.
 __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
@@ -82,7 +84,9 @@ class Trainer:
     ``scheduler``, ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
     (per rank per micro-batch), ``steps_per_epoch``, ``total_steps``, ``state``
     (:class:`TrainState`), ``output_dir``, ``callbacks``, ``metrics`` (:class:`.metrics.TrainingMetrics`),
-    ``checkpointer`` (:class:`.checkpointing.Checkpointer`).
+    ``checkpointer`` (:class:`.checkpointing.Checkpointer`), ``callback_metrics`` (the latest value
+    of every reduced metric), ``should_stop`` (set it to stop; see :meth:`fit`), ``stopped_early``
+    (True once the ranks agreed to stop for ``should_stop``).
     """
 
     def __init__(self, config: Config | None = None, callbacks: Sequence[Callback] = ()):
@@ -92,6 +96,7 @@ class Trainer:
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
         self.process_group = None
+        self.invariant: InvariantSteps | None = None  # trainer.world_size_invariant's step strategy
         self._membership: Membership | None = None
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
@@ -164,7 +169,14 @@ class Trainer:
 
     # == the loop =================================================================================
     def fit(self) -> dict[str, Any]:
-        """Train to the end (epochs, ``max_steps`` or ``stop_after_steps``); the final metrics on every rank."""
+        """Train to the end; the final metrics on every rank.
+
+        The end: ``trainer.epochs``, ``max_steps`` or ``stop_after_steps``, a signal, or
+        ``should_stop`` set by any hook or callback on any rank. The ranks agree on the flag in
+        the stop all-reduce, so all stop at the same step: set during a step, after the next
+        step (the agreement is asynchronous there); set at an evaluation, an epoch end or in
+        ``on_fit_start``, before the next step.
+        """
         fit_start = time.perf_counter()
         self._reset()  # a Trainer may fit more than once
         owns_group = self.setup_distributed()  # ranks: launcher env, or an existing group
@@ -172,10 +184,11 @@ class Trainer:
         try:
             self.setup()  # model in DDP, data, optimizer, callbacks; resumed if asked
             self._call("on_fit_start")
-            while self.state.epoch < self.config.trainer.epochs and not self.should_stop():
+            self._agree_to_stop(wait=True)
+            while self.state.epoch < self.config.trainer.epochs and not self._stopping():
                 if not self.train_epoch():
                     break  # stopped mid-epoch (max_steps / stop_after_steps)
-            return self._finish(fit_start)
+            return finish_fit(self, time.perf_counter() - fit_start)
         except BaseException as exc:
             for callback in self.callbacks:
                 with contextlib.suppress(Exception):  # never hide the original error
@@ -196,12 +209,12 @@ class Trainer:
         for micro_batches in self.step_batches():
             loss = self.train_step(micro_batches)
             self.optimizer_step()
-            samples = sum(batch_size_of(b) for b in micro_batches)
+            samples = micro_batches.rank_samples if self.invariant else sum(batch_size_of(b) for b in micro_batches)
             self.train_sampler.advance(samples)  # trained on: the sampler owns the position
             self.state.step += 1
             loss_sum, steps = loss_sum + loss, steps + 1
             self._after_step(loss, samples)
-            if self.should_stop():
+            if self._stopping():
                 break
         metrics.update(self.metrics.end_epoch(loss_sum, steps, time.perf_counter() - started))  # collective
         if self.state.samples_in_epoch < len(self.train_sampler):
@@ -209,15 +222,20 @@ class Trainer:
         self.train_sampler.set_epoch(epoch + 1)  # a checkpoint now resumes at the next epoch's start
         every = self.config.trainer.eval_every_epochs
         if every and (epoch + 1) % every == 0:
-            metrics.update(self.evaluate())  # exact over the validation set, all ranks
+            metrics.update(self._evaluate_once())  # exact over the validation set, all ranks
+        self.callback_metrics.update((k, v) for k, v in metrics.items() if k != "epoch")
         self._call("on_epoch_end", epoch, metrics)
+        self._agree_to_stop(wait=True)  # a decision taken at this epoch's end stops before the next step
         return True
 
     def step_batches(self) -> Iterator[list[Any]]:
         """The rest of this epoch as one list of micro-batches per optimizer step.
 
         ``trainer.grad_accum_steps`` micro-batches per step; the last step of an epoch may get fewer.
+        World-size-invariant mode: one :class:`.invariant.InvariantStep` (this rank's shards) per step.
         """
+        if self.invariant:
+            return self.invariant.step_batches()
         return group_micro_batches(self.train_batches(), self.config.trainer.grad_accum_steps)
 
     def train_step(self, micro_batches: Sequence[Any]) -> float:
@@ -225,8 +243,10 @@ class Trainer:
 
         Gradients accumulate locally under ``no_sync()`` and are averaged over ranks in the last
         micro-batch's backward. Each loss is divided by the number of micro-batches, so the
-        gradient is that of their mean.
+        gradient is that of their mean. World-size-invariant mode: :meth:`.invariant.InvariantSteps.train_step`.
         """
+        if self.invariant:
+            return self.invariant.train_step(micro_batches)
         count, step_loss = len(micro_batches), 0.0
         for i, batch in enumerate(micro_batches):
             sync = i == count - 1
@@ -245,17 +265,6 @@ class Trainer:
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-
-    def should_stop(self) -> bool:
-        """Whether to stop now: ``trainer.max_steps`` or ``trainer.stop_after_steps`` is reached, or
-        every rank agreed to stop for a signal (``stopped_by``).
-
-        Asked before every epoch and after every optimizer step, on every rank: an override must
-        answer the same on all ranks (decide on reduced values, e.g. in ``on_log``).
-        """
-        t = self.config.trainer
-        limits = (t.max_steps, t.stop_after_steps)
-        return self.stopped_by is not None or any(n is not None and self.state.step >= n for n in limits)
 
     def evaluate(self) -> dict[str, float]:
         """Metrics of ``validation_step`` averaged over exactly the validation set, on every rank.
@@ -277,6 +286,7 @@ class Trainer:
         module.train(was_training)
         metrics = mean.reduce(self.process_group)
         self.metrics.record_eval(metrics, self.state.step, time.perf_counter() - started)
+        self.callback_metrics.update(metrics)
         self._call("on_validation_end", metrics)
         return metrics
 
@@ -287,21 +297,7 @@ class Trainer:
         Returns:
             True if this call created the group (``fit`` then destroys it at the end).
         """
-        cfg = self.config
-        env = detect_environment()
-        check_device(cfg, env.local_world_size)
-        try:
-            self._membership = join_process_group(
-                resolve_backend(cfg, env.name, env.master_addr),
-                device_type=cfg.trainer.device,
-                timeout_s=cfg.dist.timeout_s,
-                init_timeout_s=cfg.dist.init_timeout_s,
-                threads_per_worker=cfg.dist.threads_per_worker or None,
-                environment=env,
-            )
-        except RendezvousError as exc:
-            raise ConfigError(str(exc)) from None
-        m = self._membership
+        self._membership = m = join_job(self.config)
         self.process_group, self.device, self.local_rank = m.process_group, m.device, m.local_rank
         self.rank, self.world_size = m.rank, m.world_size
         self.metrics.process_group = self.process_group
@@ -311,34 +307,22 @@ class Trainer:
         """Build what a fit needs, then resume if asked: model in DDP, data, optimizer, callbacks."""
         cfg = self.config
         seed_everything(cfg.trainer.seed + self.rank)  # per-rank seed (dropout); DDP syncs weights
-        self.output_dir = _agree_on_directory(self.process_group, cfg.trainer.output_dir or os.getcwd())
+        self.output_dir = agree_on_directory(self.process_group, cfg.trainer.output_dir or os.getcwd())
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
+        self.invariant = InvariantSteps(self) if cfg.trainer.world_size_invariant else None  # shards, exact sums
         self.optimizer, self.scheduler = self._optimizers()
-        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
-        self.checkpointer = Checkpointer(
-            model=self.model.module,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            sampler=self.train_sampler,
-            state=self.state,
-            metrics=self.metrics,
-            process_group=self.process_group,
-            device=self.device,
-            config=cfg,
-            directory=self.checkpoint_dir,
-            trainer_class=f"{type(self).__module__}.{type(self).__qualname__}",
-        )
+        from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
+
+        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
+        self.checkpointer = Checkpointer.of(self)
         self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
         if cfg.trainer.smoke_check:
             self.smoke_probe = SmokeProbe.first_samples(self.train_set, cfg.data, self.training_step, self.device)
             self.smoke_probe.start(self.metrics, self.state.step, self.model.module)
 
     def _build_model(self) -> None:
-        cfg, module = self.config, self.configure_model().to(self.device)
-        self.model = DistributedDataParallel(module, process_group=self.process_group, **cfg.dist.ddp_options())
-        if cfg.dist.algorithm == "ring":
-            self.model.register_comm_hook(RingAllReducer(self.process_group), ring_allreduce_hook)
+        self.model = wrap_model(self.configure_model().to(self.device), self.config, self.process_group)
 
     def _setup_data(self) -> None:
         self.train_set, self.val_set = self.train_dataset(), self.val_dataset()
@@ -383,9 +367,9 @@ class Trainer:
         """``(step, train/loss)`` at every logging point of the run (resumes included)."""
         return self.metrics.loss_history
 
-    def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a checkpoint (collective; rank 0 writes, atomically). Returns ``path``."""
-        return self.checkpointer.save(path)
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint, with ``extra`` entries (collective; rank 0 writes, atomically). Returns ``path``."""
+        return self.checkpointer.save(path, extra)
 
     def _reset(self) -> None:
         self.state = TrainState()
@@ -393,6 +377,9 @@ class Trainer:
         self.metrics = TrainingMetrics(self.process_group)
         self.smoke_probe: SmokeProbe | None = None
         self.stopped_by: str | None = None  # "SIGINT"/"SIGTERM" once every rank agreed to stop for it
+        self.should_stop = False  # any hook or callback may set it; see fit
+        self.stopped_early = False  # True once every rank agreed to stop for should_stop
+        self.callback_metrics: dict[str, float] = {}
         self._stop = GracefulStop()
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -402,45 +389,40 @@ class Trainer:
     def _after_step(self, loss: float, samples: int) -> None:
         stats = self.model.last_iteration_stats
         self.metrics.window.add(loss, samples, 0.0 if stats is None else stats.finalize_wait_s)
-        # Reduced before the callbacks run: a checkpoint written at this step holds this step's logged loss.
-        scalars = self._reduce_window() if self.state.step % self.config.trainer.log_every_steps == 0 else None
+        t, step = self.config.trainer, self.state.step
+        # Reduced (and evaluated) before the callbacks run: a checkpoint written at this step holds them.
+        scalars = self._reduce_window() if step % t.log_every_steps == 0 else None
+        evaluated = bool(t.eval_every_steps) and step % t.eval_every_steps == 0
+        if evaluated:
+            self.evaluate()
         self._call("on_train_batch_end", loss)
         if scalars is not None:
             self._call("on_log", scalars)
-        every = self.config.trainer.check_sync_every_n_steps
-        if every and self.state.step % every == 0:
+        if t.check_sync_every_n_steps and step % t.check_sync_every_n_steps == 0:
             self.model.check_parameters_in_sync()  # collective: every rank reaches this step
-        self.stopped_by = self.stopped_by or self._stop.agreed(self.process_group)  # collective, asynchronous
+        self._agree_to_stop(wait=evaluated)  # collective; asynchronous except after an evaluation
+
+    def _stopping(self) -> bool:
+        """Whether to stop now: a step limit is reached, or the ranks agreed to stop (signal or ``should_stop``)."""
+        t = self.config.trainer
+        limits = (t.max_steps, t.stop_after_steps)
+        stopped = self.stopped_by is not None or self.stopped_early
+        return stopped or any(n is not None and self.state.step >= n for n in limits)
+
+    def _agree_to_stop(self, wait: bool) -> None:
+        signal, flag = self._stop.agreed(self.process_group, self.should_stop, wait=wait)  # collective
+        self.stopped_by = self.stopped_by or signal
+        if flag:
+            self.should_stop = self.stopped_early = True
+
+    def _evaluate_once(self) -> dict[str, float]:
+        """The evaluation of the current step: the one already done (``eval_every_steps``), else a new one."""
+        if self.metrics.last_eval_step == self.state.step:
+            return dict(self.metrics.last_eval)
+        return self.evaluate()
 
     def _reduce_window(self) -> dict[str, float]:
         """The logging window's scalars reduced over ranks (collective), added to the loss history."""
-        return self.metrics.reduce_window(self.state.step, float(self.optimizer.param_groups[0]["lr"]))
-
-    def _finish(self, fit_start: float) -> dict[str, Any]:
-        self._stop.finish()  # the last stop request, posted after the last step (collective)
-        if self.metrics.window.steps:
-            self._call("on_log", self._reduce_window())
-        stopped = self.stopped_by is not None  # by a signal: no evaluation, a checkpoint now
-        if not stopped and self.val_set is not None and self.metrics.last_eval_step != self.state.step:
-            self.evaluate()
-        step, epoch, fit_s = self.state.step, self.state.epoch, time.perf_counter() - fit_start
-        self.model.sync_buffers()  # the digest is of the model rank 0 checkpoints, on every rank
-        final = self.metrics.final(self.model.module, step=step, epoch=epoch, fit_s=fit_s)  # collective
-        if stopped:
-            final.update(stopped_by=self.stopped_by, checkpoint=str(checkpoint_now(self, self.callbacks)))
-        if self.is_main:
-            (self.output_dir / "metrics.json").write_text(json.dumps(final, indent=2) + "\n")
-        self._call("on_fit_end", final)
-        if self.smoke_probe is not None and not stopped:
-            passed = self.smoke_probe.check(self.metrics, self.model.module, final)
-            if self.is_main:
-                log.info(passed)
-        return final
-
-
-def _agree_on_directory(process_group: ProcessGroup, mine: str) -> Path:
-    """Rank 0's choice of directory, on every rank (collective); rank 0 creates it."""
-    chosen = Path(broadcast_object(process_group, str(Path(mine).resolve()), 0))
-    if process_group.rank() == 0:
-        chosen.mkdir(parents=True, exist_ok=True)
-    return chosen
+        scalars = self.metrics.reduce_window(self.state.step, float(self.optimizer.param_groups[0]["lr"]))
+        self.callback_metrics.update(scalars)
+        return scalars

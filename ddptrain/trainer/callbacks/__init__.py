@@ -1,18 +1,30 @@
-"""Callbacks: the interface, what they see of the trainer, and the three built-ins."""
+"""Callbacks: the interface, what they see of the trainer, and the built-ins."""
 
 from __future__ import annotations
 
 from ...config import TrainerConfig
 from .base import Callback, TrainerView
+from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback
+from .early_stopping import EarlyStopping
 from .progress import ProgressCallback
 from .tensorboard import TensorBoardCallback
 
-__all__ = ["Callback", "TrainerView", "CheckpointCallback", "ProgressCallback", "TensorBoardCallback", "from_config"]
+__all__ = [
+    "Callback",
+    "TrainerView",
+    "BestCheckpoints",
+    "CheckpointCallback",
+    "EarlyStopping",
+    "ProgressCallback",
+    "TensorBoardCallback",
+    "from_config",
+]
 
 
 def from_config(config: TrainerConfig) -> list[Callback]:
-    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, checkpoints."""
+    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, (best)
+    checkpoints, early stopping."""
     callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress.lower()))]
     if config.tensorboard:
         callbacks.append(TensorBoardCallback())
@@ -25,4 +37,11 @@ def from_config(config: TrainerConfig) -> list[Callback]:
                 keep_last=config.keep_last_checkpoints,
             )
         )
+    if config.checkpoint_monitor:
+        callbacks.append(
+            BestCheckpoints(config.checkpoint_monitor, config.checkpoint_mode, config.checkpoint_save_top_k)
+        )
+    stop = config.early_stopping
+    if stop.monitor:
+        callbacks.append(EarlyStopping(stop.monitor, stop.mode, stop.patience, stop.min_delta))
     return callbacks

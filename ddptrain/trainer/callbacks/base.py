@@ -35,6 +35,13 @@ class TrainerView(Protocol):
         device: this rank's device.
         output_dir: the run's directory (the same on every rank).
         steps_per_epoch: optimizer steps in a full epoch.
+        callback_metrics: the latest value of every metric, reduced over all ranks (the same on
+            every rank): ``train/*`` at each logging point, ``eval/*`` after each evaluation,
+            ``train/epoch_loss`` at epoch ends, and what ``self.log`` reported.
+        should_stop: set it to True to stop training; the ranks agree on it, so all stop at the
+            same step (after the next step when set during a step; before the next step when set
+            at an evaluation or an epoch end).
+        process_group: the ranks of the job (for a callback that must agree on a decision).
     """
 
     config: Config
@@ -43,6 +50,9 @@ class TrainerView(Protocol):
     device: torch.device
     output_dir: Path
     steps_per_epoch: int
+    callback_metrics: dict[str, float]
+    should_stop: bool
+    process_group: Any
 
     @property
     def is_main(self) -> bool:
@@ -56,8 +66,8 @@ class TrainerView(Protocol):
     def steps_done_in_epoch(self) -> int:
         """Optimizer steps of the current epoch already done (more than 0 after a mid-epoch resume)."""
 
-    def save_checkpoint(self, path: str | Path) -> Path:
-        """Write a checkpoint to ``path``; a collective: every rank calls it at the same step."""
+    def save_checkpoint(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint to ``path`` (plus ``extra`` entries); collective: all ranks call it at one step."""
 
 
 class Callback:

@@ -1,0 +1,126 @@
+"""``trainer.should_stop``, the EarlyStopping callback and the evaluation cadence: every rank stops
+at the same step (seen from outside: each rank's step count), whoever set the flag and when."""
+
+import pytest
+import torch
+
+from ddptrain import Callback, ConfigError
+from ddptrain.testing import run_threaded
+from ddptrain.trainer import EarlyStopping
+
+from .test_trainer import TinyTrainer, _config
+
+
+class StopOnOneRank(Callback):
+    """Sets ``should_stop`` on one rank only, after step ``at_step`` or at the end of epoch ``at_epoch``."""
+
+    def __init__(self, rank, at_step=None, at_epoch=None):
+        self.rank, self.at_step, self.at_epoch = rank, at_step, at_epoch
+
+    def on_train_batch_end(self, trainer, loss):
+        if trainer.rank == self.rank and trainer.state.step == self.at_step:
+            trainer.should_stop = True
+
+    def on_epoch_end(self, trainer, epoch, metrics):
+        if trainer.rank == self.rank and epoch == self.at_epoch:
+            trainer.should_stop = True
+
+
+def _fit(rank, world_size, config, callback_args):
+    trainer = TinyTrainer(config, callbacks=[StopOnOneRank(**callback_args)])
+    metrics = trainer.fit()
+    return trainer.state.step, metrics["stopped_early"], trainer.should_stop
+
+
+def test_should_stop_set_mid_epoch_on_one_rank_stops_every_rank_after_the_next_step(tmp_path):
+    # 40 samples, global batch 12 (the last one short): 4 steps per epoch. Rank 2 asks after step 2.
+    config = _config(tmp_path, data={"global_batch_size": 12}, epochs=3)
+    results = run_threaded(_fit, 3, config, {"rank": 2, "at_step": 2}, timeout_s=120)
+    assert results == [(3, True, True)] * 3  # the agreement is asynchronous: one step later, on all ranks
+
+
+def test_should_stop_set_at_an_epoch_end_stops_before_the_next_step(tmp_path):
+    config = _config(tmp_path, epochs=3)
+    results = run_threaded(_fit, 2, config, {"rank": 1, "at_epoch": 0}, timeout_s=120)
+    assert results == [(4, True, True)] * 2
+
+
+class ZeroLr(TinyTrainer):
+    """Learns nothing: the validation loss is the same at every evaluation (a plateau)."""
+
+    def configure_optimizers(self, model):
+        return torch.optim.SGD(model.parameters(), lr=0.0)
+
+
+class EvalSteps(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_validation_end(self, trainer, metrics):
+        self.steps.append(trainer.state.step)
+
+
+def _fit_early(rank, world_size, config):
+    evals = EvalSteps()
+    trainer = ZeroLr(config, callbacks=[evals])
+    metrics = trainer.fit()
+    stopper = next(c for c in trainer.callbacks if isinstance(c, EarlyStopping))
+    return trainer.state.step, metrics["stopped_early"], evals.steps, stopper.wait, stopper.stopped_step
+
+
+def test_early_stopping_from_config_stops_every_rank_at_the_same_evaluation(tmp_path):
+    """Evaluations every 3 steps (and at epoch ends, every 4): the first sets the best, the next two
+    do not improve (patience 2), so every rank stops at the third evaluation's step."""
+    config = _config(tmp_path, epochs=10, eval_every_steps=3, early_stopping={"monitor": "eval/loss", "patience": 2})
+    results = run_threaded(_fit_early, 2, config, timeout_s=120)
+    # Evaluations at steps 3, 4 (epoch end) and 6: stop at 6 on both ranks, no step 7.
+    assert results == [(6, True, [3, 4, 6], 2, 6)] * 2
+
+
+def test_early_stopping_waits_while_the_metric_improves(tmp_path):
+    """A learning model: eval/loss falls at every evaluation, so patience 0 never triggers."""
+    config = _config(tmp_path, epochs=3, early_stopping={"monitor": "eval/loss", "patience": 0})
+    metrics = TinyTrainer(config).fit()
+    assert metrics["step"] == 12 and not metrics["stopped_early"]
+
+
+def test_a_monitored_metric_that_never_appears_is_a_clear_error(tmp_path):
+    config = _config(tmp_path, epochs=2, early_stopping={"monitor": "eval/los"})
+    with pytest.raises(ConfigError) as info:
+        TinyTrainer(config).fit()
+    message = str(info.value)
+    assert "EarlyStopping monitors 'eval/los', but no metric of that name was reported by step 4" in message
+    assert "Did you mean 'eval/loss'?" in message
+    assert "Available: eval/accuracy, eval/loss, eval/samples, train/comm_wait_s, train/loss, train/lr" in message
+
+
+def test_early_stopping_without_validation_checks_at_epoch_ends(tmp_path):
+    class NoVal(ZeroLr):
+        def val_dataset(self):
+            return None
+
+    stopper = EarlyStopping("train/epoch_loss", mode="min", patience=1)
+    metrics = NoVal(_config(tmp_path, epochs=10), callbacks=[stopper]).fit()
+    # Epoch losses of a model that learns nothing over reshuffled batches: one improvement at most
+    # before a check without, then stop. Never all 10 epochs.
+    assert metrics["stopped_early"] and metrics["step"] == stopper.stopped_step and metrics["step"] < 40
+
+
+@pytest.mark.parametrize(("every_epochs", "expected"), [(1, [3, 4, 6, 8]), (0, [3, 6, 8])])
+def test_eval_every_steps_cadence(tmp_path, every_epochs, expected):
+    """4 steps per epoch, 2 epochs, evaluation every 3 steps and/or every epoch; the final
+    evaluation (step 8) happens once, whether asked by the epoch end or by the end of the fit."""
+    evals = EvalSteps()
+    config = _config(tmp_path, eval_every_steps=3, eval_every_epochs=every_epochs)
+    metrics = TinyTrainer(config, callbacks=[evals]).fit()
+    assert evals.steps == expected and metrics["eval/samples"] == 13
+
+
+def test_bad_early_stopping_settings_are_refused():
+    with pytest.raises(ConfigError, match="mode must be one of min, max"):
+        EarlyStopping("eval/loss", mode="lowest")
+    from ddptrain.config import Config, validate
+
+    config = Config.from_dict({"trainer": {"early_stopping": {"monitor": "eval/loss", "mode": "up"}}})
+    with pytest.raises(ConfigError, match="trainer.early_stopping.mode"):
+        validate(config, 1)
