@@ -62,7 +62,9 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     ):
         assert line in proc.stdout
     helped = run_cli("--help", cwd=tmp_path, timeout=60)
-    assert helped.returncode == 0 and "recipe: fashion_mnist, mnist, mnist_fast, synthetic" in helped.stdout, helped.stderr
+    assert helped.returncode == 0 and "recipe: fashion_mnist, mnist, mnist_fast, synthetic" in helped.stdout, (
+        helped.stderr
+    )
     assert not list(tmp_path.iterdir())  # printing the config or the help writes nothing
     script = Path(PYTHON).parent / "ddptrain"  # the console script, from any directory
     if script.exists():
@@ -73,7 +75,10 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("recipe=mnst", ["unknown recipe 'mnst'", "Did you mean recipe=mnist?", "fashion_mnist, mnist, mnist_fast, synthetic"]),
+        (
+            "recipe=mnst",
+            ["unknown recipe 'mnst'", "Did you mean recipe=mnist?", "fashion_mnist, mnist, mnist_fast, synthetic"],
+        ),
         ("backend=glo", ["unknown backend 'glo'", "Did you mean backend=gloo?"]),
         ("launcher=torchrn", ["unknown launcher 'torchrn'", "Did you mean launcher=torchrun?"]),
         ("model=tutorial", ["unknown model 'tutorial'", "Did you mean model=tutorial_net?"]),
