@@ -190,23 +190,25 @@ def check_mode() -> bool | str:
 
 
 def _ledger_directory(pg: ProcessGroup, store: Store | None) -> str | None:
-    """``DDPTRAIN_LEDGER_DIR``, else a temporary directory that rank 0 makes and shares
-    (through the store, or an MPI broadcast); None with ``DDPTRAIN_LEDGER_DIR=off``."""
-    directory = envvars.get_str("DDPTRAIN_LEDGER_DIR")
-    if directory:
-        return None if directory.lower() == "off" else directory
-    import tempfile
+    """Rank 0's ``DDPTRAIN_LEDGER_DIR`` (ranks started apart, e.g. by torchrun, may each have
+    picked another run directory), else a temporary directory rank 0 makes; shared through the
+    store or an MPI broadcast. None with ``DDPTRAIN_LEDGER_DIR=off``."""
+    mine = None
+    if pg.rank() == 0:
+        import tempfile
 
-    mine = tempfile.mkdtemp(prefix="ddptrain-ledger-") if pg.rank() == 0 else None
+        mine = envvars.get_str("DDPTRAIN_LEDGER_DIR") or tempfile.mkdtemp(prefix="ddptrain-ledger-")
     if store is not None:
         if mine:
             store.set("ledger_dir", mine)
-        return store.get("ledger_dir", pg.timeout).decode()
-    if pg.backend == "mpi":
+        chosen = store.get("ledger_dir", pg.timeout).decode()
+    elif pg.backend == "mpi":
         box = {}
         pg._thread.submit(lambda: box.setdefault("dir", pg.comm.bcast(mine, root=0)), []).wait()
-        return box["dir"]
-    return mine
+        chosen = box["dir"]
+    else:
+        chosen = envvars.get_str("DDPTRAIN_LEDGER_DIR")
+    return None if not chosen or chosen.lower() == "off" else chosen
 
 
 def _attach_ledger(pg: ProcessGroup, store: Store | None, check) -> None:

@@ -85,7 +85,9 @@ class Record:
 
     def describe(self) -> str:
         what = "barrier" if self.op == "barrier" else f"{self.op} of {self.dtype}{list(self.shape)}"
-        if self.op in ("all_reduce", "reduce_scatter"):
+        if self.op == "all_to_all":
+            what = f"all_to_all of {self.detail} tensors"
+        elif self.op in ("all_reduce", "reduce_scatter"):
             what += f" {REDUCE_OPS[self.detail] if 0 <= self.detail < 5 else self.detail}"
         elif self.op in ("broadcast", "scatter", "gather"):
             what += f" root {self.detail}"

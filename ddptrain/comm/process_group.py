@@ -45,7 +45,8 @@ _LEDGER_FIELDS = {
     "gather": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "dst", 0)),
     "scatter": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "src", 0)),
     "reduce_scatter": lambda a, k: (_arg(a, k, 0, "output"), _reduce_code(_arg(a, k, 2, "op", ReduceOp.SUM))),
-    "all_to_all": lambda a, k: ((_arg(a, k, 1, "input_list") or [None])[0], 0),
+    # split sizes may differ between ranks: only the number of tensors must agree
+    "all_to_all": lambda a, k: (None, len(_arg(a, k, 1, "input_list") or ())),
     "barrier": lambda a, k: (None, 0),
 }
 

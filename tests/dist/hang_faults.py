@@ -68,7 +68,7 @@ def sleep(rank, ws, culprit):
 def loop(rank, ws, culprit):
     t = _warm_up()
     n = 0
-    while rank == culprit:
+    while rank == culprit:  # LINE:loop_head
         n += 1  # LINE:loop
     dist.all_reduce(t)
     dist.barrier()

@@ -29,7 +29,7 @@ EXPECTED = {
     "shapes": ("diverged", ["shapes"]),
     "order": ("diverged", ["order_culprit", "order_others"]),
     "sleep": ("never arrived", ["sleep"]),
-    "loop": ("never arrived", ["loop"]),
+    "loop": ("never arrived", ["loop|loop_head"]),  # the stack shows the loop's body or its condition
     "sigstop": ("is stopped (SIGSTOP", ["warmup"]),
     "dataloader": ("never arrived", ["dataloader"]),
 }
@@ -38,8 +38,8 @@ if FULL:
     CASES = [(b, f, ws) for b in ("gloo", "mpi") for ws in (2, 3, 4) for f in FAULTS]
 else:
     CASES = [("gloo", f, 3) for f in FAULTS]
-    CASES += [("gloo", "order", 2), ("gloo", "sigstop", 4), ("gloo", "shapes", 2)]
-    CASES += [("mpi", "skip", 2), ("mpi", "sleep", 3), ("mpi", "shapes", 3), ("mpi", "dataloader", 4)]
+    CASES += [("gloo", "order", 2), ("gloo", "sigstop", 4)]
+    CASES += [("mpi", "skip", 2), ("mpi", "sleep", 3), ("mpi", "dataloader", 4)]
 
 
 def culprit_of(ws: int) -> int:
@@ -67,5 +67,5 @@ def test_fault_names_the_culprit_and_the_line(backend, fault, ws, tmp_path):
     else:
         assert f"rank {culprit} (pid" in msg and what in msg, msg
     for tag in tags:
-        assert line_of(tag) in msg, (tag, msg)
+        assert any(line_of(t) in msg for t in tag.split("|")), (tag, msg)
     assert ended - began <= TIMEOUT_S + 5, f"the job ended {ended - began:.1f} s after the fault"
