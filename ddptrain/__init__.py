@@ -25,6 +25,8 @@ _EXPORTS = {
     "CheckpointError": "ddptrain.trainer",
     "SmokeCheckError": "ddptrain.trainer",
     "run": "ddptrain.trainer",
+    "load_model": "ddptrain.loading",
+    "BestCheckpoints": "ddptrain.trainer",
 }
 __all__ = ["__version__", *_EXPORTS]
 

@@ -31,6 +31,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainerConfig",
+    "DoctorConfig",
     "EarlyStoppingConfig",
     "validate",
     "resolve_backend",
@@ -247,6 +248,10 @@ class TrainerConfig:
     resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), or ``latest``
     (this run's checkpoint directory; starts fresh with a warning when it holds none)."""
+    init_from: str | None = None
+    """Fine-tuning: start from the model weights only of a checkpoint file, a run directory (its
+    newest checkpoint) or a run's ``checkpoints/best`` directory (its best); the optimizer, schedule
+    and step start fresh. ``trainer.resume``, when it finds a checkpoint, wins (a restarted fine-tune continues)."""
     allow_world_size_change: bool = False
     """Accept a checkpoint written by another number of ranks (the epoch continues from the same
     global sample position)."""
@@ -265,6 +270,26 @@ class TrainerConfig:
     """After training, fail unless the parameters are identical on every rank and the training
     loss fell by at least 1%, measured on the same samples (the training set's first
     ``data.global_batch_size``, model in eval mode) before and after training (for CI smoke runs)."""
+    doctor: bool = False
+    """Measure a window of steps (``doctor.*``) and write ``<output_dir>/doctor.json``: why the run
+    is slow, what to change, how it scales (``python -m ddptrain.doctor`` does only that)."""
+
+
+@dataclass
+class DoctorConfig:
+    """``ddptrain doctor``: the measured window and the what-if of the scaling prediction."""
+
+    warmup_steps: int = 3
+    """Optimizer steps left unmeasured first (bucket rebuild, allocator, caches)."""
+    steps: int = 10
+    """Optimizer steps measured, on every rank."""
+    world_sizes: list = field(default_factory=lambda: [2, 4, 8, 64])
+    """World sizes the scaling prediction is made for."""
+    link_gbps: float | None = None
+    """Link speed (Gbit/s) of the prediction; ``None``: the link measured in this run."""
+    hosts: int = 0
+    """Hosts of the predicted jobs: their ranks share those hosts' cores. 0: as many hosts as
+    needed at this run's ranks per host."""
 
 
 @dataclass
@@ -286,6 +311,8 @@ class Config:
     """Optimizer and schedule."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     """Loop, evaluation, logging, checkpoints."""
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    """``trainer.doctor`` / ``python -m ddptrain.doctor``: the measured window and the prediction."""
 
     @classmethod
     def from_dict(cls, data: dict | None = None) -> Config:
@@ -412,6 +439,7 @@ def validate(config: Config, world_size: int) -> None:
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.grad_accum_steps", t.grad_accum_steps)
     _positive("trainer.log_every_steps", t.log_every_steps)
+    _positive("doctor.steps", config.doctor.steps)
     _positive("data.global_batch_size", d.global_batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
     _positive("dist.world_size", world_size)
@@ -432,6 +460,8 @@ def validate(config: Config, world_size: int) -> None:
         ("data.num_workers", d.num_workers),
         ("dist.threads_per_worker", config.dist.threads_per_worker),
         ("trainer.check_sync_every_n_steps", t.check_sync_every_n_steps),
+        ("doctor.warmup_steps", config.doctor.warmup_steps),
+        ("doctor.hosts", config.doctor.hosts),
     ):
         if value < 0:
             raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off / picks the default)")

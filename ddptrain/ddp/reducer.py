@@ -71,7 +71,11 @@ class IterationStats:
     """What one synchronised backward did, for the trainer's logs and for benchmarks.
 
     Times are ``time.perf_counter()`` seconds; ``launch_offsets_s`` are relative to the first
-    gradient hook, ``None`` for a bucket that was never launched.
+    gradient hook, ``None`` for a bucket that was never launched. ``done_times`` (only while
+    ``Reducer.track_completion`` is set, for ``ddptrain doctor``): when each bucket's result was
+    in — ``backward_end`` for one already complete when backward ended, else when its wait
+    returned. ``find_unused_s``: time spent finding unused parameters (the graph walk at forward,
+    plus ``find_unused_comm_s``, the all-reduce of the used flags inside ``finalize_wait_s``).
     """
 
     iteration: int
@@ -82,6 +86,10 @@ class IterationStats:
     launch_times: list[float | None] = field(default_factory=list)
     finalize_wait_s: float = 0.0
     rebuilt_buckets: bool = False
+    done_times: list[float | None] = field(default_factory=list)
+    find_unused_s: float = 0.0
+    find_unused_comm_s: float = 0.0
+    unused_on_rank: int = 0
 
     @property
     def launch_offsets_s(self) -> list[float | None]:
@@ -135,6 +143,7 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.find_unused = find_unused_parameters
         self.in_place_min_bytes = DIRECT_MIN_BYTES
+        self.track_completion = False  # ddptrain doctor: record when each bucket completed
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: object = None
         self._specs = [ParamSpec.of(p) for p in self.params]
@@ -212,7 +221,9 @@ class Reducer:
         """Start a new iteration; ``sync=False`` (no_sync) makes the coming backward local."""
         self._it = _Iteration(self.plan, len(self.params), self.iteration, sync)
         if sync and self.find_unused:
+            started = time.perf_counter()
             reached = _reachable_params(outputs)
+            self._it.stats.find_unused_s = time.perf_counter() - started
             for i, p in enumerate(self.params):
                 if id(p) not in reached:
                     self._mark_ready(i, used=False)
@@ -313,8 +324,12 @@ class Reducer:
             self._incomplete = [self.names[i] for i, ready in enumerate(it.ready) if not ready]
             return
         unused = self._unused_everywhere(it)
+        if self.track_completion:
+            it.stats.done_times = [it.stats.backward_end if _is_done(w) else None for w in it.work]
         for b in range(len(self.plan.buckets)):
             self._collect(b, it.work[b])
+            if self.track_completion and it.stats.done_times[b] is None:
+                it.stats.done_times[b] = time.perf_counter()
             self._write_back(b, it, unused)
         it.stats.finalize_wait_s = time.perf_counter() - it.stats.backward_end
         it.stats.rebuilt_buckets = self.rebuilt
@@ -327,8 +342,12 @@ class Reducer:
         """Parameters no rank used (only with find_unused_parameters: one small all-reduce)."""
         if not self.find_unused:
             return frozenset()
+        started = time.perf_counter()
+        it.stats.unused_on_rank = it.used.count(False)
         used = torch.tensor(it.used, dtype=torch.int32, device=self.pg.device)
         self.pg.all_reduce(used, ReduceOp.SUM).wait()
+        it.stats.find_unused_comm_s = time.perf_counter() - started
+        it.stats.find_unused_s += it.stats.find_unused_comm_s
         return frozenset(i for i, n in enumerate(used.cpu().tolist()) if n == 0)
 
     def _collect(self, b: int, work: object) -> None:
@@ -394,6 +413,17 @@ def _may_change_in_place(grad: torch.Tensor | None, like: torch.Tensor) -> bool:
         return torch._C._storage_Use_Count(storage._cdata) <= 2
     except AttributeError:  # a torch without the private counter: stay on the copying path
         return False
+
+
+def _is_done(work) -> bool:
+    """Whether a bucket's Work / Future (or list of them) has completed, without waiting."""
+    if isinstance(work, list):
+        return all(_is_done(w) for w in work)
+    if work is None:
+        return True
+    if isinstance(work, torch._C.Future):
+        return work.done()
+    return bool(work.is_completed())
 
 
 def _wait(work):

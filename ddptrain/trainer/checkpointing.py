@@ -194,18 +194,19 @@ class Checkpointer:
             seed_everything(self.config.trainer.seed + rank + 1_000_003 * checkpoint["step"])
 
     def resume_if_asked(self) -> bool:
-        """Resume from ``trainer.resume``, or from the latest checkpoint after a torchrun restart."""
+        """Resume from ``trainer.resume``, or from the latest checkpoint after a torchrun restart;
+        failing that (nothing to resume), start from ``trainer.init_from``'s weights if set."""
         resume = self.config.trainer.resume or elastic_restart_resume()
-        return self.resume(resume) if resume else False
+        if resume and self.resume(resume):
+            return True
+        init_from = self.config.trainer.init_from
+        return self.init_weights(init_from) if init_from else False
 
-    def resume(self, resume: str) -> bool:
-        """Continue from ``trainer.resume`` (a file, a directory, or ``latest``); False if nothing to resume.
-
-        Rank 0 picks the file and every rank loads it, so all agree (or all fail together).
-        """
+    def _agree_on_path(self, value: str, key: str) -> str | None:
+        """Rank 0 resolves ``value`` (``key``'s) to a file and every rank gets its answer (or its error)."""
         if self.is_main:
             try:
-                found, error = resolve_resume_path(resume, self.directory), None
+                found, error = resolve_resume_path(value, self.directory, key), None
             except CheckpointError as exc:
                 found, error = None, str(exc)
             choice = (None if found is None else str(found), error)
@@ -214,6 +215,34 @@ class Checkpointer:
         path, error = broadcast_object(self.process_group, choice, 0)
         if error:
             raise CheckpointError(error)
+        return path
+
+    def init_weights(self, source: str) -> bool:
+        """Fine-tuning: load only the model weights of ``source`` (``trainer.init_from``: a file, a run
+        or checkpoint directory, a ``best`` directory); the optimizer, schedule, step and data
+        position start fresh. Every rank loads the same file."""
+        path = self._agree_on_path(source, "trainer.init_from")
+        if path is None:
+            raise CheckpointError(f"trainer.init_from={source}: there is no checkpoint to start from")
+        checkpoint = load_checkpoint(path)
+        try:
+            self.model.load_state_dict(checkpoint["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(
+                f"trainer.init_from={source}: the weights in {path} do not fit this run's model "
+                f"({' '.join(str(exc).split())}). init_from loads every parameter and buffer by name: build the "
+                "same model (model.* / configure_model) as the run that wrote it."
+            ) from None
+        if self.is_main:
+            log.info("weights from %s (step %d of its run); training starts at step 0", path, checkpoint["step"])
+        return True
+
+    def resume(self, resume: str) -> bool:
+        """Continue from ``trainer.resume`` (a file, a directory, ``latest`` or ``best``); False if nothing to resume.
+
+        Rank 0 picks the file and every rank loads it, so all agree (or all fail together).
+        """
+        path = self._agree_on_path(resume, "trainer.resume")
         if path is None:
             if self.is_main:
                 log.warning("trainer.resume=latest: no checkpoint in %s yet; starting from scratch", self.directory)

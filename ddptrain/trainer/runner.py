@@ -125,20 +125,20 @@ def _start_workers(config: Config, world_size: int) -> list:
 
 
 def preflight_resume(config: Config, world_size: int) -> None:
-    """Refuse a missing, corrupt or wrong-world-size checkpoint before any worker starts."""
+    """Refuse a missing, corrupt or wrong-world-size checkpoint (``trainer.resume``), or a missing or
+    corrupt one to start from (``trainer.init_from``), before any worker starts."""
     from .trainer import check_world_size
 
-    resume = config.trainer.resume
-    if not resume:
-        return
-    output_dir = Path(config.trainer.output_dir or ".")
+    resume, init_from = config.trainer.resume, config.trainer.init_from
+    checkpoints = Path(config.trainer.output_dir or ".") / "checkpoints"
     with warnings.catch_warnings():  # rank 0 repeats any warning when it resumes for real
         warnings.simplefilter("ignore")
-        path = resolve_resume_path(resume, output_dir / "checkpoints")
-        if path is None:
-            return
-        ckpt = load_checkpoint(path)
-    check_world_size(ckpt["world_size"], world_size, config.trainer.allow_world_size_change, path)
+        path = resolve_resume_path(resume, checkpoints) if resume else None
+        if path is not None:
+            ckpt = load_checkpoint(path)
+            check_world_size(ckpt["world_size"], world_size, config.trainer.allow_world_size_change, path)
+        elif init_from:
+            load_checkpoint(resolve_resume_path(init_from, checkpoints, "trainer.init_from"))
 
 
 def _check_launcher(config: Config, env: ClusterEnvironment) -> None:

@@ -317,7 +317,9 @@ class Trainer:
         self.optimizer_set = OptimizerSet.from_hook(self.configure_optimizers(self.model.module))
         self.optimizers, self.optimizer = self.optimizer_set.optimizers, self.optimizer_set.optimizer
         self.scheduler = self.optimizer_set.scheduler
-        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
+        from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
+
+        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
         self.checkpointer = Checkpointer.of(self)
         self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
         if cfg.trainer.smoke_check:

@@ -1,0 +1,248 @@
+"""From every rank's step timings to a ranked list of causes, each with advice and a prediction.
+
+:func:`summarize` turns the records into the step-time breakdown: per step, the rank that
+waited least after backward shows the link's own time (``comm_exposed_s``); what the other
+ranks waited beyond it is the wait for the slowest rank (``sync_wait_s``). :func:`diagnose`
+applies one rule per cause; a cause is reported when it costs at least ``MIN_SHARE`` of the
+step, ranked by that share, each with the config key that removes it and the step time
+predicted after the change. Nothing found: ``healthy`` (compute-bound).
+
+Cause names are stable (tools read them): ``data_loading``, ``straggler`` (with ``rank``),
+``slow_network``, ``small_buckets``, ``no_overlap``, ``find_unused_overhead``,
+``cpu_oversubscribed``, ``healthy``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .link import LinkModel
+from .predict import StepModel
+
+MIN_SHARE = 0.10
+STRAGGLER_MIN_SHARE = 0.20  # waits of a few ms come and go on busy hosts; a straggler is steady and large
+BREAKDOWN = (
+    "data_s",
+    "forward_s",
+    "backward_s",
+    "comm_exposed_s",
+    "sync_wait_s",
+    "find_unused_s",
+    "optimizer_s",
+    "other_s",
+)
+MB = 1 << 20
+
+
+@dataclass
+class JobFacts:
+    """What the rules need to know about the job besides its timings.
+
+    ``buckets_at(cap_mb)`` gives the bucket layout (bytes of each all-reduce, per bucket) the
+    reducer would use at another ``dist.bucket_cap_mb``. ``compute_probe``: forward+backward
+    seconds timed with this run's threads and with ``cores // ranks_per_host`` (``None``: not
+    measured, the threads fit the cores).
+    """
+
+    world_size: int
+    ranks_per_host: int
+    threads: int
+    cores: int
+    num_workers: int
+    bucket_cap_mb: float
+    find_unused: bool
+    bucket_sizes: tuple[tuple[int, ...], ...]
+    buckets_at: Callable[[float], tuple[tuple[int, ...], ...]] = field(repr=False, default=None)
+    compute_probe: dict | None = None
+
+
+def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
+    """``(breakdown, per_rank)``: medians over the window's steps (breakdown: of the rank mean)."""
+    steps = sorted(set.intersection(*(set(r["step"] for r in recs) for recs in per_rank)))
+    by_rank = [{r["step"]: r for r in recs} for recs in per_rank]
+    rows: list[list[dict]] = [[] for _ in per_rank]
+    for s in steps:
+        least = min(ranks[s]["comm_s"] for ranks in by_rank)
+        for rank, ranks in enumerate(by_rank):
+            r = ranks[s]
+            row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "find_unused_s", "optimizer_s", "other_s")}
+            row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least, step_s=r["end"] - r["start"])
+            row.update(cpu_s=r["cpu_s"], unused_params=r["unused_params"])
+            rows[rank].append(row)
+    keys = ("step_s", *BREAKDOWN, "cpu_s")
+    ranks = [{"rank": i, **{k: statistics.median(x[k] for x in rs) for k in keys}} for i, rs in enumerate(rows)]
+    breakdown = {
+        k: statistics.median(statistics.fmean(rows[r][i][k] for r in range(len(rows))) for i in range(len(steps)))
+        for k in keys
+    }
+    breakdown["steps"] = len(steps)
+    breakdown["unused_params"] = max(x["unused_params"] for rs in rows for x in rs) if steps else 0
+    return breakdown, ranks
+
+
+def step_model(breakdown: dict, facts: JobFacts, link: LinkModel) -> StepModel:
+    """The measured step as the prediction model sees it, calibrated on ``link``."""
+    b = breakdown
+    compute = b["step_s"] - b["comm_exposed_s"] - b["sync_wait_s"]
+    return StepModel(
+        step_s=b["step_s"],
+        compute_s=max(compute, 1e-9),
+        backward_s=b["backward_s"],
+        exposed_s=b["comm_exposed_s"],
+        bucket_sizes=facts.bucket_sizes,
+        world_size=facts.world_size,
+        ranks_per_host=facts.ranks_per_host,
+        threads=facts.threads,
+        cores=facts.cores,
+    ).calibrate(link)
+
+
+def _cause(name: str, share: float, advice: str, predicted: float, **extra) -> dict:
+    return {"cause": name, **extra, "share": round(share, 4), "advice": advice, "predicted_step_s": predicted}
+
+
+def _data_loading(b, ranks, facts, link, model) -> dict | None:
+    step, data = b["step_s"], b["data_s"]
+    rest = max(step - data, 1e-6)
+    fetch = data if facts.num_workers == 0 else facts.num_workers * step  # one batch's loading time
+    workers = min(16, max(2 * facts.num_workers, math.ceil(fetch / rest) + 1))
+    return _cause(
+        "data_loading",
+        data / step,
+        f"data.num_workers={workers}: each step waits {data:.3g} s for its batch (of {step:.3g} s); "
+        f"{workers} loader processes per rank prepare batches while the rank computes",
+        max(rest, fetch / workers),
+    )
+
+
+def _straggler(b, ranks, facts, link, model) -> dict | None:
+    if len(ranks) < 2:
+        return None
+    slow = min(ranks, key=lambda r: r["sync_wait_s"])
+    waited = max(r["sync_wait_s"] for r in ranks) - slow["sync_wait_s"]
+    return _cause(
+        "straggler",
+        waited / b["step_s"],
+        f"the other ranks wait up to {waited:.3g} s per step for rank {slow['rank']}: remove what slows that "
+        "rank (rank-dependent work in training_step, another job or a slower host); if its host is slower, "
+        "run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker)",
+        b["step_s"] - waited,
+        rank=slow["rank"],
+    )
+
+
+def _slow_network(b, ranks, facts, link, model) -> dict | None:
+    latency, bandwidth = model.latency_and_bandwidth_s()
+    if bandwidth < latency:
+        return None
+    nbytes = sum(sum(x) for x in facts.bucket_sizes)
+    step, exposed, p = b["step_s"], b["comm_exposed_s"], facts.world_size
+    busbw = model.link.bandwidth_Bps * 2 * (p - 1) / p / 1e9
+    overlappable = 0.0  # what smaller buckets would hide: no_overlap's, not the link's
+    if facts.buckets_at is not None and nbytes:
+        overlappable = max(0.0, step - model.with_buckets(facts.buckets_at(_quarter_mb(nbytes))))
+    return _cause(
+        "slow_network",
+        (exposed - overlappable) * bandwidth / (bandwidth + latency) / step,
+        f"bandwidth-bound: {nbytes / MB:.3g} MiB of gradients per step at {busbw:.3g} GB/s busbw leave "
+        f"{exposed:.3g} s exposed after backward; use a faster link (doctor.link_gbps=... predicts one), or more "
+        "samples per all-reduce: double data.global_batch_size (the predicted step trains twice the samples)",
+        2 * (step - exposed - b["sync_wait_s"]) + exposed + b["sync_wait_s"],
+    )
+
+
+def _small_buckets(b, ranks, facts, link, model) -> dict | None:
+    latency, bandwidth = model.latency_and_bandwidth_s()
+    if latency <= bandwidth or facts.buckets_at is None or facts.bucket_cap_mb >= 25:
+        return None
+    layout = facts.buckets_at(25.0)
+    predicted = model.with_buckets(layout)
+    count = sum(len(x) for x in facts.bucket_sizes)
+    return _cause(
+        "small_buckets",
+        (b["step_s"] - predicted) / b["step_s"],
+        f"latency-bound: {count} all-reduces per step in {len(facts.bucket_sizes)} buckets of "
+        f"dist.bucket_cap_mb={facts.bucket_cap_mb:g}; dist.bucket_cap_mb=25 makes it "
+        f"{sum(len(x) for x in layout)} all-reduce(s)",
+        predicted,
+    )
+
+
+def _quarter_mb(nbytes: int) -> float:
+    """A bucket cap that splits ``nbytes`` of gradients into about four buckets (at least 1 MB)."""
+    return max(1.0, round(nbytes / MB / 4, 1))
+
+
+def _no_overlap(b, ranks, facts, link, model) -> dict | None:
+    sizes = facts.bucket_sizes
+    nbytes = sum(sum(x) for x in sizes)
+    if facts.buckets_at is None or not nbytes or sum(sizes[-1]) < 0.8 * nbytes or b["backward_s"] <= 0:
+        return None
+    cap = _quarter_mb(nbytes)
+    layout = facts.buckets_at(cap)
+    predicted = model.with_buckets(layout)
+    return _cause(
+        "no_overlap",
+        (b["step_s"] - predicted) / b["step_s"],
+        f"{sum(sizes[-1]) / nbytes:.0%} of the gradient bytes travel in the last bucket, after backward: "
+        f"dist.bucket_cap_mb={cap:g} starts their all-reduces while backward runs",
+        predicted,
+    )
+
+
+def _find_unused(b, ranks, facts, link, model) -> dict | None:
+    if not facts.find_unused or b["unused_params"]:
+        return None
+    return _cause(
+        "find_unused_overhead",
+        b["find_unused_s"] / b["step_s"],
+        f"dist.find_unused_parameters=false: every parameter got a gradient in every measured step, and "
+        f"looking for unused ones costs {b['find_unused_s']:.3g} s per step (a graph walk and an all-reduce)",
+        b["step_s"] - b["find_unused_s"],
+    )
+
+
+def _cpu_oversubscribed(b, ranks, facts, link, model) -> dict | None:
+    probe = facts.compute_probe
+    if facts.threads * facts.ranks_per_host <= facts.cores or not probe or probe["fit_s"] >= probe["now_s"]:
+        return None
+    compute = b["forward_s"] + b["backward_s"]
+    saved = compute * (1 - probe["fit_s"] / probe["now_s"])
+    fit = probe["threads_fit"]
+    return _cause(
+        "cpu_oversubscribed",
+        saved / b["step_s"],
+        f"{facts.ranks_per_host} ranks x {facts.threads} threads on {facts.cores} cores: threads take turns; "
+        f"dist.threads_per_worker={fit} (forward+backward measured {probe['now_s']:.3g} s -> {probe['fit_s']:.3g} s)",
+        b["step_s"] - saved,
+    )
+
+
+def _min_share(cause: str) -> float:
+    return STRAGGLER_MIN_SHARE if cause == "straggler" else MIN_SHARE
+
+
+RULES = (_data_loading, _straggler, _slow_network, _small_buckets, _no_overlap, _find_unused, _cpu_oversubscribed)
+
+
+def diagnose(breakdown: dict, ranks: list[dict], facts: JobFacts, link: LinkModel) -> list[dict]:
+    """Causes costing at least ``MIN_SHARE`` of the step, largest first; else ``[healthy]``."""
+    model = step_model(breakdown, facts, link)
+    found = [c for rule in RULES if (c := rule(breakdown, ranks, facts, link, model)) is not None]
+    found = sorted((c for c in found if c["share"] >= _min_share(c["cause"])), key=lambda c: -c["share"])
+    if found:
+        return found
+    b = breakdown
+    compute = (b["forward_s"] + b["backward_s"] + b["optimizer_s"]) / b["step_s"]
+    return [
+        _cause(
+            "healthy",
+            compute,
+            f"compute-bound ({compute:.0%} of the step is forward, backward and optimizer): nothing to fix; "
+            "more ranks (dist.world_size) scale as predicted under 'scaling'",
+            b["step_s"],
+        )
+    ]

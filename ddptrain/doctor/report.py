@@ -1,0 +1,71 @@
+"""``doctor.json`` in the documented shape, and the short report printed to the console.
+
+Shape (tools read it; keys beyond these may be added, none removed)::
+
+    {"world_size", "step_s", "breakdown": {...}, "per_rank": [...],
+     "link": {"latency_s", "busbw_GBps", ...},
+     "causes": [{"cause", "rank"?, "share", "advice", "predicted_step_s"}],
+     "scaling": [{"world_size", "predicted_step_s", "efficiency"}]}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .diagnose import BREAKDOWN, JobFacts
+
+
+def doctor_json(facts: JobFacts, breakdown: dict, ranks: list[dict], link: dict, causes: list, scaling: list) -> dict:
+    """The report as a JSON-ready dict."""
+    return {
+        "world_size": facts.world_size,
+        "step_s": breakdown["step_s"],
+        "breakdown": {k: breakdown[k] for k in BREAKDOWN} | {"steps": breakdown["steps"]},
+        "per_rank": ranks,
+        "link": link,
+        "causes": causes,
+        "scaling": scaling,
+        "job": {
+            "ranks_per_host": facts.ranks_per_host,
+            "threads": facts.threads,
+            "cores": facts.cores,
+            "bucket_cap_mb": facts.bucket_cap_mb,
+            "buckets": len(facts.bucket_sizes),
+            "allreduces_per_step": sum(len(b) for b in facts.bucket_sizes),
+            "gradient_bytes": sum(sum(b) for b in facts.bucket_sizes),
+        },
+    }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def format_report(report: dict, path: Path | None = None) -> str:
+    """A few lines: the breakdown (median and per rank, ms), the causes, the scaling."""
+    b, phases = report["breakdown"], [k for k in BREAKDOWN]
+    names = [p.removesuffix("_s") for p in phases]
+    lines = [
+        f"ddptrain doctor: {report['world_size']} rank(s), step {_ms(report['step_s'])} ms "
+        f"(median of {b['steps']} steps); link {report['link']['latency_s'] * 1e6:.0f} us latency, "
+        f"{report['link']['busbw_GBps']:.3g} GB/s busbw",
+        "  ms      " + " ".join(f"{n:>12}" for n in ["step", *names]),
+        "  median  " + " ".join(f"{_ms(v):>12}" for v in [report["step_s"], *(b[p] for p in phases)]),
+    ]
+    for r in report["per_rank"]:
+        values = [r["step_s"], *(r[p] for p in phases)]
+        lines.append(f"  rank {r['rank']:<3}" + " ".join(f"{_ms(v):>12}" for v in values))
+    lines.append("causes (largest first):")
+    for c in report["causes"]:
+        who = f" (rank {c['rank']})" if "rank" in c else ""
+        lines.append(
+            f"  {c['cause']}{who}: {c['share']:.0%} of the step -> {c['advice']} "
+            f"[predicted step {_ms(c['predicted_step_s'])} ms]"
+        )
+    scaling = ", ".join(
+        f"{s['world_size']}: {_ms(s['predicted_step_s'])} ms ({s['efficiency']:.0%})" for s in report["scaling"]
+    )
+    lines.append(f"scaling (world size: predicted step, efficiency): {scaling}")
+    if path is not None:
+        lines.append(f"written: {path}")
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""The doctor inside a run: a callback that measures a window of steps and writes the diagnosis.
+
+``trainer.doctor=true`` adds :class:`DoctorCallback` to the trainer's callbacks. At the start of
+fit it wraps the trainer's seams (:class:`~.measure.StepRecorder`); after ``doctor.warmup_steps
++ doctor.steps`` steps it unwraps them, gathers every rank's records, sweeps the link, and rank 0
+writes ``doctor.json``, ``doctor_trace.json`` and the TensorBoard scalars, and prints the
+report. Training then goes on unmeasured (``python -m ddptrain.doctor`` stops there).
+
+Collectives (every rank reaches them at the same step): one all-reduce at fit start (a common
+time origin for the timeline), and at the end of the window two all-gathers, the link sweep and,
+when threads outnumber cores, a few forward/backward passes under ``no_sync`` with two thread
+counts (the probe; they consume random numbers, so a doctored run is not bitwise the same as an
+undoctored one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import statistics
+import time
+
+import torch
+
+from ..comm.objects import all_gather_object
+from ..comm.types import ReduceOp
+from ..ddp.buckets import MB, ParamSpec, assign_buckets, plan_buckets
+from ..trainer.callbacks.base import Callback
+from .diagnose import JobFacts, diagnose, step_model, summarize
+from .link import LinkModel, link_summary, sweep
+from .measure import StepRecorder, collective_bytes
+from .report import doctor_json, format_report
+from .timeline import chrome_trace
+
+log = logging.getLogger("ddptrain.doctor")
+
+
+class DoctorCallback(Callback):
+    """Measure steps ``warmup_steps < n <= warmup_steps + steps`` of this fit and diagnose them."""
+
+    def __init__(self, doctor_config):
+        self.config = doctor_config
+        self.recorder: StepRecorder | None = None
+        self.origin = 0.0
+        self.report: dict | None = None
+
+    def on_fit_start(self, trainer) -> None:
+        pg = trainer.process_group
+        pg.all_reduce(torch.zeros(1, device=pg.device), ReduceOp.SUM).wait()  # a common time origin
+        self.origin = time.perf_counter()
+        first = trainer.state.step + self.config.warmup_steps
+        self.recorder = StepRecorder(trainer, first, self.config.steps)
+        self.recorder.attach()
+
+    def on_train_batch_end(self, trainer, loss: float) -> None:
+        if self.recorder is not None and trainer.state.step >= self.recorder.last:
+            self._complete(trainer)
+
+    def on_fit_end(self, trainer, metrics) -> None:
+        if self.recorder is not None:  # the run ended inside the window: diagnose what was measured
+            self._complete(trainer)
+
+    def on_exception(self, trainer, exc: BaseException) -> None:
+        if self.recorder is not None:
+            self.recorder.detach()
+            self.recorder = None
+
+    def _complete(self, trainer) -> None:
+        recorder, self.recorder = self.recorder, None
+        records = [r.to_dict() for r in recorder.finish()]
+        pg = trainer.process_group
+        mine = {
+            "records": records,
+            "host": socket.gethostname(),
+            "threads": torch.get_num_threads(),
+            "origin": self.origin,
+        }
+        everyone = all_gather_object(pg, mine)
+        if not all(e["records"] for e in everyone):
+            if trainer.is_main:
+                log.warning("doctor: no step was measured (the run ended within doctor.warmup_steps)")
+            return
+        link_rows = sweep(pg)
+        facts = self._facts(trainer, everyone, records)
+        if facts.threads * facts.ranks_per_host > facts.cores:
+            facts.compute_probe = _probe(trainer, recorder.last_batch, facts)
+        if trainer.is_main:
+            self.report = self._write(trainer, everyone, facts, link_rows)
+
+    def _facts(self, trainer, everyone: list[dict], records: list[dict]) -> JobFacts:
+        hosts = [e["host"] for e in everyone]
+        reducer, dist = trainer.model.reducer, trainer.config.dist
+        specs = [ParamSpec.of(p) for p in reducer.params]
+
+        def buckets_at(cap_mb: float) -> tuple[tuple[int, ...], ...]:
+            keys = [(s.dtype, s.device) for s in specs]
+            assignment = assign_buckets([s.nbytes for s in specs], keys, int(cap_mb * MB))
+            in_place = None if (reducer.comm_hook is not None or reducer.as_view) else reducer.in_place_min_bytes
+            plan = plan_buckets(specs, assignment, in_place)
+            return tuple(tuple(s) for s in collective_bytes(plan, reducer.comm_hook is not None))
+
+        return JobFacts(
+            world_size=trainer.world_size,
+            ranks_per_host=max(hosts.count(h) for h in hosts),
+            threads=max(e["threads"] for e in everyone),
+            cores=len(os.sched_getaffinity(0)),
+            num_workers=trainer.config.data.num_workers,
+            bucket_cap_mb=dist.bucket_cap_mb,
+            find_unused=dist.find_unused_parameters,
+            bucket_sizes=tuple(tuple(s) for s in collective_bytes(reducer.plan, reducer.comm_hook is not None)),
+            buckets_at=buckets_at,
+        )
+
+    def _write(self, trainer, everyone: list[dict], facts: JobFacts, link_rows: list[dict]) -> dict:
+        per_rank_records = [e["records"] for e in everyone]
+        breakdown, ranks = summarize(per_rank_records)
+        link = LinkModel.fit(link_rows, facts.world_size)
+        causes = diagnose(breakdown, ranks, facts, link)
+        model = step_model(breakdown, facts, link)
+        target = model.link.with_gbps(self.config.link_gbps) if self.config.link_gbps else None
+        scaling = model.scaling(self.config.world_sizes, target, self.config.hosts)
+        report = doctor_json(facts, breakdown, ranks, link_summary(link_rows, link), causes, scaling)
+        out = trainer.output_dir
+        (out / "doctor.json").write_text(json.dumps(report, indent=2) + "\n")
+        trace = chrome_trace(per_rank_records, [e["origin"] for e in everyone])
+        (out / "doctor_trace.json").write_text(json.dumps(trace) + "\n")
+        _tensorboard(trainer, breakdown)
+        text = format_report(report, out / "doctor.json")
+        log.info("doctor report:\n%s", text)
+        return report
+
+
+def _probe(trainer, batch, facts: JobFacts, repeats: int = 3) -> dict:
+    """Forward+backward seconds (median) with this run's threads and with threads that fit the cores."""
+    fit = max(1, facts.cores // max(facts.ranks_per_host, 1))
+    return {
+        "threads_now": facts.threads,
+        "now_s": _time_compute(trainer, batch, facts.threads, repeats),
+        "threads_fit": fit,
+        "fit_s": _time_compute(trainer, batch, fit, repeats),
+    }
+
+
+def _time_compute(trainer, batch, threads: int, repeats: int) -> float:
+    from ..trainer.data import move_to
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    model, times = trainer.model, []
+    try:
+        for _ in range(repeats + 1):
+            started = time.perf_counter()
+            with model.no_sync():
+                trainer.training_step(model, move_to(batch, trainer.device)).backward()
+            times.append(time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def _tensorboard(trainer, breakdown: dict) -> None:
+    """The breakdown as TensorBoard scalars ``doctor/<phase>`` (when the run writes TensorBoard)."""
+    if not trainer.config.trainer.tensorboard:
+        return
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(str(trainer.output_dir / "tensorboard")) as writer:
+        for key, value in breakdown.items():
+            if isinstance(value, float):
+                writer.add_scalar(f"doctor/{key}", value, trainer.state.step)
+
+
+def doctor_callbacks(config) -> list[Callback]:
+    """``[DoctorCallback]`` when ``trainer.doctor`` is on, else nothing."""
+    return [DoctorCallback(config.doctor)] if config.trainer.doctor else []

@@ -1,0 +1,96 @@
+"""Inference from a finished run: ``ddptrain.load_model(run_dir_or_checkpoint)``.
+
+A checkpoint stores the run's configuration and the dotted name of its Trainer class, so the
+model is rebuilt exactly as the run built it (``Trainer.configure_model``: the recipe's network,
+``model.*`` settings included), then given the checkpoint's weights and put in eval mode::
+
+    model = ddptrain.load_model("outputs/mnist/2026-12-01_10-00-00", which="best")
+    with torch.no_grad():
+        predictions = model(images).argmax(1)
+
+The file is read with ``torch.load(weights_only=True)`` (no code from it runs) and verified
+against its ``.sha256``. Plain ``torch.load(path, weights_only=True)`` works on it too: the
+weights are under ``"model"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .config import Config, ConfigError, locate
+from .trainer.checkpoint_io import BEST_DIR, CheckpointError, load_checkpoint, resolve_resume_path
+
+__all__ = ["load_model", "find_checkpoint"]
+
+WHICH = ("best", "latest")
+
+
+def find_checkpoint(source: str | Path, which: str = "latest") -> Path:
+    """The checkpoint file ``source`` designates: a file as is; a run directory, its
+    ``checkpoints/`` or its ``checkpoints/best``: the newest valid (``latest``) or the best by the
+    stored monitored value (``best``).
+
+    Raises:
+        CheckpointError: nothing there, or ``best`` in a run that kept no best checkpoints.
+    """
+    if which not in WHICH:
+        raise ValueError(f"which={which!r} must be 'best' or 'latest'")
+    path = Path(source).expanduser()
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{source}: no such file or directory (pass a run directory or a checkpoint file)")
+    if path.name == BEST_DIR or which == "latest":
+        found = resolve_resume_path(str(path), path, key=f"load_model({which!r})")
+    else:
+        checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        found = resolve_resume_path("best", checkpoints, key=f"load_model({str(path)!r}, which)")
+    if found is None:
+        raise CheckpointError(f"{source}: no checkpoint found")
+    return found
+
+
+def load_model(
+    source: str | Path, which: str = "latest", trainer_class: type | str | None = None, map_location: Any = "cpu"
+) -> nn.Module:
+    """The user's model of a run, with a checkpoint's weights, in eval mode, for inference.
+
+    Args:
+        source: a run directory (e.g. ``outputs/mnist/<date>``), its ``checkpoints/`` or
+            ``checkpoints/best``, or a checkpoint file.
+        which: ``latest`` (the newest valid checkpoint) or ``best`` (by ``trainer.checkpoint_monitor``).
+        trainer_class: the Trainer subclass whose ``configure_model`` builds the network (a class
+            or a dotted path); default: the one that wrote the checkpoint.
+        map_location: where the weights go (``"cpu"``, ``"cuda:0"``...).
+
+    Raises:
+        CheckpointError: no such checkpoint, or a corrupt one.
+        ConfigError: the Trainer class cannot be imported here (pass ``trainer_class``).
+    """
+    path = find_checkpoint(source, which)
+    checkpoint = load_checkpoint(path, map_location=map_location)
+    cls = _trainer_class(trainer_class or checkpoint.get("trainer_class"), path)
+    trainer = cls(Config.from_dict(checkpoint["config"]))
+    model = trainer.configure_model()
+    model.load_state_dict(checkpoint["model"])
+    return model.to(map_location).eval()
+
+
+def _trainer_class(spec: type | str | None, path: Path) -> type:
+    from .trainer import Trainer
+
+    if isinstance(spec, type):
+        return spec
+    try:
+        cls = locate(spec, "the checkpoint's trainer_class")
+    except ConfigError as exc:
+        raise ConfigError(
+            f"{path} was written by Trainer class {spec!r}, which cannot be imported here ({exc}). "
+            "Pass it: ddptrain.load_model(..., trainer_class=YourTrainer)."
+        ) from None
+    if not (isinstance(cls, type) and issubclass(cls, Trainer)):
+        raise ConfigError(f"{path}: trainer_class {spec!r} is {cls!r}, not a ddptrain.Trainer subclass")
+    return cls

@@ -1,0 +1,103 @@
+"""Training tasks with one injected slowness each, for ``ddptrain doctor``'s tests and benchmark.
+
+The knobs live in ``config.model`` (free-form): ``kind`` (``net``: the tutorial's conv net,
+compute-bound; ``mlp``: ``layers`` Linear(width, width) layers + ReLU), ``sleep_s`` (each
+sample's ``__getitem__`` sleeps that long), ``slow_rank``/``slow_s`` (that rank sleeps in every
+``training_step``). Importable by spawned workers (a module, not a test file).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from ddptrain import Config, Trainer
+
+
+class SleepyDataset(Dataset):
+    """MNIST-shaped random samples; ``__getitem__`` sleeps ``sleep_s`` (a slow disk or decoder)."""
+
+    def __init__(self, n: int, sleep_s: float = 0.0, features: int = 784):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 1, 28, 28, generator=g) if features == 784 else torch.randn(n, features, generator=g)
+        self.y = torch.randint(0, 10, (n,), generator=g)
+        self.sleep_s = sleep_s
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i):
+        if self.sleep_s:
+            time.sleep(self.sleep_s)
+        return self.x[i], self.y[i]
+
+
+class DoctorTask(Trainer):
+    """The task ``config.model`` describes (see the module docstring)."""
+
+    def configure_model(self) -> nn.Module:
+        m = self.config.model
+        if m.get("kind", "net") == "net":
+            from ddptrain.recipes.mnist import Net
+
+            return Net()
+        width, layers = m.get("width", 64), m.get("layers", 50)
+        body = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)]
+        return nn.Sequential(*body, nn.Linear(width, 10))
+
+    def train_dataset(self) -> Dataset:
+        m = self.config.model
+        features = 784 if m.get("kind", "net") == "net" else m.get("width", 64)
+        return SleepyDataset(self.config.data.num_train_samples, m.get("sleep_s", 0.0), features)
+
+    def val_dataset(self):
+        return None
+
+    def training_step(self, model, batch):
+        m = self.config.model
+        if self.rank == m.get("slow_rank", -1):
+            time.sleep(m.get("slow_s", 0.0))
+        return super().training_step(model, batch)
+
+
+def doctor_config(output_dir, model: dict, dist: dict | None = None, batch: int = 64, steps: int = 6, **doctor):
+    """A short doctored run of ``DoctorTask``: 2 warm-up steps, then ``steps`` measured."""
+    warmup = doctor.pop("warmup_steps", 2)
+    return Config.from_dict(
+        {
+            "recipe": {"trainer_class": "tests.doctor_tasks.DoctorTask"},
+            "model": model,
+            "dist": dist or {},
+            "data": {"name": "synthetic", "num_train_samples": 4096, "global_batch_size": batch},
+            "trainer": {
+                "epochs": 1,
+                "max_steps": warmup + steps,
+                "doctor": True,
+                "checkpoint_every_epochs": 0,
+                "checkpoint_at_end": False,
+                "eval_every_epochs": 0,
+                "tensorboard": False,
+                "progress": "false",
+                "log_every_steps": 1000,
+                "output_dir": str(output_dir),
+            },
+            "doctor": {"warmup_steps": warmup, "steps": steps, **doctor},
+        }
+    )
+
+
+def run_doctored(rank: int, world_size: int, runs: list[tuple[str, dict]], root: str) -> list[dict]:
+    """Fit each ``(name, doctor_config kwargs)`` in this process group; rank 0 returns the reports."""
+    import json
+    from pathlib import Path
+
+    reports = []
+    for name, kwargs in runs:
+        out = Path(root) / name
+        DoctorTask(doctor_config(out, **kwargs)).fit()
+        if rank == 0:
+            reports.append(json.loads((out / "doctor.json").read_text()))
+    return reports

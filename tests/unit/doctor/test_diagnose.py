@@ -1,0 +1,136 @@
+"""The rules: synthetic step records of known shape give the cause they were built to show."""
+
+import pytest
+
+from ddptrain.doctor.diagnose import JobFacts, diagnose, summarize
+from ddptrain.doctor.link import LinkModel
+
+LINK = LinkModel(alpha_s=50e-6, bandwidth_Bps=1e9)
+
+
+def _records(ranks=2, steps=5, **phases_by_rank):
+    """``phases_by_rank[name]``: a value for every rank, or a list with one per rank."""
+    out = []
+    for r in range(ranks):
+        recs, t = [], 0.0
+        for s in range(steps):
+            values = {
+                k: (v[r] if isinstance(v, list) else v)
+                for k, v in {
+                    "data_s": 0.001,
+                    "forward_s": 0.01,
+                    "backward_s": 0.02,
+                    "comm_s": 0.0005,
+                    "find_unused_s": 0.0,
+                    "optimizer_s": 0.002,
+                    "other_s": 0.001,
+                    **phases_by_rank,
+                }.items()
+            }
+            step_s = sum(values.values())
+            recs.append({"step": s + 1, "start": t, "end": t + step_s, "cpu_s": step_s, "unused_params": 0, **values})
+            t += step_s
+        out.append(recs)
+    return out
+
+
+def _split(total: int):
+    """``buckets_at`` of a model of ``total`` bytes in many small gradients: ``cap`` MB buckets."""
+
+    def buckets_at(cap_mb: float):
+        cap = int(cap_mb * (1 << 20))
+        full, rest = divmod(total, cap)
+        return ((cap,),) * full + (((rest,),) if rest else ())
+
+    return buckets_at
+
+
+def _facts(**kw):
+    base = dict(
+        world_size=2,
+        ranks_per_host=2,
+        threads=1,
+        cores=2,
+        num_workers=0,
+        bucket_cap_mb=25.0,
+        find_unused=False,
+        bucket_sizes=((400_000,),),
+        buckets_at=_split(400_000),
+    )
+    base.update(kw)
+    return JobFacts(**base)
+
+
+def _first(records, facts=None, link=LINK):
+    breakdown, ranks = summarize(records)
+    causes = diagnose(breakdown, ranks, facts or _facts(), link)
+    return causes[0], breakdown
+
+
+def test_healthy_compute_bound_step():
+    cause, b = _first(_records())
+    assert cause["cause"] == "healthy"
+    assert cause["predicted_step_s"] == pytest.approx(b["step_s"])
+
+
+def test_data_wait_is_data_loading_with_more_workers_and_a_prediction():
+    cause, b = _first(_records(data_s=0.3))
+    assert cause["cause"] == "data_loading" and cause["share"] > 0.8
+    assert "data.num_workers=" in cause["advice"]
+    assert cause["predicted_step_s"] == pytest.approx(b["step_s"] - 0.3, rel=0.05)
+
+
+@pytest.mark.parametrize("slow", [0, 1, 2])
+def test_the_others_waiting_is_a_straggler_and_names_the_slow_rank(slow):
+    # the slow rank computes 0.2 s longer; the others wait that long for its buckets
+    forward = [0.21 if r == slow else 0.01 for r in range(3)]
+    comm = [0.0005 if r == slow else 0.2005 for r in range(3)]
+    cause, b = _first(_records(ranks=3, forward_s=forward, comm_s=comm), _facts(world_size=3))
+    assert (cause["cause"], cause["rank"]) == ("straggler", slow)
+    assert cause["predicted_step_s"] == pytest.approx(b["step_s"] - 0.2, rel=0.05)
+
+
+def test_exposed_bytes_on_a_slow_link_are_slow_network():
+    link = LinkModel(alpha_s=50e-6, bandwidth_Bps=50e6 / 8)  # 50 Mbit/s: 25 MB take seconds
+    sizes = ((25 << 20,),)
+    exposed = link.allreduce_s(25 << 20, 2)
+    cause, _ = _first(_records(comm_s=exposed), _facts(bucket_sizes=sizes, buckets_at=_split(25 << 20)), link)
+    assert cause["cause"] == "slow_network" and cause["share"] > 0.9
+
+
+def test_many_tiny_all_reduces_are_small_buckets_and_25_mb_predicts_the_saving():
+    tiny = ((50_000,),) * 60
+    facts = _facts(bucket_cap_mb=0.05, bucket_sizes=tiny, buckets_at=_split(3_000_000))
+    cause, b = _first(_records(comm_s=0.06), facts)  # 1 ms per all-reduce, far above the link's latency
+    assert cause["cause"] == "small_buckets"
+    assert "dist.bucket_cap_mb=25" in cause["advice"]
+    assert cause["predicted_step_s"] < b["step_s"] - 0.04
+
+
+def test_one_huge_bucket_after_backward_is_no_overlap_when_the_link_would_hide_it():
+    link = LinkModel(alpha_s=1e-6, bandwidth_Bps=100e6)
+    sizes = ((10_000_000,),)
+    facts = _facts(bucket_cap_mb=1000.0, bucket_sizes=sizes, buckets_at=_split(10_000_000))
+    cause, b = _first(_records(backward_s=0.2, comm_s=link.allreduce_s(10_000_000, 2)), facts, link)
+    assert cause["cause"] == "no_overlap" and "dist.bucket_cap_mb=" in cause["advice"]
+    assert cause["predicted_step_s"] < b["step_s"]
+
+
+def test_find_unused_when_every_parameter_is_used():
+    facts = _facts(find_unused=True)
+    cause, b = _first(_records(find_unused_s=0.02), facts)
+    assert cause["cause"] == "find_unused_overhead"
+    assert "dist.find_unused_parameters=false" in cause["advice"]
+    assert cause["predicted_step_s"] == pytest.approx(b["step_s"] - 0.02)
+    facts.find_unused = False  # off: nothing to save
+    assert _first(_records(find_unused_s=0.02), facts)[0]["cause"] == "healthy"
+
+
+def test_more_threads_than_cores_with_a_faster_probe_is_cpu_oversubscribed():
+    probe = {"threads_now": 4, "now_s": 0.09, "threads_fit": 1, "fit_s": 0.03}
+    facts = _facts(threads=4, compute_probe=probe)
+    cause, b = _first(_records(forward_s=0.03, backward_s=0.06), facts)
+    assert cause["cause"] == "cpu_oversubscribed" and "dist.threads_per_worker=1" in cause["advice"]
+    assert cause["predicted_step_s"] == pytest.approx(b["step_s"] - 0.06)
+    facts.threads = 1  # threads that fit the cores: not this cause, whatever the probe says
+    assert _first(_records(forward_s=0.03, backward_s=0.06), facts)[0]["cause"] == "healthy"
