@@ -54,6 +54,7 @@ from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
+from .inference import InferenceHooks
 from .invariant import InvariantSteps
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
@@ -67,7 +68,7 @@ __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer:
+class Trainer(InferenceHooks):
     """Distributed data-parallel training of one model; subclass it for your task.
 
     The defaults build the model from ``config.model['_target_']``, the datasets from
