@@ -288,6 +288,7 @@ class Trainer(InferenceHooks):
         if self.val_set is None:
             return {}
         started = time.perf_counter()
+        self.model.sync_buffers()  # rank 0's BatchNorm statistics on every rank: one model is evaluated
         module = self.model.module
         was_training = module.training
         module.eval()
