@@ -54,6 +54,7 @@ from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
+from .dataloaders import DataHooks, resolve_data_hooks
 from .inference import InferenceHooks
 from .invariant import InvariantSteps
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
@@ -68,7 +69,7 @@ __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer(InferenceHooks):
+class Trainer(DataHooks, InferenceHooks):
     """Distributed data-parallel training of one model; subclass it for your task.
 
     The defaults build the model from ``config.model['_target_']``, the datasets from
@@ -113,6 +114,8 @@ class Trainer(InferenceHooks):
         self.train_sampler: DistributedSampler | None = None
         self.val_sampler: DistributedSampler | None = None
         self.batch_size = self.steps_per_epoch = self.total_steps = 0
+        self.train_loader_options = self.val_loader_options = None  # kept from a data hook's DataLoader
+        self.val_batch_size = self.config.data.eval_batch_size  # or val_dataloader()'s batch_size
         # Progress, reports, files.
         self.output_dir = Path(self.config.trainer.output_dir or os.getcwd())
         self.checkpointer: Checkpointer | None = None
@@ -340,7 +343,7 @@ class Trainer(InferenceHooks):
         self.model = wrap_model(self.configure_model().to(self.device), self.config, self.process_group)
 
     def _setup_data(self) -> None:
-        self.train_set, self.val_set = self.train_dataset(), self.val_dataset()
+        self.train_set, self.val_set = resolve_data_hooks(self)  # train_dataloader(), val_dataloader()
         plan = plan_epochs(self.config, self.train_set, self.val_set, self.world_size, self.rank)
         self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
@@ -350,12 +353,14 @@ class Trainer(InferenceHooks):
     def train_batches(self):
         """The rest of this epoch's micro-batches for this rank (``iter`` once per epoch)."""
         d, pin, seed = self.config.data, self.device.type == "cuda", self.config.trainer.seed + self.rank
-        return make_batches(self.train_set, self.train_sampler, self.batch_size, d.num_workers, pin, seed=seed)
+        options = self.train_loader_options  # a DataLoader's collate_fn, workers... (train_dataloader)
+        return make_batches(self.train_set, self.train_sampler, self.batch_size, d.num_workers, pin, seed, options)
 
     def val_batches(self):
         """One full pass over this rank's share of the validation set, in the sampler's order."""
         d, pin = self.config.data, self.device.type == "cuda"
-        return make_batches(self.val_set, self.val_sampler, d.eval_batch_size, d.num_workers, pin)
+        options = self.val_loader_options
+        return make_batches(self.val_set, self.val_sampler, self.val_batch_size, d.num_workers, pin, 0, options)
 
     # == state, checkpoints, reports ==============================================================
     @property
