@@ -7,7 +7,7 @@ rank 0 only. Like torchtitan's trainer it runs over seams that a subclass overri
 
 - ``train_step(micro_batches)``: forward and backward of one optimizer step's micro-batches
   (all but the last under ``no_sync()``), returning the step's loss;
-- ``optimizer_step()``: clip, step, schedule, zero the gradients;
+- ``optimizer_step()``: clip, step every optimizer, per-step schedules, zero the gradients;
 - ``evaluate()``: the validation metrics, exact over the whole set (every epoch and/or every
   ``trainer.eval_every_steps`` steps);
 
@@ -59,6 +59,7 @@ from .inference import InferenceHooks
 from .invariant import InvariantSteps
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
+from .optimizers import OptimizerSet
 from .profiling import profiled
 from .rng import seed_everything
 from .stopping import GracefulStop
@@ -83,8 +84,10 @@ class Trainer(DataHooks, InferenceHooks):
         callbacks: extra callbacks, run after those of ``configure_callbacks``.
 
     Attributes (set by ``fit``): ``rank``, ``world_size``, ``local_rank``, ``device``,
-    ``process_group``, ``model`` (the DDP wrapper; ``model.module`` is yours), ``optimizer``,
-    ``scheduler``, ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
+    ``process_group``, ``model`` (the DDP wrapper; ``model.module`` is yours), ``optimizers`` (all of
+    ``configure_optimizers``'), ``optimizer`` (the first), ``scheduler`` (the first or None),
+    ``optimizer_set`` (:class:`.optimizers.OptimizerSet`: all of them, with their schedules),
+    ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
     (per rank per micro-batch), ``steps_per_epoch``, ``total_steps``, ``state``
     (:class:`TrainState`), ``output_dir``, ``callbacks``, ``metrics`` (:class:`.metrics.TrainingMetrics`),
     ``checkpointer`` (:class:`.checkpointing.Checkpointer`), ``callback_metrics`` (the latest value
@@ -103,6 +106,8 @@ class Trainer(DataHooks, InferenceHooks):
         self._membership: Membership | None = None
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
+        self.optimizer_set: OptimizerSet | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.train_set: Dataset | None = None
@@ -134,7 +139,13 @@ class Trainer(DataHooks, InferenceHooks):
         return instantiate(self.config.model, "model", f"override {type(self).__name__}.configure_model")
 
     def configure_optimizers(self, model: nn.Module):
-        """An optimizer, or ``(optimizer, scheduler)`` with a scheduler stepped per optimizer step."""
+        """An optimizer, or ``(optimizer, scheduler)`` with a scheduler stepped per optimizer step.
+
+        Also accepted: several optimizers (each steps and zeroes its own parameters every step) and
+        Lightning's dict ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval":
+        "step" | "epoch", "monitor": ...}}`` (``ReduceLROnPlateau`` included); see
+        :mod:`ddptrain.trainer.optimizers`. Anything else is refused with a ConfigError.
+        """
         optimizer = build_optimizer(self.config.optimizer, model.parameters())
         return optimizer, build_scheduler(self.config.optimizer, optimizer, self.total_steps)
 
@@ -231,6 +242,7 @@ class Trainer(DataHooks, InferenceHooks):
         if every and (epoch + 1) % every == 0:
             metrics.update(self._evaluate_once())  # exact over the validation set, all ranks
         self.callback_metrics.update((k, v) for k, v in metrics.items() if k != "epoch")
+        self.optimizer_set.step_schedules("epoch", epoch + 1, self.callback_metrics, self.state.step)
         self._call("on_epoch_end", epoch, metrics)
         self._agree_to_stop(wait=True)  # a decision taken at this epoch's end stops before the next step
         return True
@@ -264,14 +276,14 @@ class Trainer(DataHooks, InferenceHooks):
         return step_loss
 
     def optimizer_step(self) -> None:
-        """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step, schedule, zero."""
+        """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step every optimizer, the
+        per-step schedules, zero every optimizer's gradients."""
         clip = self.config.trainer.grad_clip_norm
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_set.step()
+        self.optimizer_set.step_schedules("step", self.state.step + 1, self.callback_metrics, self.state.step + 1)
+        self.optimizer_set.zero_grad()
 
     def evaluate(self) -> dict[str, float]:
         """Metrics of ``validation_step`` averaged over exactly the validation set, on every rank.
@@ -318,7 +330,9 @@ class Trainer(DataHooks, InferenceHooks):
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
         self.invariant = InvariantSteps(self) if cfg.trainer.world_size_invariant else None  # shards, exact sums
-        self.optimizer, self.scheduler = self._optimizers()
+        self.optimizer_set = OptimizerSet.from_hook(self.configure_optimizers(self.model.module))
+        self.optimizers, self.optimizer = self.optimizer_set.optimizers, self.optimizer_set.optimizer
+        self.scheduler = self.optimizer_set.scheduler
         from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
 
         self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
@@ -337,10 +351,6 @@ class Trainer(DataHooks, InferenceHooks):
         self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
         self.state.sampler = self.train_sampler  # the one owner of the epoch and the position in it
-
-    def _optimizers(self):
-        result = self.configure_optimizers(self.model.module)
-        return tuple(result) if isinstance(result, (tuple, list)) else (result, None)
 
     # == data =====================================================================================
     def train_batches(self):
