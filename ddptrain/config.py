@@ -237,6 +237,16 @@ class TrainerConfig:
     """Write a checkpoint when training stops, if the last one is older."""
     keep_last_checkpoints: int = 3
     """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
+    profile: bool = False
+    """Run torch.profiler over a few optimizer steps (``profile_wait``, ``profile_warmup``,
+    ``profile_active``) and write one Chrome trace per rank to ``<output_dir>/profile/`` (for
+    TensorBoard's profiler plugin and Perfetto)."""
+    profile_wait: int = 1
+    """``profile``: optimizer steps skipped before profiling (the first steps are not typical)."""
+    profile_warmup: int = 1
+    """``profile``: steps the profiler warms up on (recorded, then discarded)."""
+    profile_active: int = 3
+    """``profile``: steps recorded in the trace."""
     checkpoint_monitor: str | None = None
     """Also keep the best checkpoints by this metric (e.g. ``eval/accuracy``, ``eval/loss``,
     ``train/loss``) in ``<output_dir>/checkpoints/best``, each storing its value; ``trainer.resume=best``
@@ -480,6 +490,10 @@ def validate(config: Config, world_size: int) -> None:
     if t.early_stopping.min_delta < 0:
         raise ConfigError(f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0")
     _one_of("trainer.checkpoint_mode", t.checkpoint_mode, ("min", "max"))
+    _positive("trainer.profile_active", t.profile_active)
+    for key, value in (("trainer.profile_wait", t.profile_wait), ("trainer.profile_warmup", t.profile_warmup)):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
     _positive("trainer.checkpoint_save_top_k", t.checkpoint_save_top_k)
     if t.grad_clip_norm is not None and t.grad_clip_norm <= 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be positive, or null for no clipping")

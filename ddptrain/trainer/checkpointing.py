@@ -7,7 +7,8 @@ A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load
 - ``step``: optimizer steps done; ``epoch`` and ``samples_in_epoch``: where the epoch stands,
   copied from ``sampler`` for readers of the file (on resume, ``sampler`` is what counts);
 - ``world_size``: ranks of the job that wrote it (see :func:`check_world_size`);
-- ``model``, ``optimizer``, ``scheduler``: state dicts (``scheduler`` is ``None`` without one);
+- ``model``, ``optimizer``, ``scheduler``: state dicts (``scheduler`` is ``None`` without one;
+  lists, in ``configure_optimizers``' order, with several: :meth:`.optimizers.OptimizerSet.state_dict`);
 - ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
 - ``rng``: every rank's generator states, in rank order;
 - ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`.metrics.TrainingMetrics.state_dict`;
@@ -33,9 +34,10 @@ from ..config import Config
 from ..data import DistributedSampler
 from .checkpoint_io import FORMAT_VERSION, CheckpointError, load_checkpoint, resolve_resume_path, save_checkpoint
 from .metrics import TrainingMetrics
+from .optimizers import OptimizerSet
 from .rng import capture_rng_state, restore_rng_state, seed_everything
 
-__all__ = ["TrainState", "Checkpointer", "check_world_size", "elastic_restart_resume"]
+__all__ = ["TrainState", "Checkpointer", "check_world_size", "elastic_restart_resume", "agree_on_checkpoint"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -94,12 +96,29 @@ def elastic_restart_resume() -> str | None:
     return None
 
 
+def agree_on_checkpoint(process_group: ProcessGroup, value: str, directory: Path, key: str) -> str | None:
+    """Rank 0 resolves ``value`` (``key``'s: a file, a directory, ``latest``, ``best``; see
+    :func:`.checkpoint_io.resolve_resume_path`) and every rank gets its answer, or its error (collective)."""
+    if process_group.rank() == 0:
+        try:
+            found, error = resolve_resume_path(value, directory, key), None
+        except CheckpointError as exc:
+            found, error = None, str(exc)
+        choice = (None if found is None else str(found), error)
+    else:
+        choice = None
+    path, error = broadcast_object(process_group, choice, 0)
+    if error:
+        raise CheckpointError(error)
+    return path
+
+
 class Checkpointer:
     """Moves a running fit into a checkpoint and back; every method is called on every rank.
 
     Args:
         model: the bare module (not the DDP wrapper).
-        optimizer, scheduler: the fit's (``scheduler`` may be ``None``).
+        optimizers: the fit's optimizers and schedulers (:class:`.optimizers.OptimizerSet`).
         sampler: the training sampler (the epoch and the position in it).
         state: the fit's :class:`TrainState` (its ``step`` is restored in place).
         metrics: the fit's :class:`.metrics.TrainingMetrics`.
@@ -114,8 +133,7 @@ class Checkpointer:
         self,
         *,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        optimizers: OptimizerSet,
         sampler: DistributedSampler,
         state: TrainState,
         metrics: TrainingMetrics,
@@ -125,7 +143,7 @@ class Checkpointer:
         directory: Path,
         trainer_class: str,
     ):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizers = model, optimizers
         self.sampler, self.state, self.metrics = sampler, state, metrics
         self.process_group, self.device, self.config = process_group, device, config
         self.directory, self.trainer_class = directory, trainer_class
@@ -135,8 +153,7 @@ class Checkpointer:
         """The checkpointer of a ``Trainer`` whose ``setup`` built its model, data and optimizer."""
         return cls(
             model=trainer.model.module,
-            optimizer=trainer.optimizer,
-            scheduler=trainer.scheduler,
+            optimizers=trainer.optimizer_set,
             sampler=trainer.train_sampler,
             state=trainer.state,
             metrics=trainer.metrics,
@@ -161,8 +178,7 @@ class Checkpointer:
             "samples_in_epoch": self.state.samples_in_epoch,
             "world_size": self.process_group.size(),
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            **self.optimizers.state_dict(),  # optimizer, scheduler
             "sampler": self.sampler.state_dict(),
             "rng": rng_states,
             **self.metrics.state_dict(),
@@ -185,9 +201,7 @@ class Checkpointer:
         rank, world_size = self.process_group.rank(), self.process_group.size()
         check_world_size(checkpoint["world_size"], world_size, allow, path)
         self.model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        if self.scheduler is not None and checkpoint.get("scheduler") is not None:
-            self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.optimizers.load_state_dict(checkpoint)
         self.sampler.load_state_dict(checkpoint["sampler"], allow_world_size_change=allow)
         self.state.step = checkpoint["step"]
         self.metrics.load_state_dict(checkpoint)
@@ -206,19 +220,7 @@ class Checkpointer:
         return self.init_weights(init_from) if init_from else False
 
     def _agree_on_path(self, value: str, key: str) -> str | None:
-        """Rank 0 resolves ``value`` (``key``'s) to a file and every rank gets its answer (or its error)."""
-        if self.is_main:
-            try:
-                found, error = resolve_resume_path(value, self.directory, key), None
-            except CheckpointError as exc:
-                found, error = None, str(exc)
-            choice = (None if found is None else str(found), error)
-        else:
-            choice = None
-        path, error = broadcast_object(self.process_group, choice, 0)
-        if error:
-            raise CheckpointError(error)
-        return path
+        return agree_on_checkpoint(self.process_group, value, self.directory, key)
 
     def init_weights(self, source: str) -> bool:
         """Fine-tuning: load only the model weights of ``source`` (``trainer.init_from``: a file, a run

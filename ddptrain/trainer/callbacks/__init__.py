@@ -7,6 +7,7 @@ from .base import Callback, TrainerView
 from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback
 from .early_stopping import EarlyStopping
+from .profiler import ProfilerCallback
 from .progress import ProgressCallback
 from .tensorboard import TensorBoardCallback
 
@@ -16,6 +17,7 @@ __all__ = [
     "BestCheckpoints",
     "CheckpointCallback",
     "EarlyStopping",
+    "ProfilerCallback",
     "ProgressCallback",
     "TensorBoardCallback",
     "from_config",
@@ -37,6 +39,8 @@ def from_config(config: TrainerConfig) -> list[Callback]:
                 keep_last=config.keep_last_checkpoints,
             )
         )
+    if config.profile:
+        callbacks.append(ProfilerCallback(config.profile_wait, config.profile_warmup, config.profile_active))
     if config.checkpoint_monitor:
         callbacks.append(
             BestCheckpoints(config.checkpoint_monitor, config.checkpoint_mode, config.checkpoint_save_top_k)
