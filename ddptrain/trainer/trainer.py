@@ -7,7 +7,7 @@ rank 0 only. Like torchtitan's trainer it runs over seams that a subclass overri
 
 - ``train_step(micro_batches)``: forward and backward of one optimizer step's micro-batches
   (all but the last under ``no_sync()``), returning the step's loss;
-- ``optimizer_step()``: clip, step, schedule, zero the gradients;
+- ``optimizer_step()``: clip, step every optimizer, per-step schedules, zero the gradients;
 - ``evaluate()``: the validation metrics, exact over the whole set (every epoch and/or every
   ``trainer.eval_every_steps`` steps);
 
@@ -55,10 +55,14 @@ from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
 from .dataloaders import DataHooks, resolve_data_hooks
+from .evaluation import validation_pass
 from .inference import InferenceHooks
 from .invariant import InvariantSteps
-from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
+from .logged import LoggedMetrics, LogHook
+from .metrics import SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
+from .optimizers import OptimizerSet
+from .profiling import profiled
 from .rng import seed_everything
 from .stopping import GracefulStop
 
@@ -68,7 +72,7 @@ __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer(DataHooks, InferenceHooks):
+class Trainer(DataHooks, InferenceHooks, LogHook):
     """Distributed data-parallel training of one model; subclass it for your task.
 
     The defaults build the model from ``config.model['_target_']``, the datasets from
@@ -82,8 +86,10 @@ class Trainer(DataHooks, InferenceHooks):
         callbacks: extra callbacks, run after those of ``configure_callbacks``.
 
     Attributes (set by ``fit``): ``rank``, ``world_size``, ``local_rank``, ``device``,
-    ``process_group``, ``model`` (the DDP wrapper; ``model.module`` is yours), ``optimizer``,
-    ``scheduler``, ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
+    ``process_group``, ``model`` (the DDP wrapper; ``model.module`` is yours), ``optimizers`` (all of
+    ``configure_optimizers``'), ``optimizer`` (the first), ``scheduler`` (the first or None),
+    ``optimizer_set`` (:class:`.optimizers.OptimizerSet`: all of them, with their schedules),
+    ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
     (per rank per micro-batch), ``steps_per_epoch``, ``total_steps``, ``state``
     (:class:`TrainState`), ``output_dir``, ``callbacks``, ``metrics`` (:class:`.metrics.TrainingMetrics`),
     ``checkpointer`` (:class:`.checkpointing.Checkpointer`), ``callback_metrics`` (the latest value
@@ -102,6 +108,8 @@ class Trainer(DataHooks, InferenceHooks):
         self._membership: Membership | None = None
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
+        self.optimizer_set: OptimizerSet | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.train_set: Dataset | None = None
@@ -133,7 +141,13 @@ class Trainer(DataHooks, InferenceHooks):
         return instantiate(self.config.model, "model", f"override {type(self).__name__}.configure_model")
 
     def configure_optimizers(self, model: nn.Module):
-        """An optimizer, or ``(optimizer, scheduler)`` with a scheduler stepped per optimizer step."""
+        """An optimizer, or ``(optimizer, scheduler)`` with a scheduler stepped per optimizer step.
+
+        Also accepted: several optimizers (each steps and zeroes its own parameters every step) and
+        Lightning's dict ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval":
+        "step" | "epoch", "monitor": ...}}`` (``ReduceLROnPlateau`` included); see
+        :mod:`ddptrain.trainer.optimizers`. Anything else is refused with a ConfigError.
+        """
         optimizer = build_optimizer(self.config.optimizer, model.parameters())
         return optimizer, build_scheduler(self.config.optimizer, optimizer, self.total_steps)
 
@@ -211,8 +225,10 @@ class Trainer(DataHooks, InferenceHooks):
         started, loss_sum, steps = time.perf_counter(), 0.0, 0
         self.model.train()
         for micro_batches in self.step_batches():
-            loss = self.train_step(micro_batches)
-            self.optimizer_step()
+            with profiled("ddptrain/train_step"):  # a label in trainer.profile's traces, else nothing
+                loss = self.train_step(micro_batches)
+            with profiled("ddptrain/optimizer_step"):
+                self.optimizer_step()
             samples = micro_batches.rank_samples if self.invariant else sum(batch_size_of(b) for b in micro_batches)
             self.train_sampler.advance(samples)  # trained on: the sampler owns the position
             self.state.step += 1
@@ -220,7 +236,9 @@ class Trainer(DataHooks, InferenceHooks):
             self._after_step(loss, samples)
             if self._stopping():
                 break
-        metrics.update(self.metrics.end_epoch(loss_sum, steps, time.perf_counter() - started))  # collective
+        seconds, pg = time.perf_counter() - started, self.process_group
+        reduce = lambda entries, names: self.metrics.end_epoch(loss_sum, steps, seconds, entries, names)  # noqa: E731
+        metrics.update(self.logged.reduced("epoch", pg, reduce))  # collective, with self.log(on_epoch=True) values
         if self.state.samples_in_epoch < len(self.train_sampler):
             return False
         self.train_sampler.set_epoch(epoch + 1)  # a checkpoint now resumes at the next epoch's start
@@ -228,6 +246,7 @@ class Trainer(DataHooks, InferenceHooks):
         if every and (epoch + 1) % every == 0:
             metrics.update(self._evaluate_once())  # exact over the validation set, all ranks
         self.callback_metrics.update((k, v) for k, v in metrics.items() if k != "epoch")
+        self.optimizer_set.step_schedules("epoch", epoch + 1, self.callback_metrics, self.state.step)
         self._call("on_epoch_end", epoch, metrics)
         self._agree_to_stop(wait=True)  # a decision taken at this epoch's end stops before the next step
         return True
@@ -255,40 +274,33 @@ class Trainer(DataHooks, InferenceHooks):
         for i, batch in enumerate(micro_batches):
             sync = i == count - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
+                self.logged.batch_size = batch_size_of(batch)  # the weight of this micro-batch's self.log values
                 loss = self.training_step(self.model, move_to(batch, self.device, non_blocking=True))
                 (loss / count).backward()
             step_loss += loss.item() / count
         return step_loss
 
     def optimizer_step(self) -> None:
-        """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step, schedule, zero."""
+        """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step every optimizer, the
+        per-step schedules, zero every optimizer's gradients."""
         clip = self.config.trainer.grad_clip_norm
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_set.step()
+        self.optimizer_set.step_schedules("step", self.state.step + 1, self.callback_metrics, self.state.step + 1)
+        self.optimizer_set.zero_grad()
 
     def evaluate(self) -> dict[str, float]:
         """Metrics of ``validation_step`` averaged over exactly the validation set, on every rank.
 
         The sampler pads ranks with duplicates so all take the same number of batches; those
-        positions are masked out, so each sample counts exactly once.
+        positions are cut off before ``validation_step`` sees them, so each sample counts exactly once.
         """
         if self.val_set is None:
             return {}
         started = time.perf_counter()
         self.model.sync_buffers()  # rank 0's BatchNorm statistics on every rank: one model is evaluated
-        module = self.model.module
-        was_training = module.training
-        module.eval()
-        mean = ExactMean(self.val_sampler.padding_mask())
-        with torch.no_grad():
-            for batch in self.val_batches():
-                mean.add(self.validation_step(module, move_to(batch, self.device)), batch_size_of(batch))
-        module.train(was_training)
-        metrics = mean.reduce(self.process_group)
+        metrics = validation_pass(self)  # padding duplicates cut off; self.log values and torchmetrics reduced
         self.metrics.record_eval(metrics, self.state.step, time.perf_counter() - started)
         self.callback_metrics.update(metrics)
         self._call("on_validation_end", metrics)
@@ -315,7 +327,9 @@ class Trainer(DataHooks, InferenceHooks):
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
         self.invariant = InvariantSteps(self) if cfg.trainer.world_size_invariant else None  # shards, exact sums
-        self.optimizer, self.scheduler = self._optimizers()
+        self.optimizer_set = OptimizerSet.from_hook(self.configure_optimizers(self.model.module))
+        self.optimizers, self.optimizer = self.optimizer_set.optimizers, self.optimizer_set.optimizer
+        self.scheduler = self.optimizer_set.scheduler
         from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
 
         self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
@@ -334,10 +348,6 @@ class Trainer(DataHooks, InferenceHooks):
         self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
         self.state.sampler = self.train_sampler  # the one owner of the epoch and the position in it
-
-    def _optimizers(self):
-        result = self.configure_optimizers(self.model.module)
-        return tuple(result) if isinstance(result, (tuple, list)) else (result, None)
 
     # == data =====================================================================================
     def train_batches(self):
@@ -386,6 +396,7 @@ class Trainer(DataHooks, InferenceHooks):
         self.should_stop = False  # any hook or callback may set it; see fit
         self.stopped_early = False  # True once every rank agreed to stop for should_stop
         self.callback_metrics: dict[str, float] = {}
+        self.logged = LoggedMetrics()  # what self.log collected, until the next reduction
         self._stop = GracefulStop()
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -429,6 +440,7 @@ class Trainer(DataHooks, InferenceHooks):
 
     def _reduce_window(self) -> dict[str, float]:
         """The logging window's scalars reduced over ranks (collective), added to the loss history."""
-        scalars = self.metrics.reduce_window(self.state.step, float(self.optimizer.param_groups[0]["lr"]))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        scalars = self.metrics.reduce_window(self.state.step, lr, self.logged.take("step"))  # with self.log's
         self.callback_metrics.update(scalars)
         return scalars
