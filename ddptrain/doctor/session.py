@@ -28,6 +28,7 @@ from ..comm.objects import all_gather_object
 from ..comm.types import ReduceOp
 from ..ddp.buckets import MB, ParamSpec, assign_buckets, plan_buckets
 from ..trainer.callbacks.base import Callback
+from .autotune import BucketAutotune
 from .diagnose import JobFacts, diagnose, step_model, summarize
 from .link import LinkModel, link_summary, sweep
 from .measure import StepRecorder, collective_bytes
@@ -84,7 +85,7 @@ class DoctorCallback(Callback):
             return
         link_rows = sweep(pg)
         facts = self._facts(trainer, everyone, records)
-        if facts.threads * facts.ranks_per_host > facts.cores:
+        if facts.threads * facts.ranks_per_host > facts.cores and facts.threads > 1:
             facts.compute_probe = _probe(trainer, recorder.last_batch, facts)
         if trainer.is_main:
             self.report = self._write(trainer, everyone, facts, link_rows)
@@ -107,7 +108,7 @@ class DoctorCallback(Callback):
             threads=max(e["threads"] for e in everyone),
             cores=len(os.sched_getaffinity(0)),
             num_workers=trainer.config.data.num_workers,
-            bucket_cap_mb=dist.bucket_cap_mb,
+            bucket_cap_mb=reducer.bucket_cap_bytes / MB,
             find_unused=dist.find_unused_parameters,
             bucket_sizes=tuple(tuple(s) for s in collective_bytes(reducer.plan, reducer.comm_hook is not None)),
             buckets_at=buckets_at,
@@ -174,5 +175,7 @@ def _tensorboard(trainer, breakdown: dict) -> None:
 
 
 def doctor_callbacks(config) -> list[Callback]:
-    """``[DoctorCallback]`` when ``trainer.doctor`` is on, else nothing."""
-    return [DoctorCallback(config.doctor)] if config.trainer.doctor else []
+    """The bucket autotune for ``dist.bucket_cap_mb=auto`` (first: the doctor then measures the
+    chosen layout) and ``DoctorCallback`` when ``trainer.doctor`` is on."""
+    callbacks: list[Callback] = [BucketAutotune()] if config.dist.bucket_cap_mb == "auto" else []
+    return callbacks + ([DoctorCallback(config.doctor)] if config.trainer.doctor else [])
