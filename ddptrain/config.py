@@ -270,6 +270,12 @@ class TrainerConfig:
     check_sync_every_n_steps: int = 0
     """Desynchronisation guard: every N optimizer steps, check (one checksum per rank, gathered)
     that parameters are identical on every rank; stop with the diverged ranks named. 0: off."""
+    world_size_invariant: bool = False
+    """Bitwise-identical training whatever the world size: each global batch is cut into
+    ``virtual_ranks`` fixed shards by sample position, gradients are summed exactly (int64 fixed
+    point), randomness is seeded per shard and threads are pinned (README: World-size-invariant training)."""
+    virtual_ranks: int = 8
+    """Shards per micro-batch in world-size-invariant mode; the world size must divide it."""
     smoke_check: bool = False
     """After training, fail unless the parameters are identical on every rank and the training
     loss fell by at least 1%, measured on the same samples (the training set's first
@@ -506,7 +512,28 @@ def validate(config: Config, world_size: int) -> None:
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be positive")
     per_rank_batch_size(config, world_size)
+    check_world_size_invariant(config, world_size)
     check_device(config)
+
+
+def check_world_size_invariant(config: Config, world_size: int) -> None:
+    """World-size-invariant mode: the world size must divide ``trainer.virtual_ranks``; no ``drop_last``."""
+    t = config.trainer
+    if not t.world_size_invariant:
+        return
+    _positive("trainer.virtual_ranks", t.virtual_ranks)
+    if t.virtual_ranks % world_size:
+        valid = [w for w in range(1, t.virtual_ranks + 1) if t.virtual_ranks % w == 0]
+        raise ConfigError(
+            f"trainer.world_size_invariant=true: the world size must divide trainer.virtual_ranks (W must "
+            f"divide V), got dist.world_size={world_size} and trainer.virtual_ranks={t.virtual_ranks}. "
+            f"Use dist.world_size in {valid}, or set trainer.virtual_ranks to a multiple of {world_size}"
+        )
+    if config.data.drop_last:
+        raise ConfigError(
+            "trainer.world_size_invariant=true takes every sample once (the last global batch may be "
+            "short), so data.drop_last=true is refused: set data.drop_last=false"
+        )
 
 
 def check_device(config: Config, local_world_size: int = 1) -> None:

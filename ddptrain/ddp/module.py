@@ -203,6 +203,17 @@ class DistributedDataParallel(nn.Module):
 
     def _pre_forward(self) -> None:
         self.reducer.prepare_for_forward()
+        self.sync_buffers()
+
+    def sync_buffers(self) -> None:
+        """Give every rank rank 0's buffers (BatchNorm's running statistics, say); collective.
+
+        Every training forward does this first (with ``broadcast_buffers=True``, torch's rule), so
+        the buffers a rank updates in its own forward differ from rank 0's until the next one.
+        Call it before using the module outside a training forward — evaluation, a checksum — so
+        that every rank holds the model rank 0 checkpoints. Does nothing with
+        ``broadcast_buffers=False`` (each rank keeps its own buffers, by request) or no buffers.
+        """
         if self.broadcast_buffers and self._buffers_to_sync:
             self._broadcast_coalesced(self._buffers_to_sync)
 

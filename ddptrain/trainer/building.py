@@ -74,6 +74,7 @@ def finish_fit(trainer: Any, fit_s: float) -> dict[str, Any]:
     if not stopped and trainer.val_set is not None:
         trainer._evaluate_once()
     step, epoch, module = trainer.state.step, trainer.state.epoch, trainer.model.module
+    trainer.model.sync_buffers()  # the digest is of the model rank 0 checkpoints, on every rank
     final = trainer.metrics.final(module, step=step, epoch=epoch, fit_s=fit_s)  # collective
     if stopped:
         final.update(stopped_by=trainer.stopped_by, checkpoint=str(checkpoint_now(trainer, trainer.callbacks)))

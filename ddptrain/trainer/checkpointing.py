@@ -35,7 +35,7 @@ from .checkpoint_io import FORMAT_VERSION, CheckpointError, load_checkpoint, res
 from .metrics import TrainingMetrics
 from .rng import capture_rng_state, restore_rng_state, seed_everything
 
-__all__ = ["TrainState", "Checkpointer", "check_world_size", "elastic_restart_resume"]
+__all__ = ["TrainState", "Checkpointer", "check_world_size", "elastic_restart_resume", "agree_on_checkpoint"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -92,6 +92,23 @@ def elastic_restart_resume() -> str | None:
         log.info("torchrun restart %s: resuming from the latest checkpoint", os.environ["TORCHELASTIC_RESTART_COUNT"])
         return "latest"
     return None
+
+
+def agree_on_checkpoint(process_group: ProcessGroup, value: str, directory: Path, key: str) -> str | None:
+    """Rank 0 resolves ``value`` (``key``'s: a file, a directory, ``latest``, ``best``; see
+    :func:`.checkpoint_io.resolve_resume_path`) and every rank gets its answer, or its error (collective)."""
+    if process_group.rank() == 0:
+        try:
+            found, error = resolve_resume_path(value, directory, key), None
+        except CheckpointError as exc:
+            found, error = None, str(exc)
+        choice = (None if found is None else str(found), error)
+    else:
+        choice = None
+    path, error = broadcast_object(process_group, choice, 0)
+    if error:
+        raise CheckpointError(error)
+    return path
 
 
 class Checkpointer:
@@ -206,19 +223,7 @@ class Checkpointer:
         return self.init_weights(init_from) if init_from else False
 
     def _agree_on_path(self, value: str, key: str) -> str | None:
-        """Rank 0 resolves ``value`` (``key``'s) to a file and every rank gets its answer (or its error)."""
-        if self.is_main:
-            try:
-                found, error = resolve_resume_path(value, self.directory, key), None
-            except CheckpointError as exc:
-                found, error = None, str(exc)
-            choice = (None if found is None else str(found), error)
-        else:
-            choice = None
-        path, error = broadcast_object(self.process_group, choice, 0)
-        if error:
-            raise CheckpointError(error)
-        return path
+        return agree_on_checkpoint(self.process_group, value, self.directory, key)
 
     def init_weights(self, source: str) -> bool:
         """Fine-tuning: load only the model weights of ``source`` (``trainer.init_from``: a file, a run

@@ -54,6 +54,8 @@ from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
+from .inference import InferenceHooks
+from .invariant import InvariantSteps
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
 from .rng import seed_everything
@@ -65,7 +67,7 @@ __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer:
+class Trainer(InferenceHooks):
     """Distributed data-parallel training of one model; subclass it for your task.
 
     The defaults build the model from ``config.model['_target_']``, the datasets from
@@ -95,6 +97,7 @@ class Trainer:
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
         self.process_group = None
+        self.invariant: InvariantSteps | None = None  # trainer.world_size_invariant's step strategy
         self._membership: Membership | None = None
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
@@ -207,7 +210,7 @@ class Trainer:
         for micro_batches in self.step_batches():
             loss = self.train_step(micro_batches)
             self.optimizer_step()
-            samples = sum(batch_size_of(b) for b in micro_batches)
+            samples = micro_batches.rank_samples if self.invariant else sum(batch_size_of(b) for b in micro_batches)
             self.train_sampler.advance(samples)  # trained on: the sampler owns the position
             self.state.step += 1
             loss_sum, steps = loss_sum + loss, steps + 1
@@ -230,7 +233,10 @@ class Trainer:
         """The rest of this epoch as one list of micro-batches per optimizer step.
 
         ``trainer.grad_accum_steps`` micro-batches per step; the last step of an epoch may get fewer.
+        World-size-invariant mode: one :class:`.invariant.InvariantStep` (this rank's shards) per step.
         """
+        if self.invariant:
+            return self.invariant.step_batches()
         return group_micro_batches(self.train_batches(), self.config.trainer.grad_accum_steps)
 
     def train_step(self, micro_batches: Sequence[Any]) -> float:
@@ -238,8 +244,10 @@ class Trainer:
 
         Gradients accumulate locally under ``no_sync()`` and are averaged over ranks in the last
         micro-batch's backward. Each loss is divided by the number of micro-batches, so the
-        gradient is that of their mean.
+        gradient is that of their mean. World-size-invariant mode: :meth:`.invariant.InvariantSteps.train_step`.
         """
+        if self.invariant:
+            return self.invariant.train_step(micro_batches)
         count, step_loss = len(micro_batches), 0.0
         for i, batch in enumerate(micro_batches):
             sync = i == count - 1
@@ -268,6 +276,7 @@ class Trainer:
         if self.val_set is None:
             return {}
         started = time.perf_counter()
+        self.model.sync_buffers()  # rank 0's BatchNorm statistics on every rank: one model is evaluated
         module = self.model.module
         was_training = module.training
         module.eval()
@@ -302,6 +311,7 @@ class Trainer:
         self.output_dir = agree_on_directory(self.process_group, cfg.trainer.output_dir or os.getcwd())
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
+        self.invariant = InvariantSteps(self) if cfg.trainer.world_size_invariant else None  # shards, exact sums
         self.optimizer, self.scheduler = self._optimizers()
         from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
 

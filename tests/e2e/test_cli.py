@@ -27,10 +27,11 @@ def _short_error(proc, *words):
         assert word in proc.stderr, f"{word!r} not in:\n{proc.stderr}"
 
 
-def test_smoke_run_mnist(tmp_path, mnist_root):
+@pytest.mark.parametrize("recipe", ["mnist", "mnist_fast"])  # mnist_fast: BatchNorm buffers must agree too
+def test_smoke_run_mnist(tmp_path, mnist_root, recipe):
     run_dir = tmp_path / "run"
     proc = run_cli(
-        "recipe=mnist",
+        f"recipe={recipe}",
         "trainer=smoke",
         f"hydra.run.dir={run_dir}",
         cwd=tmp_path,
@@ -61,7 +62,9 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
     ):
         assert line in proc.stdout
     helped = run_cli("--help", cwd=tmp_path, timeout=60)
-    assert helped.returncode == 0 and "recipe: fashion_mnist, mnist, synthetic" in helped.stdout, helped.stderr
+    assert helped.returncode == 0 and "recipe: fashion_mnist, mnist, mnist_fast, synthetic" in helped.stdout, (
+        helped.stderr
+    )
     assert not list(tmp_path.iterdir())  # printing the config or the help writes nothing
     script = Path(PYTHON).parent / "ddptrain"  # the console script, from any directory
     if script.exists():
@@ -72,7 +75,10 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("recipe=mnst", ["unknown recipe 'mnst'", "Did you mean recipe=mnist?", "fashion_mnist, mnist, synthetic"]),
+        (
+            "recipe=mnst",
+            ["unknown recipe 'mnst'", "Did you mean recipe=mnist?", "fashion_mnist, mnist, mnist_fast, synthetic"],
+        ),
         ("backend=glo", ["unknown backend 'glo'", "Did you mean backend=gloo?"]),
         ("launcher=torchrn", ["unknown launcher 'torchrn'", "Did you mean launcher=torchrun?"]),
         ("model=tutorial", ["unknown model 'tutorial'", "Did you mean model=tutorial_net?"]),
@@ -99,7 +105,7 @@ def test_a_typo_in_any_group_gets_did_you_mean_and_exit_2(tmp_path, override, wo
 
 def test_a_missing_recipe_lists_them(tmp_path):
     proc = run_cli("trainer.epochs=1", cwd=tmp_path, timeout=60)
-    _short_error(proc, "choose a recipe: recipe=<name>, one of fashion_mnist, mnist, synthetic")
+    _short_error(proc, "choose a recipe: recipe=<name>, one of fashion_mnist, mnist, mnist_fast, synthetic")
     assert proc.returncode == 2
 
 

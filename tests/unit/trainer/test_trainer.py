@@ -301,3 +301,36 @@ def test_mid_epoch_resume_is_exact_at_several_ranks(tmp_path, world_size):
     assert saved["world_size"] == world_size and saved["sampler"]["consumed"] == 3 * 12 // world_size
     for straight, resumed, step in results:
         assert step == 8 and resumed == straight
+
+
+class BatchNormTrainer(FixedInitTrainer):
+    """A BatchNorm model: each rank's forward updates its running statistics from its own shard."""
+
+    def configure_model(self):
+        torch.manual_seed(5)
+        return nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def _fit_batchnorm(rank, world_size, config):
+    trainer = BatchNormTrainer(config)
+    metrics = trainer.fit()
+    return {k: v.clone() for k, v in trainer.model.module.state_dict().items()}, metrics
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_batchnorm_statistics_agree_for_evaluation_and_the_final_digest(tmp_path, world_size):
+    # Without a buffer broadcast after the last training forward, each rank would evaluate its
+    # shard of the validation set with its own running statistics: an accuracy of no single model.
+    config = _config(tmp_path, data={"global_batch_size": 12}, optimizer={"lr": 0.3, "momentum": 0.9})
+    results = run_threaded(_fit_batchnorm, world_size, config, timeout_s=120)
+    rank0_state, metrics = results[0]
+    model = BatchNormTrainer(config).configure_model()
+    model.load_state_dict(rank0_state)
+    model.eval()
+    val_x, val_y = BatchNormTrainer(config).val_dataset().tensors
+    with torch.no_grad():
+        expected_loss = F.cross_entropy(model(val_x), val_y).item()
+    for state, rank_metrics in results:
+        assert rank_metrics["params_agree"]
+        torch.testing.assert_close(state["1.running_mean"], rank0_state["1.running_mean"], rtol=0, atol=0)
+        assert rank_metrics["eval/loss"] == pytest.approx(expected_loss, rel=1e-5)

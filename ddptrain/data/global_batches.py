@@ -1,0 +1,114 @@
+"""Global batches cut into fixed shards by sample position, never by rank (world-size-invariant mode).
+
+An epoch's order is the sampler's (``torch.randperm`` seeded with ``seed + epoch``, the same for
+every world size). Optimizer step ``k`` of the epoch trains on positions ``[k*G, (k+1)*G)`` of that
+order (``G`` the global batch; the epoch's last step may be shorter). Those ``n`` samples are cut
+into ``A * V`` contiguous shards of near-equal size (``torch.tensor_split`` sizes: the first
+``n % (A*V)`` shards hold one sample more), ``A`` the accumulation steps and ``V`` the virtual
+ranks; shard ``a*V + v`` is the ``v``-th of micro-batch ``a``. Rank ``r`` of ``W`` computes
+virtual ranks ``r*V/W .. (r+1)*V/W - 1`` of every micro-batch. Which samples form a shard
+depends only on the seed, the epoch, the step and the shard index, so a shard is the same on 1,
+2 or 8 ranks; only who computes it changes. No sample is padded or repeated.
+
+This module is plain arithmetic: it never talks to a process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["valid_world_sizes", "virtual_ranks_of", "shard_bounds", "Shard", "epoch_order", "step_shards"]
+
+
+def valid_world_sizes(virtual_ranks: int) -> list[int]:
+    """The world sizes that can share ``virtual_ranks`` evenly: its divisors."""
+    return [w for w in range(1, virtual_ranks + 1) if virtual_ranks % w == 0]
+
+
+def virtual_ranks_of(rank: int, world_size: int, virtual_ranks: int) -> range:
+    """The virtual ranks rank ``rank`` of ``world_size`` computes: ``r*V/W .. (r+1)*V/W - 1``.
+
+    Raises:
+        ValueError: if ``world_size`` does not divide ``virtual_ranks`` (naming both and the valid
+            world sizes), or ``rank`` is out of range.
+    """
+    if world_size < 1 or virtual_ranks < 1 or virtual_ranks % world_size:
+        raise ValueError(
+            f"world-size-invariant training: the world size W must divide the virtual ranks V, got "
+            f"W={world_size} and V={virtual_ranks}. Use W in {valid_world_sizes(max(virtual_ranks, 1))}, "
+            f"or a V that W divides"
+        )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside [0, {world_size})")
+    per_rank = virtual_ranks // world_size
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def shard_bounds(num_samples: int, num_shards: int) -> list[tuple[int, int]]:
+    """``[start, end)`` of each of ``num_shards`` contiguous shards of ``num_samples`` positions
+    (``torch.tensor_split``'s sizes; some are empty when there are fewer samples than shards)."""
+    base, extra = divmod(num_samples, num_shards)
+    bounds, start = [], 0
+    for i in range(num_shards):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One shard of a step: its index in the step (``a*V + v``), and its sample positions in the
+    epoch's order ``[start, end)``."""
+
+    index: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+def epoch_order(dataset_len: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The epoch's order of sample indices: ``DistributedSampler``'s before its split over ranks."""
+    if not shuffle:
+        return torch.arange(dataset_len)
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(dataset_len, generator=generator)
+
+
+@dataclass(frozen=True)
+class StepShards:
+    """One optimizer step as this rank sees it: the step's first position in the epoch, its
+    number of samples over all ranks, the shard count over all ranks, and this rank's shards."""
+
+    start: int
+    num_samples: int
+    num_shards: int
+    shards: tuple[Shard, ...]
+
+
+def step_shards(
+    start: int, dataset_len: int, global_batch: int, micro_batches: int, virtual_ranks: int, mine: range
+) -> Iterator[StepShards]:
+    """The steps of an epoch from global position ``start`` on, with the shards of virtual ranks ``mine``."""
+    num_shards = micro_batches * virtual_ranks
+    while start < dataset_len:
+        n = min(global_batch, dataset_len - start)
+        bounds = shard_bounds(n, num_shards)
+        shards = tuple(
+            Shard(
+                a * virtual_ranks + v,
+                start + bounds[a * virtual_ranks + v][0],
+                start + bounds[a * virtual_ranks + v][1],
+            )
+            for a in range(micro_batches)
+            for v in mine
+        )
+        yield StepShards(start, n, num_shards, shards)
+        start += n

@@ -1,0 +1,135 @@
+"""An exact, order-independent sum of float tensors across ranks (int64 fixed point).
+
+A float all-reduce adds in an order that depends on the world size and the algorithm (ring,
+tree, recursive halving), and float addition is not associative, so the same gradients summed
+over 1, 2 or 8 ranks differ in their last bits. Integer addition is associative. So:
+
+1. every contribution (one shard's gradient, say) is a float32 vector cut into segments (one per
+   parameter); each segment gets a power-of-two scale ``2**s`` that every rank agrees on, from an
+   all-reduce MAX of the segments' largest magnitude over all contributions;
+2. each contribution becomes ``round(x * 2**s)`` as int64 — exact to 2**-s, and a function of
+   that contribution alone;
+3. the int64 vectors are summed, locally and then across ranks (all-reduce SUM): exact, so the
+   result is the same bits whatever the order, the world size or the backend;
+4. the sum turns back into floats (``q * 2**-s``), again one fixed function of the exact sum.
+
+Overflow: ``s`` is chosen so that ``count * max|x| * 2**s < 2**62``, where ``count`` is the
+number of contributions over all ranks; the exact sum then fits in int64 with room to spare.
+With count <= 2**c the largest value keeps ``62 - c`` bits (far more than float32's 24); a value
+smaller than the segment's maximum by a factor of ``2**(62 - c)`` or more rounds to zero, well
+below what float32 itself can add to that maximum.
+
+A segment holding inf or NaN in any contribution comes back all NaN (the sum is not finite).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ..comm.process_group import ProcessGroup
+from ..comm.types import ReduceOp
+
+__all__ = ["scale_exponents", "to_fixed", "from_fixed", "exact_sum", "exact_all_reduce"]
+
+_HEADROOM_BITS = 62
+"""The exact sum stays below 2**62 (int64 holds up to 2**63 - 1)."""
+
+
+def segment_max_abs(contribution: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """The largest magnitude of each segment of a flat ``contribution`` (float64, one per segment).
+
+    NaN or inf anywhere in a segment gives inf (which every backend's MAX keeps; NaN it may drop).
+    """
+    out = torch.zeros(len(sizes), dtype=torch.float64)
+    for i, part in enumerate(torch.split(contribution.detach(), list(sizes))):
+        if part.numel():
+            out[i] = part.abs().max().double().cpu()
+    return torch.nan_to_num(out, nan=float("inf"))
+
+
+def scale_exponents(max_abs: torch.Tensor, count: int) -> torch.Tensor:
+    """The exponent ``s`` of each segment's scale ``2**s`` (int64), given the largest magnitude
+    over every contribution of the sum (``max_abs``, the same on every rank) and their number.
+
+    ``count * max_abs * 2**s < 2**62``; a zero or non-finite segment gets ``s = 0``.
+    """
+    if count < 1:
+        raise ValueError(f"an exact sum needs at least 1 contribution, got count={count}")
+    count_bits = math.ceil(math.log2(count)) if count > 1 else 0
+    exponents = []
+    for m in max_abs.tolist():
+        if m == 0.0 or not math.isfinite(m):
+            exponents.append(0)
+        else:
+            _, e = math.frexp(m)  # m < 2**e
+            exponents.append(_HEADROOM_BITS - count_bits - e)
+    return torch.tensor(exponents, dtype=torch.int64)
+
+
+def _expand(per_segment: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    return torch.repeat_interleave(per_segment, torch.tensor(list(sizes), dtype=torch.int64))
+
+
+def to_fixed(contribution: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``round(x * scale)`` as int64; ``scales``: float64, one per element (powers of two).
+
+    float32 -> float64 and the multiplication by a power of two are exact; the rounding (half
+    to even) is the one deterministic step. Non-finite values become 0 (their segment is marked
+    NaN by :func:`from_fixed`).
+    """
+    scaled = contribution.detach().to(torch.float64) * scales
+    scaled = torch.nan_to_num(scaled, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.round(scaled).to(torch.int64)
+
+
+def from_fixed(total: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The exact integer sum back as floats: ``total / scale`` (a fixed function of ``total``)."""
+    return (total.to(torch.float64) / scales).to(dtype)
+
+
+def exact_sum(contributions: Sequence[torch.Tensor], sizes: Sequence[int], max_abs: torch.Tensor, count: int):
+    """This rank's part of an exact sum: ``(int64 partial sum, per-element scales, exponents)``.
+
+    ``max_abs``: each segment's largest magnitude over every contribution on every rank;
+    ``count``: the number of contributions over every rank.
+    """
+    exponents = scale_exponents(max_abs, count)
+    scales = _expand(torch.pow(2.0, exponents.to(torch.float64)), sizes)
+    total = torch.zeros(sum(sizes), dtype=torch.int64)
+    for contribution in contributions:
+        total += to_fixed(contribution.cpu(), scales)
+    return total, scales, exponents
+
+
+def exact_all_reduce(
+    process_group: ProcessGroup,
+    contributions: Sequence[torch.Tensor],
+    sizes: Sequence[int],
+    count: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The exact sum over every rank's ``contributions`` (flat tensors cut into ``sizes``), the same
+    bits on every rank and for every world size (collective: two all-reduces).
+
+    Args:
+        contributions: this rank's flat vectors (may be empty: the rank adds nothing).
+        sizes: the segment lengths (one scale per segment); the same on every rank.
+        count: the number of contributions over all ranks (bounds the sum, so fixes the scales).
+    """
+    local_max = torch.zeros(len(sizes), dtype=torch.float64)
+    for contribution in contributions:
+        local_max = torch.maximum(local_max, segment_max_abs(contribution, sizes))
+    global_max = local_max.to(process_group.device)
+    process_group.all_reduce(global_max, ReduceOp.MAX).wait()
+    global_max = global_max.cpu()
+    total, scales, _ = exact_sum(contributions, sizes, global_max, count)
+    reduced = total.to(process_group.device)
+    process_group.all_reduce(reduced, ReduceOp.SUM).wait()
+    result = from_fixed(reduced.cpu(), scales, dtype)
+    bad = ~torch.isfinite(global_max)
+    if bad.any():
+        result[_expand(bad, sizes)] = float("nan")
+    return result

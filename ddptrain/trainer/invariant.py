@@ -1,0 +1,216 @@
+"""World-size-invariant training steps (``trainer.world_size_invariant=true``): the same bits on 1, 2 or 8 ranks.
+
+The Trainer hands its steps to :class:`InvariantSteps` in this mode. Each optimizer step's global
+batch is cut into ``grad_accum_steps * virtual_ranks`` fixed shards by sample position
+(:mod:`ddptrain.data.global_batches`); each rank runs forward and backward on its shards one at a
+time, on the bare module (no DDP hooks), and keeps each shard's gradient. The gradients are then
+summed exactly across ranks (:mod:`ddptrain.ddp.exact`: int64 fixed point), so the sum has the
+same bits whatever the world size. What else could depend on the rank is pinned:
+
+- randomness: each shard runs under its own torch generator state, seeded from
+  ``(trainer.seed, epoch, step, shard)`` (dropout, random augmentation in ``__getitem__``);
+  Python's ``random`` and numpy are not reseeded;
+- threads: torch uses ``dist.threads_per_worker`` intra-op threads (1 when it is 0) on every rank,
+  so a kernel's reduction order is the same wherever a shard runs;
+- the loss: the gradient is that of ``sum over shards of shard_mean * shard_size / step_size``,
+  i.e. the step's per-sample mean; the logged step loss is that value, summed in shard order,
+  rounded to float32 (so the logging window's sums and means are exact too);
+- buffers (BatchNorm): every shard starts from the step's buffers, and computes its own batch
+  statistics; the new floating-point buffers are the exact mean of the shards' results (for
+  BatchNorm's running stats: one momentum update with the mean of the shards' statistics), the
+  integer ones (``num_batches_tracked``) the shards' common value; a buffer no shard changed
+  stays as it was.
+
+Parameters no shard used get no gradient (``None``), as in plain training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset, default_collate
+
+from ..comm.types import ReduceOp
+from ..config import check_world_size_invariant
+from ..data.global_batches import StepShards, epoch_order, step_shards, virtual_ranks_of
+from ..ddp.exact import exact_all_reduce
+from .data import move_to
+
+__all__ = ["InvariantSteps", "InvariantStep", "shard_seed"]
+
+log = logging.getLogger("ddptrain.trainer")
+
+_SHARD_LOCK = threading.Lock()
+"""Held while a shard runs: torch's default generator is per process, and ranks that are threads
+(``ddptrain.testing.run_threaded``) must not interleave their shards' seeding and draws."""
+
+
+def shard_seed(seed: int, epoch: int, step: int, shard: int) -> int:
+    """The torch seed of one shard: a hash of ``(seed, epoch, step, shard)``, never of the rank."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{step}:{shard}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+@dataclass(frozen=True)
+class InvariantStep:
+    """One optimizer step of this rank: its shards, the epoch's order, and how many of this rank's
+    sampler positions it covers (``rank_samples``, what the Trainer reports to the sampler)."""
+
+    epoch: int
+    work: StepShards
+    order: torch.Tensor
+    rank_samples: int
+
+
+class InvariantSteps:
+    """The step strategy of world-size-invariant mode (see the module docstring).
+
+    Args:
+        trainer: the Trainer, after its model, data and process group are set up.
+    """
+
+    def __init__(self, trainer: Any):
+        cfg = trainer.config
+        check_world_size_invariant(cfg, trainer.world_size)
+        self.trainer = trainer
+        self.virtual_ranks = cfg.trainer.virtual_ranks
+        self.micro_batches = cfg.trainer.grad_accum_steps
+        self.global_batch = cfg.data.global_batch_size
+        self.seed = cfg.trainer.seed
+        self.mine = virtual_ranks_of(trainer.rank, trainer.world_size, self.virtual_ranks)
+        module: nn.Module = trainer.model.module
+        self.params = [p for p in module.parameters() if p.requires_grad]  # tied weights: once
+        self.sizes = [p.numel() for p in self.params]
+        self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
+        self.int_buffers = [b for b in module.buffers() if not b.is_floating_point()]
+        threads = cfg.dist.threads_per_worker or 1
+        torch.set_num_threads(threads)
+        if trainer.is_main:
+            log.info(
+                "world-size-invariant mode: %d virtual ranks (shards %d-%d on this rank), %d intra-op thread(s)",
+                self.virtual_ranks,
+                self.mine.start,
+                self.mine.stop - 1,
+                threads,
+            )
+
+    # == data =====================================================================================
+    def step_batches(self) -> Iterator[InvariantStep]:
+        """The rest of this epoch, one :class:`InvariantStep` per optimizer step."""
+        sampler, world_size = self.trainer.train_sampler, self.trainer.world_size
+        dataset_len = sampler.dataset_len
+        start = sampler.consumed * world_size  # the global position: the same for every world size
+        order = epoch_order(dataset_len, sampler.seed, sampler.epoch, sampler.shuffle)
+        steps = step_shards(start, dataset_len, self.global_batch, self.micro_batches, self.virtual_ranks, self.mine)
+        # Every rank is done setting up (a resume restores the global generator) before any shard
+        # draws from it: ranks that are threads share that generator.
+        self.trainer.process_group.barrier().wait()
+        for work in steps:
+            end = work.start + work.num_samples
+            rank_samples = -(-end // world_size) - -(-work.start // world_size)
+            yield InvariantStep(sampler.epoch, work, order, rank_samples)
+
+    def _load(self, dataset: Dataset, indices: torch.Tensor) -> Any:
+        if isinstance(dataset, TensorDataset):
+            return tuple(t[indices] for t in dataset.tensors)
+        return default_collate([dataset[i] for i in indices.tolist()])
+
+    # == one step =================================================================================
+    def train_step(self, step: InvariantStep) -> float:
+        """Forward and backward of this rank's shards, the exact sum of the gradients over all ranks
+        in each parameter's ``.grad``; the step's loss (the same on every rank and world size)."""
+        t, module, work = self.trainer, self.trainer.model.module, step.work
+        snapshot = [b.detach().clone() for b in (*self.float_buffers, *self.int_buffers)]
+        grads, buffers = [], []
+        # Per shard loss * size, then per parameter "used", per float buffer "changed" (summed over ranks).
+        flags = torch.zeros(work.num_shards + len(self.params) + len(self.float_buffers), dtype=torch.float64)
+        for shard in work.shards:
+            if shard.size == 0:
+                continue
+            self._restore(snapshot)
+            with _SHARD_LOCK, torch.random.fork_rng(devices=_cuda_devices(t.device)):
+                torch.manual_seed(shard_seed(self.seed, step.epoch, t.state.step, shard.index))
+                batch = self._load(t.train_set, step.order[shard.start : shard.end])
+                loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
+                (loss * (shard.size / work.num_samples)).backward()
+            flags[shard.index] = float(loss.detach()) * shard.size
+            grads.append(self._take_grads(flags, work.num_shards))
+            buffers.append(self._buffer_state(flags, snapshot, work.num_shards + len(self.params)))
+        t.process_group.all_reduce(flags, ReduceOp.SUM).wait()
+        self._set_grads(exact_all_reduce(t.process_group, grads, self.sizes, work.num_shards), flags[work.num_shards :])
+        self._set_buffers(snapshot, buffers, flags, work)
+        loss = sum(flags[: work.num_shards].tolist()) / work.num_samples  # shard order: fixed
+        return float(torch.tensor(loss, dtype=torch.float32))
+
+    def _take_grads(self, flags: torch.Tensor, offset: int) -> torch.Tensor:
+        """This shard's gradients as one flat float32 vector (zeros where none); clears ``.grad``."""
+        parts = []
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
+            else:
+                flags[offset + i] = 1.0
+                parts.append(p.grad.detach().reshape(-1).to(torch.float32))
+                p.grad = None
+        return torch.cat(parts) if parts else torch.zeros(0)
+
+    def _set_grads(self, total: torch.Tensor, used: torch.Tensor) -> None:
+        offset = 0
+        for i, p in enumerate(self.params):
+            n = p.numel()
+            p.grad = total[offset : offset + n].view_as(p).to(p.device, p.dtype) if used[i] > 0 else None
+            offset += n
+
+    # == buffers (BatchNorm) ======================================================================
+    def _restore(self, snapshot: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for b, saved in zip((*self.float_buffers, *self.int_buffers), snapshot):
+                b.copy_(saved)
+
+    def _buffer_state(self, flags: torch.Tensor, snapshot: list[torch.Tensor], offset: int) -> torch.Tensor:
+        """This shard's float buffers as one flat vector; marks those it changed."""
+        if not self.float_buffers:
+            return torch.zeros(0)
+        for i, (b, saved) in enumerate(zip(self.float_buffers, snapshot)):
+            if not torch.equal(b, saved):
+                flags[offset + i] = 1.0
+        return torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.float_buffers])
+
+    def _set_buffers(self, snapshot: list[torch.Tensor], buffers: list, flags: torch.Tensor, work: StepShards) -> None:
+        """Float buffers: the exact mean over the step's shards (where any shard changed them);
+        integer buffers: the shards' common value (MAX over ranks)."""
+        if not self.float_buffers and not self.int_buffers:
+            return
+        # This rank's last shard's integer buffers (the step's start if it ran none).
+        ints = [b.detach().reshape(-1).to(torch.int64).clone() for b in self.int_buffers]
+        self._restore(snapshot)
+        pg, ran = self.trainer.process_group, min(work.num_samples, work.num_shards)  # non-empty shards
+        sizes = [b.numel() for b in self.float_buffers]
+        if self.float_buffers:
+            total = exact_all_reduce(pg, buffers, sizes, work.num_shards, dtype=torch.float64) / ran
+            changed = flags[work.num_shards + len(self.params) :]
+            offset = 0
+            with torch.no_grad():
+                for i, b in enumerate(self.float_buffers):
+                    if changed[i] > 0:
+                        b.copy_(total[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
+        if self.int_buffers:
+            values = torch.cat(ints).to(pg.device)
+            pg.all_reduce(values, ReduceOp.MAX).wait()
+            offset = 0
+            with torch.no_grad():
+                for b in self.int_buffers:
+                    b.copy_(values[offset : offset + b.numel()].view_as(b))
+                    offset += b.numel()
+
+
+def _cuda_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []

@@ -1,0 +1,95 @@
+"""The exact all-reduce (int64 fixed point): the same bits for every world size and order, on
+values chosen so that a float sum depends on the order."""
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from ddptrain.comm.api import get_process_group
+from ddptrain.ddp.exact import exact_all_reduce, scale_exponents
+from ddptrain.testing import run_threaded
+
+V = 8  # contributions (shards) in all, split over the ranks as the trainer splits them
+
+
+def _adversarial() -> list[torch.Tensor]:
+    """8 contributions of 5 elements in 3 segments ([0:3], [3], [4]) whose float32 sum depends on the order."""
+    big = 2.0**24  # float32 spacing is 2 here: big + 1 == big
+    rows = [
+        [big, 1.0, 1e-3, 3.0e38, -7.5],
+        [1.0, -big, 1e-3, 3.0e38, 2.5],
+        [-big, 1.0, 3e-8, -3.0e38, 0.1],
+        [1.0, big, -1e-3, -3.0e38, 1e-6],
+        [1.0, 1.0, 5e-4, 3.0e38, -0.3],
+        [big, -1.0, 7e-9, -3.0e38, 1e5],
+        [1.0, -big, 1e-3, 1.0, -1e5],
+        [-big, 1.0, -2e-3, 2.0, 3.3],
+    ]
+    return [torch.tensor(r, dtype=torch.float32) for r in rows]
+
+
+SIZES = [3, 1, 1]
+
+
+def _reduce(rank, world_size, contributions):
+    per_rank = V // world_size
+    mine = contributions[rank * per_rank : (rank + 1) * per_rank]
+    return exact_all_reduce(get_process_group(), mine, SIZES, V)
+
+
+def _float_sums_in_orders(contributions):
+    """float32 sums of the same contributions in a few orders (what a float all-reduce may do)."""
+    orders = [range(V), reversed(range(V)), [0, 2, 4, 6, 1, 3, 5, 7], [7, 0, 6, 1, 5, 2, 4, 3]]
+    sums = []
+    for order in orders:
+        total = torch.zeros(5, dtype=torch.float32)
+        for i in order:
+            total = total + contributions[i]
+        sums.append(total)
+    return sums
+
+
+def test_the_values_are_adversarial_a_float_sum_depends_on_the_order():
+    sums = _float_sums_in_orders(_adversarial())
+    assert any(not torch.equal(sums[0], s) for s in sums[1:])
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+def test_the_sum_has_the_same_bits_on_every_rank_and_world_size(world_size):
+    contributions = _adversarial()
+    reference = run_threaded(_reduce, 1, contributions, timeout_s=30)[0]
+    results = run_threaded(_reduce, world_size, contributions, timeout_s=30)
+    for r in results:
+        assert r.dtype == torch.float32
+        assert torch.equal(r.view(torch.int32), reference.view(torch.int32))
+
+
+def test_the_sum_is_the_exact_sum_rounded_and_nothing_overflows():
+    contributions = _adversarial()
+    result = run_threaded(_reduce, 4, contributions, timeout_s=30)[0]
+    exact = [sum(Fraction(float(c[i])) for c in contributions) for i in range(5)]
+    # Element 0 and 1 are exact small integers; element 3 sums +-3e38 (near float32's max) to 3.
+    assert result[0].item() == float(exact[0]) and result[1].item() == float(exact[1])
+    assert result[3].item() == pytest.approx(float(exact[3]), rel=0, abs=2.0**-20 * 3.0e38 * 2**-30)
+    # The rest: within a float32 rounding of the exact sum.
+    for i in (2, 4):
+        assert abs(Fraction(result[i].item()) - exact[i]) <= abs(exact[i]) * Fraction(2) ** -23
+
+
+def test_scales_leave_room_for_every_contribution():
+    exps = scale_exponents(torch.tensor([3.0e38, 1.0, 0.0, 1e-40], dtype=torch.float64), count=8)
+    for m, s in zip([3.0e38, 1.0, 1e-40], [exps[0], exps[1], exps[3]]):
+        assert 8 * m * 2.0 ** int(s) < 2.0**62
+        assert 8 * m * 2.0 ** int(s) >= 2.0**60  # and use the room: precision is not thrown away
+    assert int(exps[2]) == 0  # a zero segment
+
+
+def _reduce_with_nan(rank, world_size):
+    mine = [torch.tensor([1.0, 2.0, float("nan") if rank == 1 else 3.0])]
+    return exact_all_reduce(get_process_group(), mine, [1, 2], world_size)
+
+
+def test_a_non_finite_segment_comes_back_nan_and_the_others_exact():
+    for r in run_threaded(_reduce_with_nan, 2, timeout_s=30):
+        assert r[0].item() == 2.0 and torch.isnan(r[1:]).all()

@@ -1,0 +1,180 @@
+"""World-size-invariant mode (trainer.world_size_invariant): the Trainer on 1, 2, 4 and 8 threaded
+ranks ends with the same parameters, bit for bit, and logs the same per-step losses — with dropout,
+BatchNorm, tied weights, gradient accumulation, a short last batch, and a resume on another world size."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import TensorDataset
+
+from ddptrain import Config, ConfigError, Trainer
+from ddptrain.config import instantiate
+from ddptrain.testing import run_threaded
+
+# Threads share one process: every rank must build the same initial model without racing on the
+# global generator, so the initial weights are made once here.
+_INIT: dict[str, dict] = {}
+
+
+def _initial_state(target: str) -> dict:
+    if target not in _INIT:  # never in a rank's thread: they would race on the global generator
+        torch.manual_seed(0)
+        _INIT[target] = instantiate({"_target_": target}, "model", "").state_dict()
+    return _INIT[target]
+
+
+class ImagesTrainer(Trainer):
+    """Random 28x28 images, 10 classes; ``num_train`` samples (not a multiple of the batch)."""
+
+    num_train = 200
+
+    def configure_model(self):
+        model = instantiate(self.config.model, "model", "")
+        model.load_state_dict(_INIT[self.config.model["_target_"]])
+        return model
+
+    def train_dataset(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(self.num_train, 1, 28, 28, generator=g)
+        return TensorDataset(x, torch.randint(0, 10, (self.num_train,), generator=g))
+
+    def val_dataset(self):
+        g = torch.Generator().manual_seed(1)
+        return TensorDataset(torch.randn(30, 1, 28, 28, generator=g), torch.randint(0, 10, (30,), generator=g))
+
+
+class BNTrainer(ImagesTrainer):
+    num_train = 224  # 7 full batches: BatchNorm needs more than one sample per shard
+
+
+def _config(tmp_path, model, invariant=True, **trainer):
+    base = {
+        "epochs": 2,
+        "log_every_steps": 1,
+        "progress": False,
+        "tensorboard": False,
+        "checkpoint_every_epochs": 0,
+        "checkpoint_at_end": False,
+        "output_dir": str(tmp_path),
+        "world_size_invariant": invariant,
+    }
+    base.update(trainer)
+    _initial_state(model)  # here, in the test's thread
+    return Config.from_dict(
+        {
+            "model": {"_target_": model},
+            "data": {"global_batch_size": 32},
+            "optimizer": {"lr": 0.05, "momentum": 0.5},
+            "trainer": base,
+        }
+    )
+
+
+def _fit(rank, world_size, trainer_class, config):
+    trainer = trainer_class(config)
+    final = trainer.fit()
+    return final["params_sha256"], trainer.loss_history, final["step"]
+
+
+def _runs(trainer_class, config, world_sizes=(1, 2, 4, 8)):
+    results = {}
+    for world_size in world_sizes:
+        per_rank = run_threaded(_fit, world_size, trainer_class, config, timeout_s=120)
+        assert len({r[0] for r in per_rank}) == 1, f"ranks disagree at world size {world_size}"
+        results[world_size] = per_rank[0]
+    return results
+
+
+CASES = [
+    pytest.param(ImagesTrainer, "ddptrain.recipes.mnist.Net", {}, id="dropout"),
+    pytest.param(BNTrainer, "tests.models.BNNet", {}, id="batchnorm"),
+    pytest.param(ImagesTrainer, "tests.models.TiedNet", {}, id="tied-weights"),
+    pytest.param(ImagesTrainer, "ddptrain.recipes.mnist.Net", {"grad_accum_steps": 2}, id="dropout+accumulation"),
+    pytest.param(BNTrainer, "tests.models.BNNet", {"grad_accum_steps": 2}, id="batchnorm+accumulation"),
+]
+
+
+@pytest.mark.parametrize(("trainer_class", "model", "extra"), CASES)
+def test_the_same_bits_and_losses_on_1_2_4_and_8_ranks(tmp_path, trainer_class, model, extra):
+    results = _runs(trainer_class, _config(tmp_path, model, **extra))
+    digest, losses, steps = results[1]
+    assert steps == 14 and len(losses) == 14  # 2 epochs of 7 steps, the last of each short for 200 samples
+    for world_size, (other_digest, other_losses, _) in results.items():
+        assert other_digest == digest, f"world size {world_size} ends with other parameters than 1"
+        assert other_losses == losses, f"world size {world_size} logs other losses than 1"
+    assert losses[-1][1] < losses[0][1] or model.endswith("mnist.Net")  # it learns (dropout: noisy)
+
+
+def test_without_the_mode_the_world_size_changes_the_bits(tmp_path):
+    """The check above can fail: plain DDP (float all-reduce, per-rank dropout seeds) differs."""
+    results = _runs(ImagesTrainer, _config(tmp_path, "ddptrain.recipes.mnist.Net", invariant=False), (1, 2))
+    assert results[1][0] != results[2][0]
+
+
+def _final_state(rank, world_size, config):
+    trainer = ImagesTrainer(config)
+    trainer.fit()
+    return {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
+
+
+def test_the_gradient_is_the_global_batch_mean(tmp_path):
+    """Without dropout, invariant mode trains what plain training trains, up to float rounding."""
+    configs = [_config(tmp_path, "tests.models.Net", invariant=i, epochs=1, max_steps=5) for i in (True, False)]
+    invariant, plain = (run_threaded(_final_state, 1, c, timeout_s=60)[0] for c in configs)
+    for name in plain:
+        torch.testing.assert_close(invariant[name], plain[name], rtol=1e-4, atol=1e-6)
+
+
+def test_batchnorm_running_stats_take_the_mean_of_the_shards_statistics(tmp_path):
+    """One step from fresh stats: running_mean = (1 - m) * 0 + m * mean over the 8 shards of their batch means."""
+
+    config = _config(tmp_path, "tests.models.BNNet", epochs=1, max_steps=1)
+
+    def body(rank, world_size):
+        trainer = BNTrainer(config)
+        module = trainer.configure_model()
+        data = trainer.train_dataset()
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
+        with torch.no_grad():
+            features = module.fc1(data.tensors[0][order].view(32, -1))
+        expected = 0.1 * features.view(8, 4, -1).mean(dim=1).mean(dim=0)
+        trainer.fit()
+        return trainer.model.module.bn.running_mean.clone(), expected, int(trainer.model.module.bn.num_batches_tracked)
+
+    for running_mean, expected, tracked in run_threaded(body, 2, timeout_s=60):
+        torch.testing.assert_close(running_mean, expected, rtol=1e-5, atol=1e-6)
+        assert tracked == 1  # one update per step, not one per shard
+
+
+def _stop_then_resume(rank, world_size, config):
+    trainer = ImagesTrainer(config)
+    return trainer.fit()["params_sha256"], trainer.loss_history
+
+
+def test_stop_at_2_ranks_mid_epoch_then_resume_at_4_continues_bitwise(tmp_path):
+    model = "ddptrain.recipes.mnist.Net"
+    whole = run_threaded(_fit, 2, ImagesTrainer, _config(tmp_path / "whole", model), timeout_s=120)[0]
+    first = _config(tmp_path / "run", model, stop_after_steps=10, checkpoint_at_end=True)
+    run_threaded(_fit, 2, ImagesTrainer, first, timeout_s=120)  # epoch 2, step 3 of 7
+    resume = {"resume": str(tmp_path / "run"), "allow_world_size_change": True}
+    second = _config(tmp_path / "run", model, **resume)
+    digest, losses = run_threaded(_stop_then_resume, 4, second, timeout_s=120)[0]
+    assert digest == whole[0] and losses == whole[1]
+
+
+def test_a_world_size_that_does_not_divide_virtual_ranks_is_a_config_error(tmp_path):
+    config = _config(tmp_path, "tests.models.Net", virtual_ranks=4)
+    with pytest.raises(ConfigError) as err:
+        run_threaded(_fit, 8, ImagesTrainer, config, timeout_s=60)
+    text = str(err.value)
+    assert "dist.world_size=8" in text and "trainer.virtual_ranks=4" in text and "[1, 2, 4]" in text
+
+
+def test_a_training_step_of_the_users_own_is_used_per_shard(tmp_path):
+    class Weighted(ImagesTrainer):
+        def training_step(self, model, batch):
+            images, labels = batch
+            return F.nll_loss(model(images), labels) * 2.0
+
+    results = _runs(Weighted, _config(tmp_path, "tests.models.Net", epochs=1), (1, 4))
+    assert results[1] == results[4]
