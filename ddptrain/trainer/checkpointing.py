@@ -7,7 +7,8 @@ A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load
 - ``step``: optimizer steps done; ``epoch`` and ``samples_in_epoch``: where the epoch stands,
   copied from ``sampler`` for readers of the file (on resume, ``sampler`` is what counts);
 - ``world_size``: ranks of the job that wrote it (see :func:`check_world_size`);
-- ``model``, ``optimizer``, ``scheduler``: state dicts (``scheduler`` is ``None`` without one);
+- ``model``, ``optimizer``, ``scheduler``: state dicts (``scheduler`` is ``None`` without one;
+  lists, in ``configure_optimizers``' order, with several: :meth:`.optimizers.OptimizerSet.state_dict`);
 - ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
 - ``rng``: every rank's generator states, in rank order;
 - ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`.metrics.TrainingMetrics.state_dict`;
@@ -33,6 +34,7 @@ from ..config import Config
 from ..data import DistributedSampler
 from .checkpoint_io import FORMAT_VERSION, CheckpointError, load_checkpoint, resolve_resume_path, save_checkpoint
 from .metrics import TrainingMetrics
+from .optimizers import OptimizerSet
 from .rng import capture_rng_state, restore_rng_state, seed_everything
 
 __all__ = ["TrainState", "Checkpointer", "check_world_size", "elastic_restart_resume", "agree_on_checkpoint"]
@@ -116,7 +118,7 @@ class Checkpointer:
 
     Args:
         model: the bare module (not the DDP wrapper).
-        optimizer, scheduler: the fit's (``scheduler`` may be ``None``).
+        optimizers: the fit's optimizers and schedulers (:class:`.optimizers.OptimizerSet`).
         sampler: the training sampler (the epoch and the position in it).
         state: the fit's :class:`TrainState` (its ``step`` is restored in place).
         metrics: the fit's :class:`.metrics.TrainingMetrics`.
@@ -131,8 +133,7 @@ class Checkpointer:
         self,
         *,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        scheduler: Any,
+        optimizers: OptimizerSet,
         sampler: DistributedSampler,
         state: TrainState,
         metrics: TrainingMetrics,
@@ -142,7 +143,7 @@ class Checkpointer:
         directory: Path,
         trainer_class: str,
     ):
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.model, self.optimizers = model, optimizers
         self.sampler, self.state, self.metrics = sampler, state, metrics
         self.process_group, self.device, self.config = process_group, device, config
         self.directory, self.trainer_class = directory, trainer_class
@@ -152,8 +153,7 @@ class Checkpointer:
         """The checkpointer of a ``Trainer`` whose ``setup`` built its model, data and optimizer."""
         return cls(
             model=trainer.model.module,
-            optimizer=trainer.optimizer,
-            scheduler=trainer.scheduler,
+            optimizers=trainer.optimizer_set,
             sampler=trainer.train_sampler,
             state=trainer.state,
             metrics=trainer.metrics,
@@ -178,8 +178,7 @@ class Checkpointer:
             "samples_in_epoch": self.state.samples_in_epoch,
             "world_size": self.process_group.size(),
             "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+            **self.optimizers.state_dict(),  # optimizer, scheduler
             "sampler": self.sampler.state_dict(),
             "rng": rng_states,
             **self.metrics.state_dict(),
@@ -202,9 +201,7 @@ class Checkpointer:
         rank, world_size = self.process_group.rank(), self.process_group.size()
         check_world_size(checkpoint["world_size"], world_size, allow, path)
         self.model.load_state_dict(checkpoint["model"])
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
-        if self.scheduler is not None and checkpoint.get("scheduler") is not None:
-            self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.optimizers.load_state_dict(checkpoint)
         self.sampler.load_state_dict(checkpoint["sampler"], allow_world_size_change=allow)
         self.state.step = checkpoint["step"]
         self.metrics.load_state_dict(checkpoint)

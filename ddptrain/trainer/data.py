@@ -81,24 +81,30 @@ class TensorBatches:
 
 
 def make_batches(
-    dataset: Dataset, sampler: Sampler, batch_size: int, num_workers: int = 0, pin_memory: bool = False, seed: int = 0
+    dataset: Dataset,
+    sampler: Sampler,
+    batch_size: int,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    seed: int = 0,
+    loader_options: dict[str, Any] | None = None,
 ) -> Iterable:
     """An iterable of batches of ``dataset`` in the sampler's order.
+
+    ``loader_options``: the ``DataLoader`` arguments of a user's loader (``collate_fn``,
+    ``num_workers``...; see :mod:`.dataloaders`), which win over ``num_workers``/``pin_memory``; a
+    dataset held as tensors is then batched through a ``DataLoader`` too, so its ``collate_fn`` runs.
 
     The DataLoader gets a generator of its own: otherwise creating its iterator draws from the
     global torch generator, and a run resumed mid-epoch would draw at another moment than the
     uninterrupted run, changing every later dropout mask.
     """
-    if isinstance(dataset, TensorDataset):
+    if isinstance(dataset, TensorDataset) and loader_options is None:
         return TensorBatches(dataset, sampler, batch_size)
+    options = {"num_workers": num_workers, "pin_memory": pin_memory, **(loader_options or {})}
+    options.setdefault("persistent_workers", options["num_workers"] > 0)
     return DataLoader(
-        dataset,
-        batch_size=batch_size,
-        sampler=sampler,
-        num_workers=num_workers,
-        pin_memory=pin_memory,
-        generator=torch.Generator().manual_seed(seed),
-        persistent_workers=num_workers > 0,
+        dataset, batch_size=batch_size, sampler=sampler, generator=torch.Generator().manual_seed(seed), **options
     )
 
 

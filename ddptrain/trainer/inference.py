@@ -38,6 +38,7 @@ from ..data import DistributedSampler
 from .checkpoint_io import CheckpointError, load_checkpoint
 from .checkpointing import agree_on_checkpoint
 from .data import batch_size_of, make_batches, move_to
+from .dataloaders import split_loader
 from .metrics import ExactMean
 
 __all__ = ["InferenceHooks", "gather_in_dataset_order"]
@@ -64,12 +65,14 @@ class InferenceHooks:
         return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
 
     def test(self, dataset: Dataset | None = None, checkpoint: str | None = None) -> dict[str, float]:
-        """``test_step``'s metrics averaged over exactly ``dataset`` (default ``test_dataset()``), on every rank."""
+        """``test_step``'s metrics averaged over exactly ``dataset`` (default ``test_dataset()``), on every rank.
+
+        ``dataset`` may be a DataLoader: its sampler is replaced (see :mod:`.dataloaders`)."""
         with _session(self, checkpoint) as module:
-            dataset = self.test_dataset() if dataset is None else dataset
-            sampler = DistributedSampler(dataset, self.world_size, self.rank, shuffle=False)
+            loader = split_loader(self.test_dataset() if dataset is None else dataset, "test")
+            sampler = DistributedSampler(loader[0], self.world_size, self.rank, shuffle=False)
             mean = ExactMean(sampler.padding_mask())
-            for batch in _batches(self, dataset, sampler):
+            for batch in _batches(self, loader, sampler):
                 mean.add(self.test_step(module, batch), batch_size_of(batch))
             metrics = mean.reduce(self.process_group, prefix="test/")
         if self.is_main:
@@ -79,23 +82,25 @@ class InferenceHooks:
         return metrics
 
     def predict(self, dataset: Dataset, checkpoint: str | None = None) -> Any:
-        """``predict_step``'s outputs for every sample of ``dataset``, in dataset order, on every rank."""
+        """``predict_step``'s outputs for every sample of ``dataset`` (or a DataLoader's), in order, on every rank."""
+        loader = split_loader(dataset, "predict")
         with _session(self, checkpoint) as module:
-            sampler = DistributedSampler(dataset, self.world_size, self.rank, shuffle=False)
+            sampler = DistributedSampler(loader[0], self.world_size, self.rank, shuffle=False)
             outputs = []
-            for batch in _batches(self, dataset, sampler):
+            for batch in _batches(self, loader, sampler):
                 out = _to_cpu(self.predict_step(module, batch))
                 _check_rows(out, batch_size_of(batch))
                 outputs.append(out)
             mine = _concat(outputs)
             gathered = all_gather_object(self.process_group, mine)  # collective
-        return gather_in_dataset_order(gathered, len(dataset))
+        return gather_in_dataset_order(gathered, len(loader[0]))
 
 
-def _batches(trainer, dataset: Dataset, sampler: DistributedSampler) -> Iterator[Any]:
-    d, pin = trainer.config.data, trainer.device.type == "cuda"
+def _batches(trainer, loader: tuple, sampler: DistributedSampler) -> Iterator[Any]:
+    (dataset, options, batch_size), d = loader, trainer.config.data
+    pin = trainer.device.type == "cuda"
     with torch.no_grad():
-        for batch in make_batches(dataset, sampler, d.eval_batch_size, d.num_workers, pin):
+        for batch in make_batches(dataset, sampler, batch_size or d.eval_batch_size, d.num_workers, pin, 0, options):
             yield move_to(batch, trainer.device)
 
 

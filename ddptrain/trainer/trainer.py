@@ -7,7 +7,7 @@ rank 0 only. Like torchtitan's trainer it runs over seams that a subclass overri
 
 - ``train_step(micro_batches)``: forward and backward of one optimizer step's micro-batches
   (all but the last under ``no_sync()``), returning the step's loss;
-- ``optimizer_step()``: clip, step, schedule, zero the gradients;
+- ``optimizer_step()``: clip, step every optimizer, per-step schedules, zero the gradients;
 - ``evaluate()``: the validation metrics, exact over the whole set (every epoch and/or every
   ``trainer.eval_every_steps`` steps);
 
@@ -54,10 +54,12 @@ from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
+from .dataloaders import DataHooks, resolve_data_hooks
 from .inference import InferenceHooks
 from .invariant import InvariantSteps
 from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
+from .optimizers import OptimizerSet
 from .rng import seed_everything
 from .stopping import GracefulStop
 
@@ -67,7 +69,7 @@ __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer(InferenceHooks):
+class Trainer(DataHooks, InferenceHooks):
     """Distributed data-parallel training of one model; subclass it for your task.
 
     The defaults build the model from ``config.model['_target_']``, the datasets from
@@ -81,8 +83,10 @@ class Trainer(InferenceHooks):
         callbacks: extra callbacks, run after those of ``configure_callbacks``.
 
     Attributes (set by ``fit``): ``rank``, ``world_size``, ``local_rank``, ``device``,
-    ``process_group``, ``model`` (the DDP wrapper; ``model.module`` is yours), ``optimizer``,
-    ``scheduler``, ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
+    ``process_group``, ``model`` (the DDP wrapper; ``model.module`` is yours), ``optimizers`` (all of
+    ``configure_optimizers``'), ``optimizer`` (the first), ``scheduler`` (the first or None),
+    ``optimizer_set`` (:class:`.optimizers.OptimizerSet`: all of them, with their schedules),
+    ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
     (per rank per micro-batch), ``steps_per_epoch``, ``total_steps``, ``state``
     (:class:`TrainState`), ``output_dir``, ``callbacks``, ``metrics`` (:class:`.metrics.TrainingMetrics`),
     ``checkpointer`` (:class:`.checkpointing.Checkpointer`), ``callback_metrics`` (the latest value
@@ -101,6 +105,8 @@ class Trainer(InferenceHooks):
         self._membership: Membership | None = None
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
+        self.optimizer_set: OptimizerSet | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler = None
         self.train_set: Dataset | None = None
@@ -108,6 +114,8 @@ class Trainer(InferenceHooks):
         self.train_sampler: DistributedSampler | None = None
         self.val_sampler: DistributedSampler | None = None
         self.batch_size = self.steps_per_epoch = self.total_steps = 0
+        self.train_loader_options = self.val_loader_options = None  # kept from a data hook's DataLoader
+        self.val_batch_size = self.config.data.eval_batch_size  # or val_dataloader()'s batch_size
         # Progress, reports, files.
         self.output_dir = Path(self.config.trainer.output_dir or os.getcwd())
         self.checkpointer: Checkpointer | None = None
@@ -130,7 +138,13 @@ class Trainer(InferenceHooks):
         return instantiate(self.config.model, "model", f"override {type(self).__name__}.configure_model")
 
     def configure_optimizers(self, model: nn.Module):
-        """An optimizer, or ``(optimizer, scheduler)`` with a scheduler stepped per optimizer step."""
+        """An optimizer, or ``(optimizer, scheduler)`` with a scheduler stepped per optimizer step.
+
+        Also accepted: several optimizers (each steps and zeroes its own parameters every step) and
+        Lightning's dict ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval":
+        "step" | "epoch", "monitor": ...}}`` (``ReduceLROnPlateau`` included); see
+        :mod:`ddptrain.trainer.optimizers`. Anything else is refused with a ConfigError.
+        """
         optimizer = build_optimizer(self.config.optimizer, model.parameters())
         return optimizer, build_scheduler(self.config.optimizer, optimizer, self.total_steps)
 
@@ -225,6 +239,7 @@ class Trainer(InferenceHooks):
         if every and (epoch + 1) % every == 0:
             metrics.update(self._evaluate_once())  # exact over the validation set, all ranks
         self.callback_metrics.update((k, v) for k, v in metrics.items() if k != "epoch")
+        self.optimizer_set.step_schedules("epoch", epoch + 1, self.callback_metrics, self.state.step)
         self._call("on_epoch_end", epoch, metrics)
         self._agree_to_stop(wait=True)  # a decision taken at this epoch's end stops before the next step
         return True
@@ -258,14 +273,14 @@ class Trainer(InferenceHooks):
         return step_loss
 
     def optimizer_step(self) -> None:
-        """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step, schedule, zero."""
+        """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step every optimizer, the
+        per-step schedules, zero every optimizer's gradients."""
         clip = self.config.trainer.grad_clip_norm
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer.step()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_set.step()
+        self.optimizer_set.step_schedules("step", self.state.step + 1, self.callback_metrics, self.state.step + 1)
+        self.optimizer_set.zero_grad()
 
     def evaluate(self) -> dict[str, float]:
         """Metrics of ``validation_step`` averaged over exactly the validation set, on every rank.
@@ -312,7 +327,9 @@ class Trainer(InferenceHooks):
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
         self.invariant = InvariantSteps(self) if cfg.trainer.world_size_invariant else None  # shards, exact sums
-        self.optimizer, self.scheduler = self._optimizers()
+        self.optimizer_set = OptimizerSet.from_hook(self.configure_optimizers(self.model.module))
+        self.optimizers, self.optimizer = self.optimizer_set.optimizers, self.optimizer_set.optimizer
+        self.scheduler = self.optimizer_set.scheduler
         from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
 
         self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
@@ -326,26 +343,24 @@ class Trainer(InferenceHooks):
         self.model = wrap_model(self.configure_model().to(self.device), self.config, self.process_group)
 
     def _setup_data(self) -> None:
-        self.train_set, self.val_set = self.train_dataset(), self.val_dataset()
+        self.train_set, self.val_set = resolve_data_hooks(self)  # train_dataloader(), val_dataloader()
         plan = plan_epochs(self.config, self.train_set, self.val_set, self.world_size, self.rank)
         self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
         self.state.sampler = self.train_sampler  # the one owner of the epoch and the position in it
 
-    def _optimizers(self):
-        result = self.configure_optimizers(self.model.module)
-        return tuple(result) if isinstance(result, (tuple, list)) else (result, None)
-
     # == data =====================================================================================
     def train_batches(self):
         """The rest of this epoch's micro-batches for this rank (``iter`` once per epoch)."""
         d, pin, seed = self.config.data, self.device.type == "cuda", self.config.trainer.seed + self.rank
-        return make_batches(self.train_set, self.train_sampler, self.batch_size, d.num_workers, pin, seed=seed)
+        options = self.train_loader_options  # a DataLoader's collate_fn, workers... (train_dataloader)
+        return make_batches(self.train_set, self.train_sampler, self.batch_size, d.num_workers, pin, seed, options)
 
     def val_batches(self):
         """One full pass over this rank's share of the validation set, in the sampler's order."""
         d, pin = self.config.data, self.device.type == "cuda"
-        return make_batches(self.val_set, self.val_sampler, d.eval_batch_size, d.num_workers, pin)
+        options = self.val_loader_options
+        return make_batches(self.val_set, self.val_sampler, self.val_batch_size, d.num_workers, pin, 0, options)
 
     # == state, checkpoints, reports ==============================================================
     @property

@@ -13,6 +13,7 @@ from ddptrain.trainer import CheckpointError, Config
 from ddptrain.trainer.checkpoint_io import checkpoint_name, load_checkpoint
 from ddptrain.trainer.checkpointing import Checkpointer, TrainState, check_world_size, elastic_restart_resume
 from ddptrain.trainer.metrics import TrainingMetrics
+from ddptrain.trainer.optimizers import OptimizerSet, Schedule
 
 DATASET_LEN = 40
 
@@ -71,8 +72,7 @@ class Run:
         config = Config.from_dict({"trainer": {"seed": 11, "allow_world_size_change": allow}})
         self.checkpointer = Checkpointer(
             model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
+            optimizers=OptimizerSet([self.optimizer], [Schedule(self.scheduler)]),
             sampler=self.sampler,
             state=self.state,
             metrics=self.metrics,
