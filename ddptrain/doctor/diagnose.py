@@ -25,6 +25,8 @@ from .predict import StepModel
 MIN_SHARE = 0.10
 STRAGGLER_MIN_SHARE = 0.30  # ranks sharing busy cores take turns being late; a straggler is steady and large
 STRAGGLER_STEADY = 0.75  # ... and the busiest rank in at least this share of the steps
+# Looking for unused parameters when every one is used is pure overhead: worth saying from a few %.
+FIND_UNUSED_MIN_SHARE = 0.03
 # A straggler found beside one of these is likely its consequence (a rank starved of cores or of
 # data): the root cause is listed first.
 ROOT_CAUSES_OF = {"straggler": ("cpu_oversubscribed", "data_loading")}
@@ -237,7 +239,7 @@ def _cpu_oversubscribed(b, ranks, facts, link, model) -> dict | None:
 
 
 def _min_share(cause: str) -> float:
-    return STRAGGLER_MIN_SHARE if cause == "straggler" else MIN_SHARE
+    return {"straggler": STRAGGLER_MIN_SHARE, "find_unused_overhead": FIND_UNUSED_MIN_SHARE}.get(cause, MIN_SHARE)
 
 
 RULES = (_data_loading, _straggler, _slow_network, _small_buckets, _no_overlap, _find_unused, _cpu_oversubscribed)
