@@ -241,6 +241,16 @@ class TrainerConfig:
     """Write a checkpoint when training stops, if the last one is older."""
     keep_last_checkpoints: int = 3
     """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
+    profile: bool = False
+    """Run torch.profiler over a few optimizer steps (``profile_wait``, ``profile_warmup``,
+    ``profile_active``) and write one Chrome trace per rank to ``<output_dir>/profile/`` (for
+    TensorBoard's profiler plugin and Perfetto)."""
+    profile_wait: int = 1
+    """``profile``: optimizer steps skipped before profiling (the first steps are not typical)."""
+    profile_warmup: int = 1
+    """``profile``: steps the profiler warms up on (recorded, then discarded)."""
+    profile_active: int = 3
+    """``profile``: steps recorded in the trace."""
     checkpoint_monitor: str | None = None
     """Also keep the best checkpoints by this metric (e.g. ``eval/accuracy``, ``eval/loss``,
     ``train/loss``) in ``<output_dir>/checkpoints/best``, each storing its value; ``trainer.resume=best``
@@ -264,6 +274,13 @@ class TrainerConfig:
     ``None`` means the working directory. Rank 0's value is used on every rank."""
     tensorboard: bool = True
     """Write TensorBoard event files under ``<output_dir>/tensorboard`` (rank 0)."""
+    csv: bool = True
+    """Write every reduced metric to ``<output_dir>/metrics.csv`` and the config to ``hparams.yaml`` (rank 0)."""
+    mlflow: bool = False
+    """Log metrics and the config to an MLflow run in ``<output_dir>/mlruns`` (needs ``ddptrain[loggers]``)."""
+    wandb: bool = False
+    """Log metrics and the config to an offline Weights & Biases run under ``<output_dir>/wandb``
+    (needs ``ddptrain[loggers]``; ``wandb sync`` uploads it)."""
     progress: str = "auto"
     """tqdm progress bars on rank 0: ``true``, ``false``, or ``auto`` (on when stdout is a
     terminal). The step lines of the log go to the console only without a bar."""
@@ -500,6 +517,10 @@ def validate(config: Config, world_size: int) -> None:
     if t.early_stopping.min_delta < 0:
         raise ConfigError(f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0")
     _one_of("trainer.checkpoint_mode", t.checkpoint_mode, ("min", "max"))
+    _positive("trainer.profile_active", t.profile_active)
+    for key, value in (("trainer.profile_wait", t.profile_wait), ("trainer.profile_warmup", t.profile_warmup)):
+        if value < 0:
+            raise ConfigError(f"{key}={value} must be >= 0")
     _positive("trainer.checkpoint_save_top_k", t.checkpoint_save_top_k)
     if t.grad_clip_norm is not None and t.grad_clip_norm <= 0:
         raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be positive, or null for no clipping")

@@ -40,3 +40,14 @@ def test_a_cli_run_keeps_its_best_and_load_model_rebuilds_the_recipes_model(tmp_
 
     proc = run_cli(*TINY, "trainer.epochs=3", "trainer.resume=best", f"hydra.run.dir={tuned}", cwd=tmp_path)
     assert proc.returncode != 0 and "no best checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_profile_on_the_command_line_writes_one_trace_per_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*TINY, "trainer.epochs=1", "trainer.profile=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    traces = sorted((run_dir / "profile").glob("*.pt.trace.json"))
+    assert [p.name.split(".")[0] for p in traces] == ["rank0", "rank1"]
+    for path in traces:
+        names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+        assert {"ProfilerStep#2", "ddptrain/train_step", "ddptrain/optimizer_step"} <= names

@@ -7,6 +7,8 @@ from .base import Callback, TrainerView
 from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback
 from .early_stopping import EarlyStopping
+from .loggers import CSVLogger, MetricsLogger, MLflowLogger, WandbLogger
+from .profiler import ProfilerCallback
 from .progress import ProgressCallback
 from .tensorboard import TensorBoardCallback
 
@@ -16,6 +18,11 @@ __all__ = [
     "BestCheckpoints",
     "CheckpointCallback",
     "EarlyStopping",
+    "MetricsLogger",
+    "CSVLogger",
+    "MLflowLogger",
+    "WandbLogger",
+    "ProfilerCallback",
     "ProgressCallback",
     "TensorBoardCallback",
     "from_config",
@@ -28,6 +35,12 @@ def from_config(config: TrainerConfig) -> list[Callback]:
     callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress.lower()))]
     if config.tensorboard:
         callbacks.append(TensorBoardCallback())
+    if config.csv:
+        callbacks.append(CSVLogger())
+    if config.mlflow:
+        callbacks.append(MLflowLogger())
+    if config.wandb:
+        callbacks.append(WandbLogger())
     if config.checkpoint_every_epochs or config.checkpoint_every_steps or config.checkpoint_at_end:
         callbacks.append(
             CheckpointCallback(
@@ -37,6 +50,8 @@ def from_config(config: TrainerConfig) -> list[Callback]:
                 keep_last=config.keep_last_checkpoints,
             )
         )
+    if config.profile:
+        callbacks.append(ProfilerCallback(config.profile_wait, config.profile_warmup, config.profile_active))
     if config.checkpoint_monitor:
         callbacks.append(
             BestCheckpoints(config.checkpoint_monitor, config.checkpoint_mode, config.checkpoint_save_top_k)
