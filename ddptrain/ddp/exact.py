@@ -32,7 +32,15 @@ import torch
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
 
-__all__ = ["scale_exponents", "to_fixed", "from_fixed", "exact_sum", "exact_all_reduce"]
+__all__ = [
+    "segment_max_abs",
+    "local_max_abs",
+    "scale_exponents",
+    "to_fixed",
+    "exact_sum",
+    "from_fixed",
+    "exact_all_reduce",
+]
 
 _HEADROOM_BITS = 62
 """The exact sum stays below 2**62 (int64 holds up to 2**63 - 1)."""
@@ -43,11 +51,18 @@ def segment_max_abs(contribution: torch.Tensor, sizes: Sequence[int]) -> torch.T
 
     NaN or inf anywhere in a segment gives inf (which every backend's MAX keeps; NaN it may drop).
     """
-    out = torch.zeros(len(sizes), dtype=torch.float64)
-    for i, part in enumerate(torch.split(contribution.detach(), list(sizes))):
-        if part.numel():
-            out[i] = part.abs().max().double().cpu()
+    parts = torch.split(contribution.detach(), list(sizes))
+    out = torch.stack([p.abs().amax() if p.numel() else p.new_zeros(()) for p in parts]).to("cpu", torch.float64)
     return torch.nan_to_num(out, nan=float("inf"))
+
+
+def local_max_abs(contributions: Sequence[torch.Tensor], sizes: Sequence[int]) -> torch.Tensor:
+    """Each segment's largest magnitude over this rank's ``contributions`` (zeros if none): what the
+    ranks reduce with MAX before :func:`exact_sum`."""
+    out = torch.zeros(len(sizes), dtype=torch.float64)
+    for contribution in contributions:
+        out = torch.maximum(out, segment_max_abs(contribution, sizes))
+    return out
 
 
 def scale_exponents(max_abs: torch.Tensor, count: int) -> torch.Tensor:
@@ -85,23 +100,31 @@ def to_fixed(contribution: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.round(scaled).to(torch.int64)
 
 
-def from_fixed(total: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The exact integer sum back as floats: ``total / scale`` (a fixed function of ``total``)."""
-    return (total.to(torch.float64) / scales).to(dtype)
-
-
 def exact_sum(contributions: Sequence[torch.Tensor], sizes: Sequence[int], max_abs: torch.Tensor, count: int):
-    """This rank's part of an exact sum: ``(int64 partial sum, per-element scales, exponents)``.
+    """This rank's part of an exact sum: ``(int64 partial sum, per-element float64 scales)``, for an
+    all-reduce SUM and then :func:`from_fixed`.
 
-    ``max_abs``: each segment's largest magnitude over every contribution on every rank;
-    ``count``: the number of contributions over every rank.
+    ``max_abs``: each segment's largest magnitude over every contribution on every rank (the MAX
+    of :func:`local_max_abs`); ``count``: the number of contributions over every rank.
     """
     exponents = scale_exponents(max_abs, count)
     scales = _expand(torch.pow(2.0, exponents.to(torch.float64)), sizes)
     total = torch.zeros(sum(sizes), dtype=torch.int64)
     for contribution in contributions:
         total += to_fixed(contribution.cpu(), scales)
-    return total, scales, exponents
+    return total, scales
+
+
+def from_fixed(
+    total: torch.Tensor, scales: torch.Tensor, max_abs: torch.Tensor, sizes: Sequence[int], dtype=torch.float32
+) -> torch.Tensor:
+    """The exact integer sum back as floats: ``total / scale`` (a fixed function of ``total``); the
+    segments whose ``max_abs`` is not finite (a contribution held inf or NaN) are NaN."""
+    result = (total.cpu().to(torch.float64) / scales).to(dtype)
+    bad = ~torch.isfinite(max_abs)
+    if bad.any():
+        result[_expand(bad, sizes)] = float("nan")
+    return result
 
 
 def exact_all_reduce(
@@ -112,24 +135,17 @@ def exact_all_reduce(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The exact sum over every rank's ``contributions`` (flat tensors cut into ``sizes``), the same
-    bits on every rank and for every world size (collective: two all-reduces).
+    bits on every rank and for every world size (collective: two all-reduces, MAX then SUM).
 
     Args:
         contributions: this rank's flat vectors (may be empty: the rank adds nothing).
         sizes: the segment lengths (one scale per segment); the same on every rank.
         count: the number of contributions over all ranks (bounds the sum, so fixes the scales).
     """
-    local_max = torch.zeros(len(sizes), dtype=torch.float64)
-    for contribution in contributions:
-        local_max = torch.maximum(local_max, segment_max_abs(contribution, sizes))
-    global_max = local_max.to(process_group.device)
-    process_group.all_reduce(global_max, ReduceOp.MAX).wait()
-    global_max = global_max.cpu()
-    total, scales, _ = exact_sum(contributions, sizes, global_max, count)
-    reduced = total.to(process_group.device)
-    process_group.all_reduce(reduced, ReduceOp.SUM).wait()
-    result = from_fixed(reduced.cpu(), scales, dtype)
-    bad = ~torch.isfinite(global_max)
-    if bad.any():
-        result[_expand(bad, sizes)] = float("nan")
-    return result
+    max_abs = local_max_abs(contributions, sizes).to(process_group.device)
+    process_group.all_reduce(max_abs, ReduceOp.MAX).wait()
+    max_abs = max_abs.cpu()
+    total, scales = exact_sum(contributions, sizes, max_abs, count)
+    total = total.to(process_group.device)
+    process_group.all_reduce(total, ReduceOp.SUM).wait()
+    return from_fixed(total, scales, max_abs, sizes, dtype)

@@ -40,7 +40,7 @@ from torch.utils.data import Dataset, TensorDataset, default_collate
 from ..comm.types import ReduceOp
 from ..config import check_world_size_invariant
 from ..data.global_batches import StepShards, epoch_order, step_shards, virtual_ranks_of
-from ..ddp.exact import exact_all_reduce
+from ..ddp.exact import exact_sum, from_fixed, local_max_abs
 from .data import move_to
 
 __all__ = ["InvariantSteps", "InvariantStep", "shard_seed"]
@@ -87,9 +87,11 @@ class InvariantSteps:
         self.mine = virtual_ranks_of(trainer.rank, trainer.world_size, self.virtual_ranks)
         module: nn.Module = trainer.model.module
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied weights: once
-        self.sizes = [p.numel() for p in self.params]
         self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
         self.int_buffers = [b for b in module.buffers() if not b.is_floating_point()]
+        self.param_numel = sum(p.numel() for p in self.params)
+        # One scale per parameter and per float buffer: the segments of each shard's contribution.
+        self.sizes = [p.numel() for p in self.params] + [b.numel() for b in self.float_buffers]
         threads = cfg.dist.threads_per_worker or 1
         torch.set_num_threads(threads)
         if trainer.is_main:
@@ -125,12 +127,18 @@ class InvariantSteps:
     # == one step =================================================================================
     def train_step(self, step: InvariantStep) -> float:
         """Forward and backward of this rank's shards, the exact sum of the gradients over all ranks
-        in each parameter's ``.grad``; the step's loss (the same on every rank and world size)."""
+        in each parameter's ``.grad``; the step's loss (the same on every rank and world size).
+
+        Two collectives per step: a MAX (each segment's largest magnitude, for the scales; the
+        integer buffers) and an int64 SUM (the fixed-point gradients and float buffers; each shard's
+        loss as the raw bits of a float64, which only its own rank adds, so the sum is exact; how
+        many shards used each parameter and changed each buffer).
+        """
         t, module, work = self.trainer, self.trainer.model.module, step.work
         snapshot = [b.detach().clone() for b in (*self.float_buffers, *self.int_buffers)]
-        grads, buffers = [], []
-        # Per shard loss * size, then per parameter "used", per float buffer "changed" (summed over ranks).
-        flags = torch.zeros(work.num_shards + len(self.params) + len(self.float_buffers), dtype=torch.float64)
+        contributions = []
+        losses = torch.zeros(work.num_shards, dtype=torch.float64)
+        counts = torch.zeros(len(self.params) + len(self.float_buffers), dtype=torch.int64)  # used, changed
         for shard in work.shards:
             if shard.size == 0:
                 continue
@@ -140,32 +148,49 @@ class InvariantSteps:
                 batch = self._load(t.train_set, step.order[shard.start : shard.end])
                 loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
                 (loss * (shard.size / work.num_samples)).backward()
-            flags[shard.index] = float(loss.detach()) * shard.size
-            grads.append(self._take_grads(flags, work.num_shards))
-            buffers.append(self._buffer_state(flags, snapshot, work.num_shards + len(self.params)))
-        t.process_group.all_reduce(flags, ReduceOp.SUM).wait()
-        self._set_grads(exact_all_reduce(t.process_group, grads, self.sizes, work.num_shards), flags[work.num_shards :])
-        self._set_buffers(snapshot, buffers, flags, work)
-        loss = sum(flags[: work.num_shards].tolist()) / work.num_samples  # shard order: fixed
+            losses[shard.index] = float(loss.detach()) * shard.size
+            contributions.append(torch.cat([self._take_grads(counts), self._buffer_state(counts, snapshot)]))
+        ints = [b.detach().reshape(-1).to(torch.float64) for b in self.int_buffers]  # this rank's last shard's
+        self._restore(snapshot)
+        values, extra, int_values = self._reduce(
+            contributions, work.num_shards, [losses.view(torch.int64), counts], ints
+        )
+        self._set_grads(values, extra[work.num_shards : work.num_shards + len(self.params)])
+        self._set_buffers(values, extra[work.num_shards + len(self.params) :], int_values, work)
+        loss = sum(extra[: work.num_shards].view(torch.float64).tolist()) / work.num_samples  # shard order: fixed
         return float(torch.tensor(loss, dtype=torch.float32))
 
-    def _take_grads(self, flags: torch.Tensor, offset: int) -> torch.Tensor:
+    def _reduce(self, contributions: list, count: int, extra: list, ints: list):
+        """The two collectives: ``(exact sum of the contributions as float64, summed extra int64,
+        MAX of the integer buffers)``."""
+        pg = self.trainer.process_group
+        maxima = torch.cat([local_max_abs(contributions, self.sizes), *ints]).to(pg.device)
+        pg.all_reduce(maxima, ReduceOp.MAX).wait()
+        maxima = maxima.cpu()
+        max_abs = maxima[: len(self.sizes)]
+        total, scales = exact_sum(contributions, self.sizes, max_abs, count)
+        packed = torch.cat([total, *extra]).to(pg.device)
+        pg.all_reduce(packed, ReduceOp.SUM).wait()
+        packed, n = packed.cpu(), len(total)
+        return from_fixed(packed[:n], scales, max_abs, self.sizes, torch.float64), packed[n:], maxima[len(self.sizes) :]
+
+    def _take_grads(self, counts: torch.Tensor) -> torch.Tensor:
         """This shard's gradients as one flat float32 vector (zeros where none); clears ``.grad``."""
         parts = []
         for i, p in enumerate(self.params):
             if p.grad is None:
                 parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
             else:
-                flags[offset + i] = 1.0
+                counts[i] += 1
                 parts.append(p.grad.detach().reshape(-1).to(torch.float32))
                 p.grad = None
-        return torch.cat(parts) if parts else torch.zeros(0)
+        return torch.cat(parts).cpu() if parts else torch.zeros(0)
 
-    def _set_grads(self, total: torch.Tensor, used: torch.Tensor) -> None:
+    def _set_grads(self, values: torch.Tensor, used: torch.Tensor) -> None:
         offset = 0
         for i, p in enumerate(self.params):
             n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p).to(p.device, p.dtype) if used[i] > 0 else None
+            p.grad = values[offset : offset + n].view_as(p).to(p.device, p.dtype) if used[i] > 0 else None
             offset += n
 
     # == buffers (BatchNorm) ======================================================================
@@ -174,42 +199,29 @@ class InvariantSteps:
             for b, saved in zip((*self.float_buffers, *self.int_buffers), snapshot):
                 b.copy_(saved)
 
-    def _buffer_state(self, flags: torch.Tensor, snapshot: list[torch.Tensor], offset: int) -> torch.Tensor:
-        """This shard's float buffers as one flat vector; marks those it changed."""
+    def _buffer_state(self, counts: torch.Tensor, snapshot: list[torch.Tensor]) -> torch.Tensor:
+        """This shard's float buffers as one flat vector; counts those it changed."""
         if not self.float_buffers:
             return torch.zeros(0)
         for i, (b, saved) in enumerate(zip(self.float_buffers, snapshot)):
             if not torch.equal(b, saved):
-                flags[offset + i] = 1.0
-        return torch.cat([b.detach().reshape(-1).to(torch.float64) for b in self.float_buffers])
+                counts[len(self.params) + i] += 1
+        return torch.cat([b.detach().reshape(-1).cpu() for b in self.float_buffers])
 
-    def _set_buffers(self, snapshot: list[torch.Tensor], buffers: list, flags: torch.Tensor, work: StepShards) -> None:
-        """Float buffers: the exact mean over the step's shards (where any shard changed them);
-        integer buffers: the shards' common value (MAX over ranks)."""
-        if not self.float_buffers and not self.int_buffers:
-            return
-        # This rank's last shard's integer buffers (the step's start if it ran none).
-        ints = [b.detach().reshape(-1).to(torch.int64).clone() for b in self.int_buffers]
-        self._restore(snapshot)
-        pg, ran = self.trainer.process_group, min(work.num_samples, work.num_shards)  # non-empty shards
-        sizes = [b.numel() for b in self.float_buffers]
-        if self.float_buffers:
-            total = exact_all_reduce(pg, buffers, sizes, work.num_shards, dtype=torch.float64) / ran
-            changed = flags[work.num_shards + len(self.params) :]
+    def _set_buffers(self, values: torch.Tensor, changed: torch.Tensor, int_values: torch.Tensor, work) -> None:
+        """Float buffers: the exact mean over the step's non-empty shards, where any shard changed
+        them; integer buffers: the shards' common value (MAX over ranks)."""
+        ran = min(work.num_samples, work.num_shards)  # non-empty shards
+        offset = self.param_numel
+        with torch.no_grad():
+            for i, b in enumerate(self.float_buffers):
+                if changed[i] > 0:
+                    b.copy_((values[offset : offset + b.numel()] / ran).view_as(b))
+                offset += b.numel()
             offset = 0
-            with torch.no_grad():
-                for i, b in enumerate(self.float_buffers):
-                    if changed[i] > 0:
-                        b.copy_(total[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
-        if self.int_buffers:
-            values = torch.cat(ints).to(pg.device)
-            pg.all_reduce(values, ReduceOp.MAX).wait()
-            offset = 0
-            with torch.no_grad():
-                for b in self.int_buffers:
-                    b.copy_(values[offset : offset + b.numel()].view_as(b))
-                    offset += b.numel()
+            for b in self.int_buffers:
+                b.copy_(int_values[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
 
 
 def _cuda_devices(device: torch.device) -> list:

@@ -22,6 +22,7 @@ from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
 from ..config import DataConfig
 from .data import batch_size_of, make_batches, move_to
+from .logged import Entries, reduce_together
 from .rng import preserved_rng_state
 
 __all__ = [
@@ -45,6 +46,15 @@ def reduce_sum(process_group: ProcessGroup, values: Sequence[float]) -> list[flo
     t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=process_group.device)
     process_group.all_reduce(t, ReduceOp.SUM).wait()
     return t.cpu().tolist()
+
+
+def _reduce(
+    process_group: ProcessGroup, sums: Sequence[float], logged: Entries | None, metric_names=()
+) -> tuple[list[float], dict[str, float]]:
+    """:func:`reduce_sum` alone, or with ``self.log`` entries in one gather (collective)."""
+    if logged is None:
+        return reduce_sum(process_group, sums), {}
+    return reduce_together(process_group, sums, logged, metric_names)
 
 
 def parameters_digest(module: nn.Module) -> str:
@@ -93,10 +103,15 @@ class TrainingMetrics:
         self.smoke_probe_start: tuple[int, float] | None = None
         """``(step, loss)`` of the smoke check's probe before training (``None`` until measured)."""
 
-    def reduce_window(self, step: int, lr: float) -> dict[str, float]:
-        """The window's scalars reduced over ranks (collective); appends to the loss history."""
+    def reduce_window(self, step: int, lr: float, logged: Entries | None = None) -> dict[str, float]:
+        """The window's scalars reduced over ranks (collective); appends to the loss history.
+
+        ``logged``: this rank's ``self.log`` entries of the window, reduced in the same collective
+        and returned with the window's scalars.
+        """
         w = self.window
-        loss_sum, steps, samples = reduce_sum(self.process_group, [w.loss_sum, w.steps, w.samples])
+        sums = [w.loss_sum, w.steps, w.samples]
+        (loss_sum, steps, samples), user = _reduce(self.process_group, sums, logged)
         elapsed = max(time.perf_counter() - w.start, 1e-9)
         scalars = {
             "train/loss": loss_sum / max(steps, 1),
@@ -106,13 +121,16 @@ class TrainingMetrics:
         }
         self.loss_history.append((step, scalars["train/loss"]))
         w.reset()
-        return scalars
+        return {**scalars, **user}
 
-    def end_epoch(self, loss_sum: float, steps: int, seconds: float) -> dict[str, float]:
-        """Account an epoch's training time; ``train/epoch_loss`` over every rank's steps (collective)."""
+    def end_epoch(
+        self, loss_sum: float, steps: int, seconds: float, logged: Entries | None = None, metric_names=()
+    ) -> dict[str, float]:
+        """Account an epoch's training time; ``train/epoch_loss`` over every rank's steps (collective),
+        with ``logged`` (this rank's epoch-level ``self.log`` entries) reduced in the same collective."""
         self.times["train_s"] += seconds
-        total_loss, total_steps = reduce_sum(self.process_group, [loss_sum, steps])
-        return {"train/epoch_loss": total_loss / total_steps} if total_steps > 0 else {}
+        (total_loss, total_steps), user = _reduce(self.process_group, [loss_sum, steps], logged, metric_names)
+        return {**({"train/epoch_loss": total_loss / total_steps} if total_steps > 0 else {}), **user}
 
     def record_eval(self, metrics: dict[str, float], step: int, seconds: float) -> None:
         self.last_eval, self.last_eval_step = metrics, step
@@ -180,14 +198,22 @@ class ExactMean:
             self.sums[name] = self.sums.get(name, 0.0) + float((tensor * keep).sum())
         self.count += float(keep.sum())
 
-    def reduce(self, process_group: ProcessGroup, prefix: str = "eval/") -> dict[str, float]:
-        """``{prefix + name: mean}`` and ``{prefix}samples``, the same on every rank (collective)."""
+    def reduce(
+        self, process_group: ProcessGroup, prefix: str = "eval/", logged: Entries | None = None, metric_names=()
+    ) -> dict[str, float]:
+        """``{prefix + name: mean}`` and ``{prefix}samples``, the same on every rank (collective).
+
+        ``logged`` (this rank's ``self.log`` entries of the pass) and ``metric_names`` (its logged
+        torchmetrics, checked alike on every rank) go in the same collective; their values are
+        returned under their own names.
+        """
         names = sorted(self.sums)  # the same keys in the same order on every rank
-        totals = reduce_sum(process_group, [self.sums[k] for k in names] + [self.count])
+        sums = [self.sums[k] for k in names] + [self.count]
+        totals, user = _reduce(process_group, sums, logged, metric_names)
         count = totals[-1]
         metrics: dict[str, float] = {f"{prefix}{k}": totals[i] / count for i, k in enumerate(names)}
         metrics[f"{prefix}samples"] = int(round(count))
-        return metrics
+        return {**metrics, **user}
 
 
 class SmokeCheckError(RuntimeError):

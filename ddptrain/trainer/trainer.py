@@ -55,9 +55,11 @@ from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
 from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
 from .dataloaders import DataHooks, resolve_data_hooks
+from .evaluation import validation_pass
 from .inference import InferenceHooks
 from .invariant import InvariantSteps
-from .metrics import ExactMean, SmokeCheckError, SmokeProbe, TrainingMetrics
+from .logged import LoggedMetrics, LogHook
+from .metrics import SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
 from .optimizers import OptimizerSet
 from .profiling import profiled
@@ -70,7 +72,7 @@ __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer(DataHooks, InferenceHooks):
+class Trainer(DataHooks, InferenceHooks, LogHook):
     """Distributed data-parallel training of one model; subclass it for your task.
 
     The defaults build the model from ``config.model['_target_']``, the datasets from
@@ -234,7 +236,9 @@ class Trainer(DataHooks, InferenceHooks):
             self._after_step(loss, samples)
             if self._stopping():
                 break
-        metrics.update(self.metrics.end_epoch(loss_sum, steps, time.perf_counter() - started))  # collective
+        seconds, pg = time.perf_counter() - started, self.process_group
+        reduce = lambda entries, names: self.metrics.end_epoch(loss_sum, steps, seconds, entries, names)  # noqa: E731
+        metrics.update(self.logged.reduced("epoch", pg, reduce))  # collective, with self.log(on_epoch=True) values
         if self.state.samples_in_epoch < len(self.train_sampler):
             return False
         self.train_sampler.set_epoch(epoch + 1)  # a checkpoint now resumes at the next epoch's start
@@ -270,6 +274,7 @@ class Trainer(DataHooks, InferenceHooks):
         for i, batch in enumerate(micro_batches):
             sync = i == count - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
+                self.logged.batch_size = batch_size_of(batch)  # the weight of this micro-batch's self.log values
                 loss = self.training_step(self.model, move_to(batch, self.device, non_blocking=True))
                 (loss / count).backward()
             step_loss += loss.item() / count
@@ -289,21 +294,13 @@ class Trainer(DataHooks, InferenceHooks):
         """Metrics of ``validation_step`` averaged over exactly the validation set, on every rank.
 
         The sampler pads ranks with duplicates so all take the same number of batches; those
-        positions are masked out, so each sample counts exactly once.
+        positions are cut off before ``validation_step`` sees them, so each sample counts exactly once.
         """
         if self.val_set is None:
             return {}
         started = time.perf_counter()
         self.model.sync_buffers()  # rank 0's BatchNorm statistics on every rank: one model is evaluated
-        module = self.model.module
-        was_training = module.training
-        module.eval()
-        mean = ExactMean(self.val_sampler.padding_mask())
-        with torch.no_grad():
-            for batch in self.val_batches():
-                mean.add(self.validation_step(module, move_to(batch, self.device)), batch_size_of(batch))
-        module.train(was_training)
-        metrics = mean.reduce(self.process_group)
+        metrics = validation_pass(self)  # padding duplicates cut off; self.log values and torchmetrics reduced
         self.metrics.record_eval(metrics, self.state.step, time.perf_counter() - started)
         self.callback_metrics.update(metrics)
         self._call("on_validation_end", metrics)
@@ -399,6 +396,7 @@ class Trainer(DataHooks, InferenceHooks):
         self.should_stop = False  # any hook or callback may set it; see fit
         self.stopped_early = False  # True once every rank agreed to stop for should_stop
         self.callback_metrics: dict[str, float] = {}
+        self.logged = LoggedMetrics()  # what self.log collected, until the next reduction
         self._stop = GracefulStop()
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -442,6 +440,7 @@ class Trainer(DataHooks, InferenceHooks):
 
     def _reduce_window(self) -> dict[str, float]:
         """The logging window's scalars reduced over ranks (collective), added to the loss history."""
-        scalars = self.metrics.reduce_window(self.state.step, float(self.optimizer.param_groups[0]["lr"]))
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        scalars = self.metrics.reduce_window(self.state.step, lr, self.logged.take("step"))  # with self.log's
         self.callback_metrics.update(scalars)
         return scalars

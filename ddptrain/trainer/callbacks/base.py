@@ -38,6 +38,7 @@ class TrainerView(Protocol):
         callback_metrics: the latest value of every metric, reduced over all ranks (the same on
             every rank): ``train/*`` at each logging point, ``eval/*`` after each evaluation,
             ``train/epoch_loss`` at epoch ends, and what ``self.log`` reported.
+        progress_bar_metrics: (optional) the latest values of what was logged with ``prog_bar=True``.
         should_stop: set it to True to stop training; the ranks agree on it, so all stop at the
             same step (after the next step when set during a step; before the next step when set
             at an evaluation or an epoch end).

@@ -77,7 +77,8 @@ class ProgressCallback(Callback):
 
     def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", refresh=False)
+            shown = {k: f"{v:.4g}" for k, v in getattr(trainer, "progress_bar_metrics", {}).items()}
+            self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", **shown, refresh=False)
         if trainer.is_main:  # the log file always; the console only when no bar shows the same
             total = trainer.steps_per_epoch * trainer.config.trainer.epochs
             log.info(
