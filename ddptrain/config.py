@@ -270,6 +270,13 @@ class TrainerConfig:
     ``None`` means the working directory. Rank 0's value is used on every rank."""
     tensorboard: bool = True
     """Write TensorBoard event files under ``<output_dir>/tensorboard`` (rank 0)."""
+    csv: bool = True
+    """Write every reduced metric to ``<output_dir>/metrics.csv`` and the config to ``hparams.yaml`` (rank 0)."""
+    mlflow: bool = False
+    """Log metrics and the config to an MLflow run in ``<output_dir>/mlruns`` (needs ``ddptrain[loggers]``)."""
+    wandb: bool = False
+    """Log metrics and the config to an offline Weights & Biases run under ``<output_dir>/wandb``
+    (needs ``ddptrain[loggers]``; ``wandb sync`` uploads it)."""
     progress: str = "auto"
     """tqdm progress bars on rank 0: ``true``, ``false``, or ``auto`` (on when stdout is a
     terminal). The step lines of the log go to the console only without a bar."""
