@@ -51,6 +51,9 @@ _BACKENDS = ("auto", "gloo", "nccl", "mpi")
 MONITOR_MODES = ("min", "max")
 
 
+AUTOTUNE_START_MB = 25.0  # dist.bucket_cap_mb=auto starts here and tunes from it
+
+
 class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or inconsistent with the job."""
 
@@ -88,8 +91,9 @@ class DistConfig:
     """Local launcher only: kill the whole job after this many seconds (``None``: no limit)."""
     threads_per_worker: int = 0
     """torch intra-op threads per rank; 0 means ``cores // ranks on this machine`` (at least 1)."""
-    bucket_cap_mb: float = 25.0
-    """DDP gradient bucket size in MiB."""
+    bucket_cap_mb: Any = 25.0
+    """DDP gradient bucket size in MiB, or ``auto``: time a few sizes during the first steps
+    (every rank the same), keep the fastest and log the choice (``ddptrain.doctor.autotune``)."""
     find_unused_parameters: bool = False
     """Let DDP handle parameters that get no gradient in some iterations (slower)."""
     gradient_as_bucket_view: bool = False
@@ -100,7 +104,7 @@ class DistConfig:
     def ddp_options(self) -> dict[str, Any]:
         """The keyword arguments of ``DistributedDataParallel`` that these settings choose."""
         return {
-            "bucket_cap_mb": self.bucket_cap_mb,
+            "bucket_cap_mb": AUTOTUNE_START_MB if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb),
             "broadcast_buffers": self.broadcast_buffers,
             "find_unused_parameters": self.find_unused_parameters,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
@@ -270,6 +274,13 @@ class TrainerConfig:
     ``None`` means the working directory. Rank 0's value is used on every rank."""
     tensorboard: bool = True
     """Write TensorBoard event files under ``<output_dir>/tensorboard`` (rank 0)."""
+    csv: bool = True
+    """Write every reduced metric to ``<output_dir>/metrics.csv`` and the config to ``hparams.yaml`` (rank 0)."""
+    mlflow: bool = False
+    """Log metrics and the config to an MLflow run in ``<output_dir>/mlruns`` (needs ``ddptrain[loggers]``)."""
+    wandb: bool = False
+    """Log metrics and the config to an offline Weights & Biases run under ``<output_dir>/wandb``
+    (needs ``ddptrain[loggers]``; ``wandb sync`` uploads it)."""
     progress: str = "auto"
     """tqdm progress bars on rank 0: ``true``, ``false``, or ``auto`` (on when stdout is a
     terminal). The step lines of the log go to the console only without a bar."""
@@ -445,6 +456,21 @@ def resolve_backend(config: Config, launcher_env: str = "local", master_addr: st
     return "gloo"
 
 
+def _check_bucket_cap(dist: DistConfig) -> None:
+    """``dist.bucket_cap_mb``: a number of MiB >= 0, or ``auto``."""
+    cap = dist.bucket_cap_mb
+    if cap == "auto":
+        return
+    try:
+        ok = not isinstance(cap, bool) and float(cap) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"dist.bucket_cap_mb={cap!r} must be a number of MiB >= 0, or auto (tuned in the first steps)"
+        )
+
+
 def validate(config: Config, world_size: int) -> None:
     """Check the config against the job (world size, machine) before any process starts.
 
@@ -462,6 +488,7 @@ def validate(config: Config, world_size: int) -> None:
     _positive("dist.timeout_s", config.dist.timeout_s)
     _positive("dist.init_timeout_s", config.dist.init_timeout_s)
     _one_of("dist.algorithm", config.dist.algorithm, ("native", "ring"))
+    _check_bucket_cap(config.dist)
     if config.launcher.max_restarts < 0:
         raise ConfigError(f"launcher.max_restarts={config.launcher.max_restarts} must be >= 0")
     for key, value in (("trainer.max_steps", t.max_steps), ("trainer.stop_after_steps", t.stop_after_steps)):

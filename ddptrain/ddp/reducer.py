@@ -183,6 +183,14 @@ class Reducer:
         slot = self.plan.slots[i]
         return self.flat[slot.bucket].views[slot.position]
 
+    def rebucket(self, bucket_cap_bytes: int) -> None:
+        """Lay the buckets out again with another cap, keeping the current launch order (between
+        iterations; every rank must call it with the same cap: ``dist.bucket_cap_mb=auto``)."""
+        self.bucket_cap_bytes = int(bucket_cap_bytes)
+        order = [i for bucket in self.plan.assignment for i in bucket]
+        first_cap = min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes)
+        self._install(self._assign(first_cap_bytes=first_cap, order=order, reverse=False))
+
     def set_comm_hook(self, hook: CommHook, state: object) -> None:
         """Send buckets through ``hook(state, GradBucket)``; the layout is planned again for it."""
         self.comm_hook, self.comm_hook_state = hook, state

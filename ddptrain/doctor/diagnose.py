@@ -23,7 +23,13 @@ from .link import LinkModel
 from .predict import StepModel
 
 MIN_SHARE = 0.10
-STRAGGLER_MIN_SHARE = 0.20  # waits of a few ms come and go on busy hosts; a straggler is steady and large
+STRAGGLER_MIN_SHARE = 0.30  # ranks sharing busy cores take turns being late; a straggler is steady and large
+STRAGGLER_STEADY = 0.75  # ... and the busiest rank in at least this share of the steps
+# Looking for unused parameters when every one is used is pure overhead: worth saying from a few %.
+FIND_UNUSED_MIN_SHARE = 0.03
+# A straggler found beside one of these is likely its consequence (a rank starved of cores or of
+# data): the root cause is listed first.
+ROOT_CAUSES_OF = {"straggler": ("cpu_oversubscribed", "data_loading")}
 BREAKDOWN = (
     "data_s",
     "forward_s",
@@ -60,7 +66,12 @@ class JobFacts:
 
 
 def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
-    """``(breakdown, per_rank)``: medians over the window's steps (breakdown: of the rank mean)."""
+    """``(breakdown, per_rank)``: medians over the window's steps (breakdown: of the rank mean).
+
+    Per rank also ``busy_s`` (its step without communication and waiting: its own work) and
+    ``busiest_share`` (in how many of the steps it was the busiest rank: a straggler is busiest
+    step after step; ranks that take turns being descheduled on a busy host are not).
+    """
     steps = sorted(set.intersection(*(set(r["step"] for r in recs) for recs in per_rank)))
     by_rank = [{r["step"]: r for r in recs} for recs in per_rank]
     rows: list[list[dict]] = [[] for _ in per_rank]
@@ -70,10 +81,13 @@ def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
             r = ranks[s]
             row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "find_unused_s", "optimizer_s", "other_s")}
             row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least, step_s=r["end"] - r["start"])
-            row.update(cpu_s=r["cpu_s"], unused_params=r["unused_params"])
+            row.update(cpu_s=r["cpu_s"], unused_params=r["unused_params"], busy_s=row["step_s"] - r["comm_s"])
             rows[rank].append(row)
-    keys = ("step_s", *BREAKDOWN, "cpu_s")
+    keys = ("step_s", *BREAKDOWN, "cpu_s", "busy_s")
     ranks = [{"rank": i, **{k: statistics.median(x[k] for x in rs) for k in keys}} for i, rs in enumerate(rows)]
+    for i, rank in enumerate(ranks):
+        busiest = sum(max(range(len(rows)), key=lambda r: rows[r][n]["busy_s"]) == i for n in range(len(steps)))
+        rank["busiest_share"] = busiest / max(len(steps), 1)
     breakdown = {
         k: statistics.median(statistics.fmean(rows[r][i][k] for r in range(len(rows))) for i in range(len(steps)))
         for k in keys
@@ -121,15 +135,18 @@ def _data_loading(b, ranks, facts, link, model) -> dict | None:
 def _straggler(b, ranks, facts, link, model) -> dict | None:
     if len(ranks) < 2:
         return None
-    slow = min(ranks, key=lambda r: r["sync_wait_s"])
-    waited = max(r["sync_wait_s"] for r in ranks) - slow["sync_wait_s"]
+    slow = max(ranks, key=lambda r: r["busy_s"])
+    others = statistics.median(r["busy_s"] for r in ranks if r is not slow)
+    extra = slow["busy_s"] - others
+    if slow["busiest_share"] < STRAGGLER_STEADY:
+        return None
     return _cause(
         "straggler",
-        waited / b["step_s"],
-        f"the other ranks wait up to {waited:.3g} s per step for rank {slow['rank']}: remove what slows that "
-        "rank (rank-dependent work in training_step, another job or a slower host); if its host is slower, "
-        "run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker)",
-        b["step_s"] - waited,
+        extra / b["step_s"],
+        f"rank {slow['rank']} works {extra:.3g} s longer per step than the others, who wait for it: remove what "
+        "slows that rank (rank-dependent work in training_step, another job or a slower host); if its host is "
+        "slower, run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker)",
+        b["step_s"] - extra,
         rank=slow["rank"],
     )
 
@@ -207,7 +224,7 @@ def _find_unused(b, ranks, facts, link, model) -> dict | None:
 
 def _cpu_oversubscribed(b, ranks, facts, link, model) -> dict | None:
     probe = facts.compute_probe
-    if facts.threads * facts.ranks_per_host <= facts.cores or not probe or probe["fit_s"] >= probe["now_s"]:
+    if not probe or probe["threads_fit"] >= facts.threads or probe["fit_s"] >= probe["now_s"]:
         return None
     compute = b["forward_s"] + b["backward_s"]
     saved = compute * (1 - probe["fit_s"] / probe["now_s"])
@@ -222,7 +239,7 @@ def _cpu_oversubscribed(b, ranks, facts, link, model) -> dict | None:
 
 
 def _min_share(cause: str) -> float:
-    return STRAGGLER_MIN_SHARE if cause == "straggler" else MIN_SHARE
+    return {"straggler": STRAGGLER_MIN_SHARE, "find_unused_overhead": FIND_UNUSED_MIN_SHARE}.get(cause, MIN_SHARE)
 
 
 RULES = (_data_loading, _straggler, _slow_network, _small_buckets, _no_overlap, _find_unused, _cpu_oversubscribed)
@@ -232,7 +249,10 @@ def diagnose(breakdown: dict, ranks: list[dict], facts: JobFacts, link: LinkMode
     """Causes costing at least ``MIN_SHARE`` of the step, largest first; else ``[healthy]``."""
     model = step_model(breakdown, facts, link)
     found = [c for rule in RULES if (c := rule(breakdown, ranks, facts, link, model)) is not None]
-    found = sorted((c for c in found if c["share"] >= _min_share(c["cause"])), key=lambda c: -c["share"])
+    found = [c for c in found if c["share"] >= _min_share(c["cause"])]
+    names = {c["cause"] for c in found}
+    roots = {c["cause"]: any(r in names for r in ROOT_CAUSES_OF.get(c["cause"], ())) for c in found}
+    found.sort(key=lambda c: (roots[c["cause"]], -c["share"]))
     if found:
         return found
     b = breakdown

@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import socket
-import statistics
 import time
 
 import torch
@@ -28,6 +27,7 @@ from ..comm.objects import all_gather_object
 from ..comm.types import ReduceOp
 from ..ddp.buckets import MB, ParamSpec, assign_buckets, plan_buckets
 from ..trainer.callbacks.base import Callback
+from .autotune import BucketAutotune
 from .diagnose import JobFacts, diagnose, step_model, summarize
 from .link import LinkModel, link_summary, sweep
 from .measure import StepRecorder, collective_bytes
@@ -45,6 +45,7 @@ class DoctorCallback(Callback):
         self.recorder: StepRecorder | None = None
         self.origin = 0.0
         self.report: dict | None = None
+        self.records: list[dict] = []  # this rank's measured steps (StepRecord.to_dict)
 
     def on_fit_start(self, trainer) -> None:
         pg = trainer.process_group
@@ -69,7 +70,7 @@ class DoctorCallback(Callback):
 
     def _complete(self, trainer) -> None:
         recorder, self.recorder = self.recorder, None
-        records = [r.to_dict() for r in recorder.finish()]
+        records = self.records = [r.to_dict() for r in recorder.finish()]
         pg = trainer.process_group
         mine = {
             "records": records,
@@ -84,7 +85,7 @@ class DoctorCallback(Callback):
             return
         link_rows = sweep(pg)
         facts = self._facts(trainer, everyone, records)
-        if facts.threads * facts.ranks_per_host > facts.cores:
+        if facts.threads * facts.ranks_per_host > facts.cores and facts.threads > 1:
             facts.compute_probe = _probe(trainer, recorder.last_batch, facts)
         if trainer.is_main:
             self.report = self._write(trainer, everyone, facts, link_rows)
@@ -107,7 +108,7 @@ class DoctorCallback(Callback):
             threads=max(e["threads"] for e in everyone),
             cores=len(os.sched_getaffinity(0)),
             num_workers=trainer.config.data.num_workers,
-            bucket_cap_mb=dist.bucket_cap_mb,
+            bucket_cap_mb=reducer.bucket_cap_bytes / MB,
             find_unused=dist.find_unused_parameters,
             bucket_sizes=tuple(tuple(s) for s in collective_bytes(reducer.plan, reducer.comm_hook is not None)),
             buckets_at=buckets_at,
@@ -132,15 +133,16 @@ class DoctorCallback(Callback):
         return report
 
 
-def _probe(trainer, batch, facts: JobFacts, repeats: int = 3) -> dict:
-    """Forward+backward seconds (median) with this run's threads and with threads that fit the cores."""
+def _probe(trainer, batch, facts: JobFacts, repeats: int = 5) -> dict:
+    """Forward+backward seconds with this run's threads and with threads that fit the cores,
+    every rank computing at once (as in training), the slowest rank's median (collective)."""
     fit = max(1, facts.cores // max(facts.ranks_per_host, 1))
-    return {
-        "threads_now": facts.threads,
-        "now_s": _time_compute(trainer, batch, facts.threads, repeats),
-        "threads_fit": fit,
-        "fit_s": _time_compute(trainer, batch, fit, repeats),
-    }
+    pg = trainer.process_group
+    times = torch.tensor(
+        [_time_compute(trainer, batch, t, repeats) for t in (facts.threads, fit)], dtype=torch.float64, device=pg.device
+    )
+    pg.all_reduce(times, ReduceOp.MAX).wait()
+    return {"threads_now": facts.threads, "now_s": float(times[0]), "threads_fit": fit, "fit_s": float(times[1])}
 
 
 def _time_compute(trainer, batch, threads: int, repeats: int) -> float:
@@ -148,9 +150,10 @@ def _time_compute(trainer, batch, threads: int, repeats: int) -> float:
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    model, times = trainer.model, []
+    model, pg, times = trainer.model, trainer.process_group, []
     try:
         for _ in range(repeats + 1):
+            pg.all_reduce(torch.zeros(1, device=pg.device), ReduceOp.SUM).wait()  # all ranks compute together
             started = time.perf_counter()
             with model.no_sync():
                 trainer.training_step(model, move_to(batch, trainer.device)).backward()
@@ -158,7 +161,7 @@ def _time_compute(trainer, batch, threads: int, repeats: int) -> float:
     finally:
         torch.set_num_threads(previous)
         trainer.optimizer.zero_grad(set_to_none=True)
-    return statistics.median(times[1:])
+    return sorted(times[1:])[len(times[1:]) // 2]
 
 
 def _tensorboard(trainer, breakdown: dict) -> None:
@@ -174,5 +177,7 @@ def _tensorboard(trainer, breakdown: dict) -> None:
 
 
 def doctor_callbacks(config) -> list[Callback]:
-    """``[DoctorCallback]`` when ``trainer.doctor`` is on, else nothing."""
-    return [DoctorCallback(config.doctor)] if config.trainer.doctor else []
+    """The bucket autotune for ``dist.bucket_cap_mb=auto`` (first: the doctor then measures the
+    chosen layout) and ``DoctorCallback`` when ``trainer.doctor`` is on."""
+    callbacks: list[Callback] = [BucketAutotune()] if config.dist.bucket_cap_mb == "auto" else []
+    return callbacks + ([DoctorCallback(config.doctor)] if config.trainer.doctor else [])

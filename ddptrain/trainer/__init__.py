@@ -15,10 +15,14 @@ from .callbacks import (
     BestCheckpoints,
     Callback,
     CheckpointCallback,
+    CSVLogger,
     EarlyStopping,
+    MetricsLogger,
+    MLflowLogger,
     ProgressCallback,
     TensorBoardCallback,
     TrainerView,
+    WandbLogger,
 )
 from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from .checkpointing import TrainState
@@ -37,6 +41,10 @@ __all__ = [
     "ProgressCallback",
     "TensorBoardCallback",
     "EarlyStopping",
+    "MetricsLogger",
+    "CSVLogger",
+    "MLflowLogger",
+    "WandbLogger",
     "CheckpointError",
     "CheckpointWarning",
     "load_checkpoint",

@@ -7,6 +7,7 @@ from .base import Callback, TrainerView
 from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback
 from .early_stopping import EarlyStopping
+from .loggers import CSVLogger, MetricsLogger, MLflowLogger, WandbLogger
 from .profiler import ProfilerCallback
 from .progress import ProgressCallback
 from .tensorboard import TensorBoardCallback
@@ -17,6 +18,10 @@ __all__ = [
     "BestCheckpoints",
     "CheckpointCallback",
     "EarlyStopping",
+    "MetricsLogger",
+    "CSVLogger",
+    "MLflowLogger",
+    "WandbLogger",
     "ProfilerCallback",
     "ProgressCallback",
     "TensorBoardCallback",
@@ -30,6 +35,12 @@ def from_config(config: TrainerConfig) -> list[Callback]:
     callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress.lower()))]
     if config.tensorboard:
         callbacks.append(TensorBoardCallback())
+    if config.csv:
+        callbacks.append(CSVLogger())
+    if config.mlflow:
+        callbacks.append(MLflowLogger())
+    if config.wandb:
+        callbacks.append(WandbLogger())
     if config.checkpoint_every_epochs or config.checkpoint_every_steps or config.checkpoint_at_end:
         callbacks.append(
             CheckpointCallback(

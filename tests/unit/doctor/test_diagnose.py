@@ -134,3 +134,10 @@ def test_more_threads_than_cores_with_a_faster_probe_is_cpu_oversubscribed():
     assert cause["predicted_step_s"] == pytest.approx(b["step_s"] - 0.06)
     facts.threads = 1  # threads that fit the cores: not this cause, whatever the probe says
     assert _first(_records(forward_s=0.03, backward_s=0.06), facts)[0]["cause"] == "healthy"
+
+
+def test_a_few_percent_of_needless_find_unused_is_reported_but_not_a_few_percent_of_data():
+    facts = _facts(find_unused=True)
+    cause, _ = _first(_records(find_unused_s=0.002), facts)  # ~5% of the step
+    assert cause["cause"] == "find_unused_overhead" and cause["share"] < 0.1
+    assert _first(_records(data_s=0.002))[0]["cause"] == "healthy"

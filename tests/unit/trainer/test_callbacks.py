@@ -8,9 +8,12 @@ import ddptrain.trainer.callbacks as callbacks_package
 from ddptrain import Config, Trainer
 from ddptrain.trainer.callbacks import (
     CheckpointCallback,
+    CSVLogger,
+    MLflowLogger,
     ProgressCallback,
     TensorBoardCallback,
     TrainerView,
+    WandbLogger,
     from_config,
 )
 
@@ -62,8 +65,9 @@ def test_the_config_chooses_the_built_in_callbacks():
     def kinds(**trainer):
         return [type(c) for c in from_config(Config.from_dict({"trainer": trainer}).trainer)]
 
-    assert kinds() == [ProgressCallback, TensorBoardCallback, CheckpointCallback]
-    off = {"tensorboard": False, "checkpoint_every_epochs": 0, "checkpoint_at_end": False}
+    assert kinds() == [ProgressCallback, TensorBoardCallback, CSVLogger, CheckpointCallback]
+    assert kinds(mlflow=True, wandb=True, csv=False, tensorboard=False)[1:3] == [MLflowLogger, WandbLogger]
+    off = {"tensorboard": False, "csv": False, "checkpoint_every_epochs": 0, "checkpoint_at_end": False}
     assert kinds(**off) == [ProgressCallback]
     assert kinds(**{**off, "checkpoint_every_steps": 5}) == [ProgressCallback, CheckpointCallback]
     checkpoint = from_config(
