@@ -54,8 +54,20 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "DDPTRAIN_CHECK_COLLECTIVES",
             "1",
-            "0: skip the functional API's check that every rank calls a collective with the same "
-            "operation, size and dtype.",
+            "How mismatched collectives are caught: 1 compares the ranks' ledgers every "
+            "DDPTRAIN_CHECK_EVERY collectives (no cost per call); sync agrees on operation, size and "
+            "dtype before each functional-API call (one small all-reduce each); 0 checks nothing.",
+        ),
+        EnvVar(
+            "DDPTRAIN_CHECK_EVERY",
+            "16",
+            "The ledger check compares the ranks' records every this many collectives of a group.",
+        ),
+        EnvVar(
+            "DDPTRAIN_LEDGER_DIR",
+            None,
+            "Where each rank writes its collective ledger (rankN.ledger) and, on SIGUSR1, its stack "
+            "(rankN.stack); the launchers set it (the CLI: <run dir>/ledger); off: no files.",
         ),
         EnvVar(
             "DDPTRAIN_MPI_POLL_MIN_S",

@@ -6,8 +6,9 @@ coexist), float32 tensors, SUM:
 
   torch          torch.distributed.all_reduce(t) on torch's own gloo group (the baseline)
   ddp-pg         dist.get_process_group().all_reduce(t).wait()   (the ProcessGroup interface, as DDP uses it)
-  ddp-api        dist.all_reduce(t)                              (functional API, with its shape-agreement check)
-  ddp-api-nochk  dist.all_reduce(t) with the check off            (= DDPTRAIN_CHECK_COLLECTIVES=0)
+  ddp-api        dist.all_reduce(t)                              (functional API, default: the ledger check)
+  ddp-api-sync   dist.all_reduce(t), DDPTRAIN_CHECK_COLLECTIVES=sync (one small all-reduce agrees first)
+  ddp-api-nochk  dist.all_reduce(t) with no check at all          (= DDPTRAIN_CHECK_COLLECTIVES=0)
   ddp-ring       dist.ring_all_reduce(t)                         (ddptrain's ring over gloo send/recv)
 
 For each size the methods are interleaved round by round (the order rotates every round), so slow
@@ -39,7 +40,7 @@ import ddptrain.comm as dist  # noqa: E402
 from ddptrain.comm import api as _api  # noqa: E402  (to toggle the shape check in place)
 from ddptrain.launch import find_free_port, launch  # noqa: E402
 
-METHODS = ["torch", "ddp-pg", "ddp-api", "ddp-api-nochk", "ddp-ring"]
+METHODS = ["torch", "ddp-pg", "ddp-api", "ddp-api-sync", "ddp-api-nochk", "ddp-ring"]
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 QUICK_SIZES = "4K,1M,4M"
 
@@ -63,17 +64,41 @@ def _op(method: str):
         return lambda t: torch.distributed.all_reduce(t)
     if method == "ddp-pg":
         return lambda t: pg.all_reduce(t).wait()
-    if method in ("ddp-api", "ddp-api-nochk"):
+    if method in ("ddp-api", "ddp-api-sync", "ddp-api-nochk"):
         return lambda t: dist.all_reduce(t)
     if method == "ddp-ring":
         return lambda t: dist.ring_all_reduce(t)
     raise ValueError(method)
 
 
+_HOOK: list = []  # the world group's ledger check, as init_process_group installed it
+
+
 def _set_check(method: str) -> None:
-    # Same flag init_process_group sets from DDPTRAIN_CHECK_COLLECTIVES; flipped here so that the
-    # checked and unchecked API calls interleave in one job.
-    _api._state.check_collectives = method != "ddp-api-nochk"
+    # What init_process_group sets from DDPTRAIN_CHECK_COLLECTIVES; flipped here so that the
+    # three settings interleave in one job.
+    pg = dist.get_process_group()
+    if not _HOOK:
+        _HOOK.append(pg._ledger_hook)
+    _api._state.check_collectives = {"ddp-api-sync": "sync", "ddp-api-nochk": False}.get(method, True)
+    pg._ledger_hook = None if method == "ddp-api-nochk" else _HOOK[0]
+
+
+def _async_return_ms(rank: int, late_s: float = 0.5) -> dict:
+    """How long ``all_reduce(async_op=True)`` takes to return on rank 0 while rank 1 calls it
+    ``late_s`` later, with the default check and with the synchronous one."""
+    out = {}
+    for mode in ("ddp-api", "ddp-api-sync"):
+        _set_check(mode)
+        torch.distributed.barrier()
+        t = torch.ones(1024)
+        if rank == 1:
+            time.sleep(late_s)
+        start = time.perf_counter()
+        work = dist.all_reduce(t, async_op=True)
+        out[mode] = (time.perf_counter() - start) * 1e3
+        work.wait()
+    return out
 
 
 def _reps_for(nbytes: int, reps: int | None) -> int:
@@ -124,6 +149,8 @@ def _worker(
                         ops[m](t)
                     times[m].append((time.perf_counter() - start) / reps)
             results[nbytes] = times
+        if "ddp-api" in methods and ws > 1:
+            results["async"] = _async_return_ms(rank)
         return results
     finally:
         _set_check("ddp-api")
@@ -149,12 +176,21 @@ def table(results, world_size, methods) -> str:
     factor = 2 * (world_size - 1) / world_size
     lines = ["| size | method | median ms | algbw GB/s | busbw GB/s | vs torch |", "|---:|:---|---:|---:|---:|---:|"]
     for nbytes, times in results.items():
+        if nbytes == "async":
+            continue
         base = statistics.median(times["torch"]) if "torch" in times else None
         for m in methods:
             med = statistics.median(times[m])
             algbw = nbytes / med / 1e9
             ratio = f"{med / base:.2f}x" if base else "-"
             lines.append(f"| {human(nbytes)} | {m} | {med * 1e3:.3f} | {algbw:.3f} | {algbw * factor:.3f} | {ratio} |")
+    if "async" in results:
+        a = results["async"]
+        lines.append(
+            f"\nall_reduce(async_op=True) on rank 0 while rank 1 calls it 500 ms later: returned after "
+            f"{a['ddp-api']:.2f} ms with the default check, {a['ddp-api-sync']:.1f} ms with "
+            "DDPTRAIN_CHECK_COLLECTIVES=sync"
+        )
     return "\n".join(lines)
 
 

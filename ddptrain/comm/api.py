@@ -13,11 +13,14 @@ import os
 import threading
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from .. import envvars
 from .backends import create_backend
+from .ledger import Ledger, enable_stack_dumps
+from .ledger_check import PeerCheck
 from .process_group import ProcessGroup
 from .ring import ring_all_reduce as _ring_all_reduce
 from .store import DEFAULT_INIT_TIMEOUT, Store, rendezvous, wait_for_all_ranks
@@ -46,7 +49,7 @@ class _State:
         self.world = world
         self.store: Store | None = None
         self.groups_created = 0
-        self.check_collectives = True
+        self.check_collectives: bool | str = True  # True: the ledger check; "sync": before each call
 
 
 _process_state = _State()
@@ -113,12 +116,14 @@ def init_process_group(
             while ``timeout`` stays short so a stuck training collective fails fast).
         world_size, rank: ``-1`` reads ``WORLD_SIZE``/``RANK`` from the environment.
         store: an existing :class:`Store` instead of ``init_method`` (needs rank and world_size).
-        check_collectives: before each collective of this functional API, agree across ranks on
-            the operation, shape and dtype, so a mismatch raises a ValueError that lists every
-            rank's tensor instead of crashing the backend. Costs one tiny all-reduce per call
-            (about 1 ms on loopback gloo); default on, off with ``DDPTRAIN_CHECK_COLLECTIVES=0``.
-            With the check on, ``async_op=True`` calls return once every rank has called them.
-            The DDP module talks to its ProcessGroup directly and never pays for it.
+        check_collectives: how mismatched collectives (operation, size, dtype, root) are caught.
+            ``True`` (default; ``DDPTRAIN_CHECK_COLLECTIVES=1``): every ``DDPTRAIN_CHECK_EVERY``
+            collectives each rank compares its peers' ledgers (memory-mapped files, no message):
+            no cost on the call, and ``async_op=True`` returns before the peers arrive, as in
+            torch; a mismatch that hangs or crashes the backend is explained by the timeout's
+            ledger forensics. ``"sync"``: one small all-reduce before each call of this API
+            agrees on the arguments first (about 1 ms on loopback gloo; asynchronous calls then
+            wait for every rank). ``False``: no check (the ledger is still kept).
 
     Returns:
         The default :class:`ProcessGroup` (also reachable as ``get_process_group()``).
@@ -137,7 +142,7 @@ def init_process_group(
             "(gloo for CPU tensors, nccl for CUDA tensors, mpi through mpi4py)"
         )
     if check_collectives is None:
-        check_collectives = envvars.get_flag("DDPTRAIN_CHECK_COLLECTIVES")
+        check_collectives = check_mode()
     _state.check_collectives = check_collectives
     timeout_td = as_timedelta(timeout, DEFAULT_INIT_TIMEOUT)
     if backend == "mpi":
@@ -148,6 +153,7 @@ def init_process_group(
                 stacklevel=2,
             )
         pg = create_backend("mpi", None, rank, world_size, timeout_td)
+        _attach_ledger(pg, None, check_collectives)
         _state.world, _state.store = pg, None
         return pg
     if store is not None:
@@ -164,8 +170,59 @@ def init_process_group(
         store, rank, world_size, master_addr = info.store, info.rank, info.world_size, info.master_addr
     pg = create_backend(backend, store.prefixed("world"), rank, world_size, timeout_td, master_addr)
     pg.name = group_name
+    _attach_ledger(pg, store, check_collectives)
     _state.world, _state.store = pg, store
     return pg
+
+
+def check_mode() -> bool | str:
+    """``DDPTRAIN_CHECK_COLLECTIVES``: True (the ledger check), ``"sync"`` or False."""
+    value = (envvars.get_str("DDPTRAIN_CHECK_COLLECTIVES") or "").strip().lower()
+    if value == "sync":
+        return "sync"
+    try:
+        return envvars.get_flag("DDPTRAIN_CHECK_COLLECTIVES")
+    except ValueError:
+        raise ValueError(
+            f"DDPTRAIN_CHECK_COLLECTIVES={value!r}: use 1 (the ledger check, default), sync "
+            "(check every call before it runs) or 0 (no check)"
+        ) from None
+
+
+def _ledger_directory(pg: ProcessGroup, store: Store | None) -> str | None:
+    """Rank 0's ``DDPTRAIN_LEDGER_DIR`` (ranks started apart, e.g. by torchrun, may each have
+    picked another run directory), else a temporary directory rank 0 makes; shared through the
+    store or an MPI broadcast. None with ``DDPTRAIN_LEDGER_DIR=off``."""
+    mine = None
+    if pg.rank() == 0:
+        import tempfile
+
+        mine = envvars.get_str("DDPTRAIN_LEDGER_DIR") or tempfile.mkdtemp(prefix="ddptrain-ledger-")
+    if store is not None:
+        if mine:
+            store.set("ledger_dir", mine)
+        chosen = store.get("ledger_dir", pg.timeout).decode()
+    elif pg.backend == "mpi":
+        box = {}
+        pg._thread.submit(lambda: box.setdefault("dir", pg.comm.bcast(mine, root=0)), []).wait()
+        chosen = box["dir"]
+    else:
+        chosen = envvars.get_str("DDPTRAIN_LEDGER_DIR")
+    return None if not chosen or chosen.lower() == "off" else chosen
+
+
+def _attach_ledger(pg: ProcessGroup, store: Store | None, check) -> None:
+    """Give the world group its file-backed ledger, stack dumps on SIGUSR1 and the ledger check."""
+    directory = _ledger_directory(pg, store)
+    rank = pg.global_ranks[pg.rank()]
+    if directory is not None:  # first: a rank whose ledger file exists answers SIGUSR1 with its stack
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        enable_stack_dumps(directory, rank)
+    pg.ledger = Ledger(rank, pg.size(), directory)
+    if directory is None:
+        return
+    if check is True:
+        pg._ledger_hook = PeerCheck(directory, int(envvars.get_float("DDPTRAIN_CHECK_EVERY")))
 
 
 def destroy_process_group(group=None) -> None:
@@ -283,11 +340,12 @@ def _check_uniform(
     asynchronous call returns only once every rank has called it (switch the check off for code
     that overlaps an asynchronous collective with point-to-point traffic its peers do first).
     """
-    if not _state.check_collectives or pg.size() == 1:
+    if _state.check_collectives != "sync" or pg.size() == 1:
         return
     dtype_code = _DTYPE_CODES.get(tensor.dtype, 99)
     fields = torch.tensor([_OP_CODES[op_name], tensor.numel(), dtype_code, detail], dtype=torch.int64)
     both = torch.cat([fields, -fields]).to(pg.device)
+    pg.label_next_collective("argument check")
     try:
         pg.all_reduce(both, ReduceOp.MAX).wait()
     except CommTimeoutError as exc:  # name the user's collective, not the check's all-reduce

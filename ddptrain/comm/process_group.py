@@ -12,12 +12,81 @@ only ever ``wait()`` or chain ``get_future()``.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 
+from .ledger import Ledger, call_site
 from .types import GroupError, ReduceOp, Work
+
+
+def _reduce_code(op) -> int:
+    from .types import to_reduce_op
+
+    return list(ReduceOp).index(to_reduce_op(op))
+
+
+def _arg(args, kwargs, i: int, name: str, default=None):
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+# What the ledger records of each collective: (its main tensor, its root or reduce op), from the
+# arguments of the ProcessGroup method (group ranks, as the backends take them).
+_LEDGER_FIELDS = {
+    "broadcast": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src", 0)),
+    "all_reduce": lambda a, k: (_arg(a, k, 0, "tensor"), _reduce_code(_arg(a, k, 1, "op", ReduceOp.SUM))),
+    "reduce": lambda a, k: (
+        _arg(a, k, 0, "tensor"),
+        _arg(a, k, 1, "dst", 0) * 8 + _reduce_code(_arg(a, k, 2, "op", ReduceOp.SUM)),
+    ),
+    "all_gather": lambda a, k: (_arg(a, k, 1, "tensor"), 0),
+    "gather": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "dst", 0)),
+    "scatter": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "src", 0)),
+    "reduce_scatter": lambda a, k: (_arg(a, k, 0, "output"), _reduce_code(_arg(a, k, 2, "op", ReduceOp.SUM))),
+    # split sizes may differ between ranks: only the number of tensors must agree
+    "all_to_all": lambda a, k: (None, len(_arg(a, k, 1, "input_list") or ())),
+    "barrier": lambda a, k: (None, 0),
+}
+
+
+# False only to measure what the ledger costs (scripts/bench_ledger.py): the ledger is always on.
+LEDGER_ON = True
+
+
+def _recorded(op: str, method):
+    """``method`` of a backend, writing one ledger record before it starts the collective."""
+    fields = _LEDGER_FIELDS[op]
+
+    @functools.wraps(method)
+    def collective(self, *args, **kwargs):
+        if not LEDGER_ON:
+            return method(self, *args, **kwargs)
+        tensor, detail = fields(args, kwargs)
+        self._ledger_seq += 1
+        self.ledger.record(self._ledger_seq, self.name, op, tensor, detail, call_site(2))
+        if self._ledger_hook is not None:
+            self._ledger_hook(self, self._ledger_seq)
+        return method(self, *args, **kwargs)
+
+    collective._ledger_recorded = True
+    return collective
+
+
+def _sharing_ledger(method):
+    """``new_subgroup``, handing this rank's ledger to the new group."""
+
+    @functools.wraps(method)
+    def new_subgroup(self, *args, **kwargs):
+        group = method(self, *args, **kwargs)
+        if group is not None:
+            group.ledger = self.ledger
+            group._ledger_hook = self._ledger_hook
+        return group
+
+    new_subgroup._ledger_recorded = True
+    return new_subgroup
 
 
 class ProcessGroup(abc.ABC):
@@ -33,6 +102,36 @@ class ProcessGroup(abc.ABC):
     """
 
     backend: str = "?"
+    _ledger: Ledger | None = None
+    _ledger_seq = 0  # collectives of this group recorded on this rank
+    # called as hook(group, seq) after each record (the functional API's periodic ledger check)
+    _ledger_hook = None
+
+    def __init_subclass__(cls, **kwargs):
+        """Every backend's collectives write to the ledger (:mod:`ddptrain.comm.ledger`) first."""
+        super().__init_subclass__(**kwargs)
+        for op in _LEDGER_FIELDS:
+            method = cls.__dict__.get(op)
+            if method is not None and not getattr(method, "_ledger_recorded", False):
+                setattr(cls, op, _recorded(op, method))
+        method = cls.__dict__.get("new_subgroup")
+        if method is not None and not getattr(method, "_ledger_recorded", False):
+            cls.new_subgroup = _sharing_ledger(method)
+
+    @property
+    def ledger(self) -> Ledger:
+        """This rank's collective ledger (shared by its groups); in memory until one is given."""
+        if self._ledger is None:
+            self._ledger = Ledger(self._rank, self._size)
+        return self._ledger
+
+    @ledger.setter
+    def ledger(self, value: Ledger) -> None:
+        self._ledger = value
+
+    def label_next_collective(self, label: str) -> None:
+        """Attach ``label`` (e.g. ``DDP bucket 3``) to the ledger record of this rank's next collective."""
+        self.ledger.label = label
 
     def __init__(
         self,

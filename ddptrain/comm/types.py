@@ -189,14 +189,17 @@ class FutureWork(Work):
         default_timeout: timedelta | None = None,
         describe: str = "",
         explain_timeout: Callable[[], str] | None = None,
+        explain_failure: Callable[[], str] | None = None,
     ):
         """``explain_timeout`` (optional) is asked, when the group's timeout expires, for a sentence
-        on who is missing (the MPI backend asks its peers which collective they reached)."""
+        on who is missing (the MPI backend asks its peers which collective they reached);
+        ``explain_failure``, when the operation fails, for what the ranks' ledgers say."""
         super().__init__(op_name, outputs)
         self._future = future
         self._default_timeout = default_timeout
         self._describe = describe
         self._explain_timeout = explain_timeout
+        self._explain_failure = explain_failure
         self._done = threading.Event()
         future.add_done_callback(lambda _f: self._done.set())
 
@@ -210,12 +213,21 @@ class FutureWork(Work):
                     "given to wait(); the operation may still finish."
                 )
             why = self._explain_timeout() if self._explain_timeout else ""
+            why, _, ledger = why.partition("\nCollective ledger:")
             raise CommTimeoutError(
                 f"{self.op_name} {self._describe}timed out after {seconds}: a peer rank may have died, be stuck, "
                 f"or never have called the same operation.{why} Raise the timeout "
                 "(init_process_group(timeout=...)) if the step is just slow."
+                + (f"\nCollective ledger:{ledger}" if ledger else "")
             )
-        self._future.wait()  # re-raises the operation's error
+        try:
+            self._future.wait()  # re-raises the operation's error
+        except CommError:
+            raise
+        except Exception as exc:
+            if self._explain_failure is None:
+                raise
+            raise CommError(f"{self.op_name} {self._describe}failed: {exc}{self._explain_failure()}") from exc
 
     def is_completed(self) -> bool:
         return self._future.done()

@@ -300,6 +300,7 @@ class Reducer:
         while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
             b = it.next_bucket
             it.stats.launch_times[b] = time.perf_counter()
+            self.pg.label_next_collective(f"DDP bucket {b}")
             if self.comm_hook is not None:
                 it.work[b] = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
             else:  # already averaged while staging

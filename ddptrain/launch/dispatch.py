@@ -7,10 +7,19 @@ MPI ranks must be wired up by MPI's own launcher, so ``backend="mpi"`` goes thro
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import signal
+import sys
+import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import envvars
+from ..comm import forensics
 from .env import threads_per_rank
+from .failures import WorkerFailedError
 from .mpi_launch import launch_under_mpiexec
 from .spawn import spawn_workers
 
@@ -58,6 +67,63 @@ def launch(
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     threads = threads_per_rank(world_size, threads_per_worker)
+    with ledger_directory(env) as (env, directory):
+        try:
+            return _start(
+                fn,
+                world_size,
+                args,
+                kwargs,
+                backend,
+                join_group,
+                timeout_s,
+                comm_timeout_s,
+                master_addr,
+                master_port,
+                env,
+                threads,
+            )
+        except WorkerFailedError as exc:
+            raise with_forensics(exc, directory) from exc.__cause__
+
+
+@contextlib.contextmanager
+def ledger_directory(env: dict | None):
+    """(env, directory): the job's collective-ledger directory (:mod:`ddptrain.comm.ledger`), the
+    caller's or ``DDPTRAIN_LEDGER_DIR``, else a temporary one removed after the job; meanwhile
+    ``SIGUSR1`` to this launcher prints every rank's stack and ledger tail (the job goes on)."""
+    env = dict(env or {})
+    directory = env.get("DDPTRAIN_LEDGER_DIR") or envvars.get_str("DDPTRAIN_LEDGER_DIR")
+    made = None
+    if not directory:
+        directory = made = tempfile.mkdtemp(prefix="ddptrain-ledger-")
+        env["DDPTRAIN_LEDGER_DIR"] = directory
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGUSR1, lambda *_: print(forensics.dump(directory), file=sys.stderr))
+    try:
+        yield env, directory
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGUSR1, previous)
+        if made:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def with_forensics(exc: WorkerFailedError, directory: str) -> WorkerFailedError:
+    """A rank that died of a signal (a backend's abort, the OOM killer, kill -9) reports nothing:
+    add what the ledgers tell (the collective the ranks disagreed on, who was behind)."""
+    if exc.worker_traceback or "Collective ledger:" in str(exc) or directory.lower() == "off":
+        return exc
+    extra = forensics.explain_job(directory, stacks=False)
+    if not extra:
+        return exc
+    return WorkerFailedError(exc.rank, f"{exc}{extra}", exc.exitcode, exc.worker_traceback)
+
+
+def _start(
+    fn, world_size, args, kwargs, backend, join_group, timeout_s, comm_timeout_s, master_addr, master_port, env, threads
+) -> list[Any]:
     group_backend = backend if join_group else None
     if backend == "mpi":
         return launch_under_mpiexec(

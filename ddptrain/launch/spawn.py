@@ -13,8 +13,10 @@ starts ``backend="mpi"`` ranks through ``mpiexec``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -245,6 +247,8 @@ def _stop(procs: Sequence[mp.Process], grace_s: float = 3.0) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            with contextlib.suppress(OSError):
+                os.kill(p.pid, signal.SIGCONT)  # a stopped (SIGSTOP) worker acts on SIGTERM only once continued
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))

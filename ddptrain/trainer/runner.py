@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 from pathlib import Path
 from typing import Any
 
+from .. import envvars
 from ..config import Config, ConfigError, check_device, locate, resolve_backend, validate
 from ..launch import MpiexecNotFoundError, WorkerFailedError, launch
 from ..launch.env import ClusterEnvironment, detect_environment
@@ -119,6 +121,7 @@ def _start_workers(config: Config, world_size: int) -> list:
             join_group=False,
             timeout_s=config.dist.job_timeout_s,
             threads_per_worker=config.dist.threads_per_worker or None,
+            env={"DDPTRAIN_LEDGER_DIR": ledger_dir(config)},
         )
     except MpiexecNotFoundError as exc:
         raise ConfigError(f"dist.backend=mpi: {exc}") from None
@@ -160,7 +163,14 @@ def _check_launcher(config: Config, env: ClusterEnvironment) -> None:
         )
 
 
+def ledger_dir(config: Config) -> str:
+    """Where the ranks keep their collective ledgers: ``<run dir>/ledger``, unless
+    ``DDPTRAIN_LEDGER_DIR`` says otherwise (``python -m ddptrain.dump <run dir>`` reads it)."""
+    return envvars.get_str("DDPTRAIN_LEDGER_DIR") or str(Path(config.trainer.output_dir or ".") / "ledger")
+
+
 def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
     """One rank's whole job (also the local workers' entry point)."""
+    os.environ.setdefault("DDPTRAIN_LEDGER_DIR", ledger_dir(config))  # torchrun, mpirun: no launcher of ours
     setup_logging(rank, config.trainer.output_dir)
     return load_trainer_class(config)(config).fit()

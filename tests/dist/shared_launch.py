@@ -22,12 +22,13 @@ def launch_once(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     comm_timeout_s: float | None = None,
+    env: dict | None = None,
 ) -> list:
     """``fn``'s unpickled results per rank (``fn`` returns pickled bytes) for ``key``."""
     if key not in _RESULTS:
         try:
             raw = run_distributed(
-                fn, world_size, *args, backend=backend, timeout_s=timeout_s, comm_timeout_s=comm_timeout_s
+                fn, world_size, *args, backend=backend, timeout_s=timeout_s, comm_timeout_s=comm_timeout_s, env=env
             )
             _RESULTS[key] = [pickle.loads(r) for r in raw]
         except Exception as exc:  # noqa: BLE001 - every test of this launch reports it

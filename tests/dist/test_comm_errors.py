@@ -330,7 +330,7 @@ def _mismatches_body(rank: int, ws: int) -> bytes:
         # api._check_uniform); code that overlaps it with p2p runs with the check off.
         from ddptrain.comm import api
 
-        api._state.check_collectives = False
+        previous, api._state.check_collectives = api._state.check_collectives, False
         x = torch.ones(2)
         if rank == 0:
             work = dist.all_reduce(x, group=short_o, async_op=True)
@@ -341,7 +341,7 @@ def _mismatches_body(rank: int, ws: int) -> bytes:
             dist.all_reduce(x, group=short_o, async_op=True).wait()
         else:
             dist.all_reduce(x, group=short_o)
-        api._state.check_collectives = True
+        api._state.check_collectives = previous
         if x.tolist() != [3.0, 3.0]:
             raise AssertionError(f"overlapped all_reduce gave {x.tolist()}")
 
@@ -365,8 +365,20 @@ backend_param = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def mismatch_results(backend):
-    """Per-rank results of the one 3-rank launch per backend shared by the tests below."""
-    return launch_once(("mismatches", backend), _mismatches_body, 3, backend=backend, timeout_s=60, comm_timeout_s=30)
+    """Per-rank results of the one 3-rank launch per backend shared by the tests below.
+
+    With the synchronous check (``DDPTRAIN_CHECK_COLLECTIVES=sync``): every mismatch raises before
+    it reaches the backend, so the group keeps working after each. The default ledger check is
+    tested with the backends' own failures in ``test_hang_forensics.py``."""
+    return launch_once(
+        ("mismatches", backend),
+        _mismatches_body,
+        3,
+        backend=backend,
+        timeout_s=60,
+        comm_timeout_s=30,
+        env={"DDPTRAIN_CHECK_COLLECTIVES": "sync"},
+    )
 
 
 @pytest.mark.dist

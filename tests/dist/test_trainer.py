@@ -221,4 +221,6 @@ def test_world_size_change_refused_then_allowed(two_rank_runs, tmp_path):
     assert sum(r["padded"] for r in results) == 2  # the padding exists, and is not counted:
     assert r0["allowed"]["eval/samples"] == 100
     assert r0["allowed"]["eval/accuracy"] == pytest.approx(r0["reference_accuracy"], abs=1e-12)
-    assert r0["allowed"]["eval/loss"] == pytest.approx(r0["reference_loss"], rel=1e-9)
+    # rel 1e-6: each rank evaluates its share in batches of another size than the one-batch reference
+    # (float32 rounding differs by batch size); counting the 2 padding duplicates would be off by ~1e-2.
+    assert r0["allowed"]["eval/loss"] == pytest.approx(r0["reference_loss"], rel=1e-6)

@@ -35,12 +35,13 @@ os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
 from mpi4py import MPI  # noqa: E402 - after the MCA default above
 
 from ... import envvars
+from ..forensics import explain_group
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..types import CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype, to_reduce_op
 
 # Tags of the timeout probe, on each group's private control communicator (never the user's).
 _PROBE_QUERY, _PROBE_REPLY = 1, 2
-_PROBE_WAIT_S = 5.0
+_PROBE_WAIT_S = 2.0
 # How often an idle communication thread wakes to answer its peers' timeout probes.
 _IDLE_WAKE_S = 0.05
 # While requests are in flight the thread tests them, sleeping between rounds: 0.1 ms after any
@@ -249,7 +250,7 @@ class MPIProcessGroup(ProcessGroup):
         if op_name not in ("send", "recv"):
             self.collectives_called += 1
             seq = self.collectives_called
-            explain = lambda: self._missing_ranks(op_name, seq)  # noqa: E731
+            explain = lambda: self._missing_ranks(op_name, seq) + explain_group(self)  # noqa: E731
         fut = self._thread.submit(fn, outputs)
         return _MPIWork(
             self._thread,
@@ -258,6 +259,7 @@ class MPIProcessGroup(ProcessGroup):
             fut,
             self.timeout,
             explain_timeout=explain,
+            explain_failure=lambda: explain_group(self),
             describe=f"on group {self.name!r} (mpi, rank {self._rank} of {self._size}) ",
         )
 

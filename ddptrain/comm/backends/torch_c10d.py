@@ -17,6 +17,7 @@ import torch
 import torch.distributed as tdist
 from torch._C import _distributed_c10d as c10d
 
+from ..forensics import explain_group
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..store import Store, is_loopback
 from ..types import CommError, CommTimeoutError, ReduceOp, Work, check_avg_dtype, to_reduce_op
@@ -147,7 +148,7 @@ class TorchProcessGroup(ProcessGroup):
         try:
             key = f"timeout/{seq}"
             self.store.set(f"{key}/rank{self._rank}", op)
-            deadline = time.monotonic() + min(5.0, self.timeout.total_seconds())
+            deadline = time.monotonic() + min(1.0, self.timeout.total_seconds())
             while time.monotonic() < deadline:
                 if self.store.check([f"{key}/rank{r}" for r in range(self._size)]):
                     break
@@ -176,16 +177,18 @@ class TorchProcessGroup(ProcessGroup):
                 f"{where} timed out after {self.timeout.total_seconds():g} s: some rank of "
                 f"{self.global_ranks} did not join the operation (it may be stuck, dead, or calling "
                 f"a different collective).{self._missing_ranks(op, seq)} Backend said: {text.splitlines()[0]}"
+                f"{explain_group(self)}"
             )
         if "connection closed by peer" in low or "connection reset" in low or "broken pipe" in low:
             return CommError(
                 f"{where} failed: a peer closed its connection — a rank of {self.global_ranks} "
-                f"probably exited or crashed. Backend said: {text.splitlines()[0]}"
+                f"probably exited or crashed. Backend said: {text.splitlines()[0]}{explain_group(self)}"
             )
         if "size" in low or "mismatch" in low or "length" in low:
             return CommError(
                 f"{where} failed because ranks passed tensors of different sizes or dtypes; every "
                 f"rank must pass the same shape and dtype. Backend said: {text.splitlines()[0]}"
+                f"{explain_group(self)}"
             )
         return CommError(f"{where} failed: {text}")
 
