@@ -147,8 +147,9 @@ class InvariantSteps:
             with _SHARD_LOCK, torch.random.fork_rng(devices=_cuda_devices(t.device)):
                 torch.manual_seed(shard_seed(self.seed, step.epoch, t.state.step, shard.index))
                 batch = self._load(t.train_set, step.order[shard.start : shard.end])
-                loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
-                (loss * (shard.size / work.num_samples)).backward()
+                with t.precision.autocast():  # trainer.precision
+                    loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
+                t.precision.backward(loss * (shard.size / work.num_samples))
             losses[shard.index] = float(loss.detach()) * shard.size
             contributions.append(torch.cat([self._take_grads(counts), self._buffer_state(counts, snapshot)]))
         ran = torch.tensor([1 if contributions else 0], dtype=torch.int64)

@@ -94,3 +94,10 @@ def test_16_mixed_on_cuda_scales_and_checkpoints_the_scaler(tmp_path):
     precision = Precision("16-mixed", torch.device("cuda"))
     precision.load_state_dict(saved["grad_scaler"])
     assert precision.scaler.get_scale() == saved["grad_scaler"]["scale"]
+
+
+def test_bf16_mixed_applies_in_world_size_invariant_mode(tmp_path):
+    config = _config(tmp_path, data={"global_batch_size": 16}, precision="bf16-mixed", world_size_invariant=True)
+    for seen, dtypes, final in run_threaded(_fit, 2, config, timeout_s=120):
+        assert ("train", torch.bfloat16, True) in seen and ("train", torch.float32, False) not in seen
+        assert dtypes == {torch.float32} and final["params_agree"]
