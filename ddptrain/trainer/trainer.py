@@ -343,7 +343,9 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self.checkpointer = Checkpointer.of(self)
         self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
         if cfg.trainer.smoke_check:
-            self.smoke_probe = SmokeProbe.first_samples(self.train_set, cfg.data, self.training_step, self.device)
+            self.smoke_probe = SmokeProbe.first_samples(
+                self.train_set, cfg.data, self.training_step, self.device, self.train_loader_options
+            )
             self.smoke_probe.start(self.metrics, self.state.step, self.model.module)
 
     def _build_model(self) -> None:
