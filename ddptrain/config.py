@@ -34,6 +34,8 @@ __all__ = [
     "DoctorConfig",
     "EarlyStoppingConfig",
     "validate",
+    "check_precision",
+    "PRECISIONS",
     "resolve_backend",
     "per_rank_batch_size",
     "check_device",
@@ -221,6 +223,9 @@ class TrainerConfig:
     """Micro-batches per optimizer step; all but the last run under ``no_sync()``."""
     grad_clip_norm: float | None = None
     """Clip the global gradient norm to this value (``None``: no clipping)."""
+    precision: str = "32"
+    """``32``; ``bf16-mixed`` (bfloat16 autocast, CPU and CUDA); ``16-mixed`` (float16 autocast with a
+    gradient scaler, CUDA only)."""
     seed: int = 1234
     """Base seed: rank ``r`` seeds with ``seed + r``; the sampler shuffles with ``seed + epoch``."""
     device: str = "cpu"
@@ -530,6 +535,7 @@ def validate(config: Config, world_size: int) -> None:
     _one_of("dist.backend", config.dist.backend, _BACKENDS)
     _one_of("trainer.progress", t.progress.lower(), PROGRESS_CHOICES)
     _one_of("trainer.early_stopping.mode", t.early_stopping.mode, MONITOR_MODES)
+    check_precision(t.precision, t.device)
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be positive")
     per_rank_batch_size(config, world_size)
@@ -642,3 +648,20 @@ def instantiate(spec: dict, key: str, fix: str) -> Any:
         raise ConfigError(f"{key}._target_ is not set: choose a {key} (e.g. {key}=tutorial_net) or {fix}")
     kwargs = {k: v for k, v in spec.items() if not k.startswith("_")}
     return locate(target, f"{key}._target_")(**kwargs)
+
+
+PRECISIONS = ("32", "bf16-mixed", "16-mixed")
+_ALIASES = {"32-true": "32", "32.0": "32", "bf16": "bf16-mixed", "16": "16-mixed"}
+
+
+def check_precision(precision: str, device_type: str) -> str:
+    """The canonical name of ``precision``; a ConfigError for an unknown one or float16 on CPU."""
+    name = _ALIASES.get(str(precision), str(precision))
+    if name not in PRECISIONS:
+        raise ConfigError(f"trainer.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if name == "16-mixed" and device_type != "cuda":
+        raise ConfigError(
+            f"trainer.precision=16-mixed needs trainer.device=cuda (float16 autocast with a gradient "
+            f"scaler is a GPU feature; this run is on {device_type}). On CPU use trainer.precision=bf16-mixed"
+        )
+    return name

@@ -12,6 +12,7 @@ interface with timeouts in seconds, which the rest of ddptrain uses.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import time
@@ -214,6 +215,10 @@ def _file_store(path: str, world_size: int, init_method: str) -> Store:
         raise RendezvousError(f"init_method={init_method!r}: could not open the file store: {exc}") from exc
 
 
+_AGENT_STORE_JOINS = itertools.count()
+"""How many times this process joined torchrun's agent store (each join gets keys of its own)."""
+
+
 def rendezvous(
     init_method: str | None, rank: int = -1, world_size: int = -1, timeout: float | timedelta | None = None
 ) -> RendezvousInfo:
@@ -256,7 +261,11 @@ def rendezvous(
         store = _tcp_store(master_addr, port_num, rank, world_size, timeout, init_method, serve=not agent_store)
         if agent_store:
             run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
-            store = store.prefixed(f"ddptrain/{run}/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}")
+            namespace = f"ddptrain/{run}/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+            # The agent's store outlives a group: a second group in the same processes (Trainer.test
+            # after fit) must not read the first one's keys. Every rank creates its groups in the same order.
+            again = next(_AGENT_STORE_JOINS)
+            store = store.prefixed(namespace + (f"/join{again}" if again else ""))
     elif url.scheme == "tcp":
         if not url.hostname or not url.port:
             raise RendezvousError(f"init_method={init_method!r} must look like tcp://HOST:PORT")

@@ -20,6 +20,16 @@ smaller than the segment's maximum by a factor of ``2**(62 - c)`` or more rounds
 below what float32 itself can add to that maximum.
 
 A segment holding inf or NaN in any contribution comes back all NaN (the sum is not finite).
+
+One all-reduce instead of two (:class:`ExactAllReducer`): the MAX that fixes the scales costs a
+second round trip per sum. The reducer instead tries the previous sum's exponents (less
+``headroom`` bits) and checks, in the same SUM, that every contribution was *lossless* at that
+scale (``x * 2**s`` an integer) and did not *overflow* (``|x| * 2**s < 2**(62 - c)``). If any rank
+saw either, the sum is redone the two-collective way. The bits never depend on the guess: a guess
+that does not overflow is at most the canonical exponent (the largest one that does not), and a
+coarser grid is lossless only where the canonical one is too; lossless at both means both give the
+exact sum, so the result is always what the canonical path gives. A resumed run without the
+previous exponents, or another world size, only pays one more round trip.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ __all__ = [
     "exact_sum",
     "from_fixed",
     "exact_all_reduce",
+    "ExactAllReducer",
 ]
 
 _HEADROOM_BITS = 62
@@ -149,3 +160,69 @@ def exact_all_reduce(
     total = total.to(process_group.device)
     process_group.all_reduce(total, ReduceOp.SUM).wait()
     return from_fixed(total, scales, max_abs, sizes, dtype)
+
+
+class ExactAllReducer:
+    """Exact sums over ranks, one int64 all-reduce SUM in the common case (see the module docstring).
+
+    Args:
+        sizes: the segment lengths (one scale per segment), the same on every rank.
+        headroom: bits kept below the last canonical exponents, so that a gradient that grows a
+            little does not overflow the guess.
+
+    Attributes:
+        fallbacks: sums that needed the second round trip (the first one always does).
+    """
+
+    def __init__(self, sizes: Sequence[int], headroom: int = 1):
+        self.sizes = list(sizes)
+        self.headroom = headroom
+        self.exponents: torch.Tensor | None = None
+        self.fallbacks = 0
+        self._segment_of = _expand(torch.arange(len(self.sizes)), self.sizes)
+
+    def all_reduce(
+        self, process_group: ProcessGroup, contributions: Sequence[torch.Tensor], count: int, extra: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(exact sum of the contributions as float64, the int64 ``extra`` summed over ranks)``
+        (collective: one all-reduce, or three when the guessed scales do not fit)."""
+        if self.exponents is not None:
+            scales = _expand(torch.pow(2.0, self.exponents.to(torch.float64)), self.sizes)
+            total, misfits = self._fixed_checked(contributions, scales, count)
+            packed = torch.cat([total, misfits, extra]).to(process_group.device)
+            process_group.all_reduce(packed, ReduceOp.SUM).wait()
+            packed, n = packed.cpu(), len(total)
+            extra = packed[n + len(self.sizes) :]
+            if not packed[n : n + len(self.sizes)].any():
+                return from_fixed(packed[:n], scales, torch.zeros(len(self.sizes)), self.sizes, torch.float64), extra
+            extra_summed = True
+        else:
+            extra_summed = False
+        self.fallbacks += 1
+        max_abs = local_max_abs(contributions, self.sizes).to(process_group.device)
+        process_group.all_reduce(max_abs, ReduceOp.MAX).wait()
+        max_abs = max_abs.cpu()
+        total, scales = exact_sum(contributions, self.sizes, max_abs, count)
+        packed = total if extra_summed else torch.cat([total, extra])
+        packed = packed.to(process_group.device)
+        process_group.all_reduce(packed, ReduceOp.SUM).wait()
+        packed, n = packed.cpu(), len(total)
+        self.exponents = scale_exponents(max_abs, count) - self.headroom
+        return from_fixed(packed[:n], scales, max_abs, self.sizes, torch.float64), (
+            extra if extra_summed else packed[n:]
+        )
+
+    def _fixed_checked(self, contributions: Sequence[torch.Tensor], scales: torch.Tensor, count: int):
+        """This rank's int64 sum at ``scales``, and per segment how many elements misfit (lossy,
+        overflowing or not finite)."""
+        count_bits = math.ceil(math.log2(count)) if count > 1 else 0
+        limit = 2.0 ** (_HEADROOM_BITS - count_bits)
+        total = torch.zeros(len(scales), dtype=torch.int64)
+        bad = torch.zeros(len(scales), dtype=torch.bool)
+        for contribution in contributions:
+            scaled = contribution.detach().cpu().to(torch.float64) * scales
+            rounded = torch.round(scaled)
+            bad |= (rounded != scaled) | ~(scaled.abs() < limit)  # NaN fails both
+            total += torch.nan_to_num(rounded, nan=0.0, posinf=0.0, neginf=0.0).clamp(-limit, limit).to(torch.int64)
+        misfits = torch.zeros(len(self.sizes), dtype=torch.int64).index_add_(0, self._segment_of, bad.to(torch.int64))
+        return total, misfits

@@ -37,10 +37,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from ..comm.types import ReduceOp
 from ..config import check_world_size_invariant
 from ..data.global_batches import StepShards, epoch_order, step_shards, virtual_ranks_of
-from ..ddp.exact import exact_sum, from_fixed, local_max_abs
+from ..ddp.exact import ExactAllReducer
 from .data import move_to
 
 __all__ = ["InvariantSteps", "InvariantStep", "shard_seed"]
@@ -92,6 +91,7 @@ class InvariantSteps:
         self.param_numel = sum(p.numel() for p in self.params)
         # One scale per parameter and per float buffer: the segments of each shard's contribution.
         self.sizes = [p.numel() for p in self.params] + [b.numel() for b in self.float_buffers]
+        self.reducer = ExactAllReducer(self.sizes)
         threads = cfg.dist.threads_per_worker or 1
         torch.set_num_threads(threads)
         if trainer.is_main:
@@ -120,19 +120,22 @@ class InvariantSteps:
             yield InvariantStep(sampler.epoch, work, order, rank_samples)
 
     def _load(self, dataset: Dataset, indices: torch.Tensor) -> Any:
-        if isinstance(dataset, TensorDataset):
+        options = self.trainer.train_loader_options  # a train_dataloader() DataLoader's: its collate_fn
+        collate = (options or {}).get("collate_fn") or default_collate
+        if isinstance(dataset, TensorDataset) and collate is default_collate:
             return tuple(t[indices] for t in dataset.tensors)
-        return default_collate([dataset[i] for i in indices.tolist()])
+        return collate([dataset[i] for i in indices.tolist()])
 
     # == one step =================================================================================
     def train_step(self, step: InvariantStep) -> float:
         """Forward and backward of this rank's shards, the exact sum of the gradients over all ranks
         in each parameter's ``.grad``; the step's loss (the same on every rank and world size).
 
-        Two collectives per step: a MAX (each segment's largest magnitude, for the scales; the
-        integer buffers) and an int64 SUM (the fixed-point gradients and float buffers; each shard's
-        loss as the raw bits of a float64, which only its own rank adds, so the sum is exact; how
-        many shards used each parameter and changed each buffer).
+        One collective per step in the common case (:class:`~ddptrain.ddp.exact.ExactAllReducer`):
+        an int64 SUM of the fixed-point gradients and float buffers, each shard's loss as the raw
+        bits of a float64 (only its own rank adds it, so the sum is exact), how many shards used
+        each parameter and changed each buffer, and the integer buffers of the ranks that ran a
+        shard with their number.
         """
         t, module, work = self.trainer, self.trainer.model.module, step.work
         snapshot = [b.detach().clone() for b in (*self.float_buffers, *self.int_buffers)]
@@ -146,33 +149,22 @@ class InvariantSteps:
             with _SHARD_LOCK, torch.random.fork_rng(devices=_cuda_devices(t.device)):
                 torch.manual_seed(shard_seed(self.seed, step.epoch, t.state.step, shard.index))
                 batch = self._load(t.train_set, step.order[shard.start : shard.end])
-                loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
-                (loss * (shard.size / work.num_samples)).backward()
+                with t.precision.autocast():  # trainer.precision
+                    loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
+                t.precision.backward(loss * (shard.size / work.num_samples))
             losses[shard.index] = float(loss.detach()) * shard.size
             contributions.append(torch.cat([self._take_grads(counts), self._buffer_state(counts, snapshot)]))
-        ints = [b.detach().reshape(-1).to(torch.float64) for b in self.int_buffers]  # this rank's last shard's
+        ran = torch.tensor([1 if contributions else 0], dtype=torch.int64)
+        ints = [b.detach().reshape(-1).to("cpu", torch.int64) * ran for b in self.int_buffers]  # last shard's
         self._restore(snapshot)
-        values, extra, int_values = self._reduce(
-            contributions, work.num_shards, [losses.view(torch.int64), counts], ints
-        )
+        extra = torch.cat([losses.view(torch.int64), counts, *ints, ran])
+        values, extra = self.reducer.all_reduce(t.process_group, contributions, work.num_shards, extra)
         self._set_grads(values, extra[work.num_shards : work.num_shards + len(self.params)])
-        self._set_buffers(values, extra[work.num_shards + len(self.params) :], int_values, work)
+        changed = extra[work.num_shards + len(self.params) : work.num_shards + len(counts)]
+        int_values = extra[work.num_shards + len(counts) : -1] // extra[-1]  # all shards agree: their mean
+        self._set_buffers(values, changed, int_values, work)
         loss = sum(extra[: work.num_shards].view(torch.float64).tolist()) / work.num_samples  # shard order: fixed
         return float(torch.tensor(loss, dtype=torch.float32))
-
-    def _reduce(self, contributions: list, count: int, extra: list, ints: list):
-        """The two collectives: ``(exact sum of the contributions as float64, summed extra int64,
-        MAX of the integer buffers)``."""
-        pg = self.trainer.process_group
-        maxima = torch.cat([local_max_abs(contributions, self.sizes), *ints]).to(pg.device)
-        pg.all_reduce(maxima, ReduceOp.MAX).wait()
-        maxima = maxima.cpu()
-        max_abs = maxima[: len(self.sizes)]
-        total, scales = exact_sum(contributions, self.sizes, max_abs, count)
-        packed = torch.cat([total, *extra]).to(pg.device)
-        pg.all_reduce(packed, ReduceOp.SUM).wait()
-        packed, n = packed.cpu(), len(total)
-        return from_fixed(packed[:n], scales, max_abs, self.sizes, torch.float64), packed[n:], maxima[len(self.sizes) :]
 
     def _take_grads(self, counts: torch.Tensor) -> torch.Tensor:
         """This shard's gradients as one flat float32 vector (zeros where none); clears ``.grad``."""

@@ -242,12 +242,15 @@ class SmokeProbe:
         self.num_samples = sum(batch_size_of(b) for b in batches)
 
     @classmethod
-    def first_samples(cls, dataset: Dataset, data: DataConfig, loss: Callable, device: torch.device) -> SmokeProbe:
+    def first_samples(
+        cls, dataset: Dataset, data: DataConfig, loss: Callable, device: torch.device, loader_options=None
+    ) -> SmokeProbe:
         """A probe on the first ``data.global_batch_size`` samples of ``dataset`` (the same on every
-        rank and every world size), in batches of ``data.eval_batch_size``."""
+        rank and every world size), in batches of ``data.eval_batch_size``, collated as training
+        collates them (``loader_options``: a ``train_dataloader()`` DataLoader's)."""
         count = min(data.global_batch_size, len(dataset))
         with preserved_rng_state(device):  # a random transform must not move the training stream
-            batches = list(make_batches(dataset, range(count), data.eval_batch_size))
+            batches = list(make_batches(dataset, range(count), data.eval_batch_size, loader_options=loader_options))
         return cls(batches, loss, device)
 
     def measure(self, module: nn.Module) -> float:

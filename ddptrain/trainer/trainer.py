@@ -62,6 +62,7 @@ from .logged import LoggedMetrics, LogHook
 from .metrics import SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optim import build_optimizer, build_scheduler
 from .optimizers import OptimizerSet
+from .precision import Precision
 from .profiling import profiled
 from .rng import seed_everything
 from .stopping import GracefulStop
@@ -275,8 +276,9 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
             sync = i == count - 1
             with contextlib.nullcontext() if sync else self.model.no_sync():
                 self.logged.batch_size = batch_size_of(batch)  # the weight of this micro-batch's self.log values
-                loss = self.training_step(self.model, move_to(batch, self.device, non_blocking=True))
-                (loss / count).backward()
+                with self.precision.autocast():  # trainer.precision: bf16/fp16 autocast, or nothing
+                    loss = self.training_step(self.model, move_to(batch, self.device, non_blocking=True))
+                self.precision.backward(loss / count)  # scaled under 16-mixed
             step_loss += loss.item() / count
         return step_loss
 
@@ -284,9 +286,11 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step every optimizer, the
         per-step schedules, zero every optimizer's gradients."""
         clip = self.config.trainer.grad_clip_norm
+        self.precision.unscale(self.optimizers)  # 16-mixed: true gradients before clipping
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer_set.step()
+        self.optimizer_set.step(self.precision.scaler)
+        self.precision.update()
         self.optimizer_set.step_schedules("step", self.state.step + 1, self.callback_metrics, self.state.step + 1)
         self.optimizer_set.zero_grad()
 
@@ -300,7 +304,9 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
             return {}
         started = time.perf_counter()
         self.model.sync_buffers()  # rank 0's BatchNorm statistics on every rank: one model is evaluated
-        metrics = validation_pass(self)  # padding duplicates cut off; self.log values and torchmetrics reduced
+        metrics = validation_pass(
+            self, self.precision.autocast
+        )  # padding duplicates cut off; self.log values and torchmetrics reduced
         self.metrics.record_eval(metrics, self.state.step, time.perf_counter() - started)
         self.callback_metrics.update(metrics)
         self._call("on_validation_end", metrics)
@@ -323,6 +329,7 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         """Build what a fit needs, then resume if asked: model in DDP, data, optimizer, callbacks."""
         cfg = self.config
         seed_everything(cfg.trainer.seed + self.rank)  # per-rank seed (dropout); DDP syncs weights
+        self.precision = Precision(cfg.trainer.precision, self.device)  # autocast, gradient scaler
         self.output_dir = agree_on_directory(self.process_group, cfg.trainer.output_dir or os.getcwd())
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
@@ -336,7 +343,9 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self.checkpointer = Checkpointer.of(self)
         self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
         if cfg.trainer.smoke_check:
-            self.smoke_probe = SmokeProbe.first_samples(self.train_set, cfg.data, self.training_step, self.device)
+            self.smoke_probe = SmokeProbe.first_samples(
+                self.train_set, cfg.data, self.training_step, self.device, self.train_loader_options
+            )
             self.smoke_probe.start(self.metrics, self.state.step, self.model.module)
 
     def _build_model(self) -> None:

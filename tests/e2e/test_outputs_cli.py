@@ -2,6 +2,7 @@
 ``trainer.init_from`` and ``trainer.resume=best`` on the command line."""
 
 import json
+import subprocess
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch
 import ddptrain
 from ddptrain import Trainer
 from ddptrain.config import Config
-from tests.conftest import run_cli
+from tests.conftest import REPO, TORCHRUN, cli_env, run_cli
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -51,3 +52,22 @@ def test_profile_on_the_command_line_writes_one_trace_per_rank(tmp_path):
     for path in traces:
         names = {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
         assert {"ProfilerStep#2", "ddptrain/train_step", "ddptrain/optimizer_step"} <= names
+
+
+def test_test_and_predict_after_fit_under_torchrun(tmp_path):
+    """fit destroys the group it created; test and predict join again on torchrun's agent store,
+    whose keys of the first group must not be read again (that hung most runs)."""
+    script = REPO / "tests" / "e2e" / "fit_then_test.py"
+    proc = subprocess.run(
+        [TORCHRUN, "--nproc-per-node=2", str(script), str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=cli_env(PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert sorted(r["rank"] for r in lines) == [0, 1]
+    assert lines[0]["test"] == lines[1]["test"] == lines[0]["again"] and lines[0]["test"]["test/samples"] == 29
+    assert lines[0]["rows"] == 29 and lines[0]["digest"] == lines[1]["digest"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ddptrain.comm.api import get_process_group
-from ddptrain.ddp.exact import exact_all_reduce, scale_exponents
+from ddptrain.ddp.exact import ExactAllReducer, exact_all_reduce, scale_exponents
 from ddptrain.testing import run_threaded
 
 V = 8  # contributions (shards) in all, split over the ranks as the trainer splits them
@@ -93,3 +93,41 @@ def _reduce_with_nan(rank, world_size):
 def test_a_non_finite_segment_comes_back_nan_and_the_others_exact():
     for r in run_threaded(_reduce_with_nan, 2, timeout_s=30):
         assert r[0].item() == 2.0 and torch.isnan(r[1:]).all()
+
+
+def _reduce_with_guess(rank, world_size, contributions, guess):
+    """ExactAllReducer's one-collective path with ``guess`` as the previous exponents."""
+    per_rank = V // world_size
+    mine = contributions[rank * per_rank : (rank + 1) * per_rank]
+    reducer = ExactAllReducer(SIZES)
+    if guess is not None:
+        reducer.exponents = torch.tensor(guess, dtype=torch.int64)
+    extra = torch.tensor([rank + 1], dtype=torch.int64)
+    values, extra = reducer.all_reduce(get_process_group(), mine, V, extra)
+    return values.to(torch.float32), int(extra[0]), reducer.fallbacks
+
+
+def _random_contributions(seed):
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([1e-3, 1.0, 1e4, 1e-30, 1.0])
+    return [torch.randn(5, generator=g) * scales for _ in range(V)]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_a_guessed_scale_gives_the_canonical_bits_or_falls_back(world_size):
+    """Whatever exponents the reducer guesses (too fine: overflow; too coarse: lossy; right), the
+    result has the bits of the two-collective sum; a right guess takes one collective."""
+    for contributions in (_adversarial(), _random_contributions(0), _random_contributions(1)):
+        canonical = run_threaded(_reduce, 1, contributions, timeout_s=30)[0]
+        for guess in (None, [0, 0, 0], [200, 200, 200], [-50, 30, 100], [10, 10, 10]):
+            for values, extra, _ in run_threaded(_reduce_with_guess, world_size, contributions, guess, timeout_s=30):
+                assert torch.equal(values.view(torch.int32), canonical.view(torch.int32)), guess
+                assert extra == world_size * (world_size + 1) // 2  # the extra ints summed once
+    # A guess a little below the canonical exponents (what the reducer keeps) fits the same data: one collective.
+    contributions = _random_contributions(2)
+    first = ExactAllReducer(SIZES)
+    max_abs = torch.stack([c.abs() for c in contributions]).amax(0).to(torch.float64)
+    canonical_exponents = scale_exponents(torch.stack([max_abs[:3].max(), max_abs[3], max_abs[4]]), V)
+    guess = (canonical_exponents - first.headroom).tolist()
+    values, _, fallbacks = run_threaded(_reduce_with_guess, 2, contributions, guess, timeout_s=30)[0]
+    assert fallbacks == 0

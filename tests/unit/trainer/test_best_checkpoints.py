@@ -163,3 +163,28 @@ def test_the_mode_and_k_are_checked_before_any_worker_starts():
         validate(Config.from_dict({"trainer": {"checkpoint_mode": "maximum"}}), 2)
     with pytest.raises(ConfigError, match="trainer.checkpoint_save_top_k=0 must be at least 1"):
         validate(Config.from_dict({"trainer": {"checkpoint_save_top_k": 0}}), 2)
+
+
+class LoggingTrainer(TinyTrainer):
+    def validation_step(self, model, batch):
+        out = super().validation_step(model, batch)
+        self.log("val_acc", out["accuracy"].mean(), batch_size=len(out["accuracy"]))
+        return out
+
+
+def test_a_metric_logged_with_self_log_can_be_monitored(tmp_path):
+    recorder = Evaluations()
+    config = _config(
+        tmp_path,
+        None,
+        {"lr": 2.0, "momentum": 0.9},
+        epochs=6,
+        checkpoint_every_epochs=1,
+        checkpoint_monitor="val_acc",
+        checkpoint_mode="max",
+        checkpoint_save_top_k=2,
+    )
+    LoggingTrainer(config, callbacks=[recorder]).fit()
+    values = [(step, m["val_acc"]) for step, m in recorder.seen]
+    kept = [int(p.name[5:14]) for p in list_checkpoints(tmp_path / "checkpoints" / "best")]
+    assert sorted(kept) == sorted(_reference_top(values, 2, "max")), values
