@@ -173,11 +173,13 @@ class TorchProcessGroup(ProcessGroup):
                 f"wait(); the operation may still finish. Backend said: {text.splitlines()[0]}"
             )
         if "timed out" in low or "timeout" in low:
+            missing, ledger = self._missing_ranks(op, seq), explain_group(self)
+            if "diverged" in ledger:  # who checked in late follows from the divergence: the ledger says it better
+                missing = ""
             return CommTimeoutError(
                 f"{where} timed out after {self.timeout.total_seconds():g} s: some rank of "
                 f"{self.global_ranks} did not join the operation (it may be stuck, dead, or calling "
-                f"a different collective).{self._missing_ranks(op, seq)} Backend said: {text.splitlines()[0]}"
-                f"{explain_group(self)}"
+                f"a different collective).{missing} Backend said: {text.splitlines()[0]}{ledger}"
             )
         if "connection closed by peer" in low or "connection reset" in low or "broken pipe" in low:
             return CommError(
