@@ -96,6 +96,20 @@ def scaling_body(rank, world_size, root):
     return {"report": loop, "slow_link_report": slow}
 
 
+AUTOTUNE_MODEL = {"kind": "mlp", "layers": 100, "width": 128}
+
+
+def autotune_body(rank, world_size, root, caps):
+    """The doctor's median step at each fixed bucket cap, then with ``auto`` (measured after its trial)."""
+    root, out = Path(root), {}
+    for cap in caps:
+        out[str(cap)] = _fit(root, f"cap{cap}", model=AUTOTUNE_MODEL, dist={"bucket_cap_mb": cap}, batch=16)["step_s"]
+    auto = _fit(root, "auto", model=AUTOTUNE_MODEL, dist={"bucket_cap_mb": "auto"}, batch=16, warmup_steps=26)
+    out["auto"] = auto["step_s"]
+    out["auto_chose_mb"] = auto["job"]["bucket_cap_mb"]
+    return out
+
+
 ADVICE_CASES = {
     "data_loading": dict(model={"kind": "net", "sleep_s": 0.005}),
     "straggler": dict(model={"kind": "net", "slow_rank": 1, "slow_s": 0.4}),
@@ -176,7 +190,7 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
     parser.add_argument("--rounds", type=int, default=3, help="overhead: off/on rounds")
     parser.add_argument("--no-slow-link", action="store_true")
-    parser.add_argument("--only", choices=["overhead", "scaling", "advice"], default=None)
+    parser.add_argument("--only", choices=["overhead", "scaling", "advice", "autotune"], default=None)
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench_doctor_"))
     started = time.time()
@@ -187,6 +201,8 @@ def main() -> None:
         _print_scaling(root, args)
     if args.only in (None, "advice"):
         _print_advice(_run(advice_body, 2, str(root), backend=args.backend)[0])
+    if args.only in (None, "autotune"):
+        _print_autotune(_run(autotune_body, 2, str(root / "tune"), [1.0, 5.0, 25.0, 100.0], backend=args.backend)[0])
     print(f"took {time.time() - started:.0f} s")
 
 
@@ -212,6 +228,16 @@ def _print_scaling(root: Path, args) -> None:
     if slow is not None:
         print(f"| 2, 50 Mbit/s loopback | {_ms(slow_pred)} | {_ms(slow)} | {slow / slow_pred:.3f} |")
     print()
+
+
+def _print_autotune(r) -> None:
+    caps = [k for k in r if k not in ("auto", "auto_chose_mb")]
+    best = min(caps, key=lambda k: r[k])
+    print("| dist.bucket_cap_mb | " + " | ".join(caps) + " | auto |")
+    print("|---|" + "---|" * (len(caps) + 1))
+    auto = f"{_ms(r['auto'])} (chose {r['auto_chose_mb']:g})"
+    print("| step ms | " + " | ".join(_ms(r[k]) for k in caps) + f" | {auto} |")
+    print(f"\n25 MB / best ({best} MB) = {r['25.0'] / r[best]:.3f}; auto / best = {r['auto'] / r[best]:.3f}\n")
 
 
 def _print_advice(rows) -> None:
