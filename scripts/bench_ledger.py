@@ -3,9 +3,9 @@
 
 Two gloo processes x 1 thread train the tutorial's MNIST ``Net`` with ddptrain's DDP, batch 64 per
 rank, SGD, plus the one small all-reduce per step by which the Trainer agrees on stopping: the
-collectives of one ``python -m ddptrain recipe=mnist`` step. Rounds alternate ledger on / off
-(``ddptrain.comm.process_group.LEDGER_ON``; the ledger is always on otherwise), so machine noise
-hits both alike. Also reported: the cost of one record (frame walk + ``struct.pack_into`` into the
+collectives of one ``python -m ddptrain recipe=mnist`` step. Steps alternate ledger on / off
+(``ddptrain.comm.process_group.LEDGER_ON``; the ledger is always on otherwise) step by step, so
+machine noise hits both alike. Also reported: the cost of one record (frame walk + ``struct.pack_into`` into the
 memory-mapped file) measured in a loop, and from it the ledger's share of a step, which is the
 figure to trust on a noisy machine (the step-time difference is far below the noise).
 
@@ -88,21 +88,21 @@ def _bench(rank, world_size, steps, rounds):
     pg = dist.get_process_group()
     times = {True: [], False: []}
     before = pg.ledger.count
-    for rnd in range(2 * rounds + 2):  # rounds 0 and 1 warm up
-        on = rnd % 2 == 0
-        process_group.LEDGER_ON = on
+    for rnd in range(rounds + 1):  # round 0 warms up
         dist.barrier()
-        for _ in range(steps):
+        for step in range(2 * steps):  # on and off alternate step by step: noise hits both alike
+            on = step % 2 == 0
+            process_group.LEDGER_ON = on
             t0 = time.perf_counter()
             opt.zero_grad()
             F.nll_loss(model(x), y).backward()
             opt.step()
             stop = torch.zeros(1)
             pg.all_reduce(stop).wait()  # the Trainer's per-step agreement on stopping
-            if rnd >= 2:
+            if rnd:
                 times[on].append(time.perf_counter() - t0)
     process_group.LEDGER_ON = True
-    records = (pg.ledger.count - before) / ((rounds + 1) * steps)
+    records = (pg.ledger.count - before) / ((rounds + 1) * steps)  # only the "on" steps record
     return {"on": statistics.median(times[True]) * 1e3, "off": statistics.median(times[False]) * 1e3, "rec": records}
 
 

@@ -24,6 +24,28 @@ MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 """In CI a test that needs something missing (the real MNIST) fails instead of skipping."""
 
+# Modules whose tests bound durations (a timeout must fire within N s, a diagnosis of slowness
+# must name the injected cause): scripts/test.sh runs them after the parallel phase, with the
+# machine to themselves. A single test elsewhere can opt in with @pytest.mark.serial.
+SERIAL_MODULES = {
+    "tests/dist/test_comm_errors.py",
+    "tests/dist/test_doctor.py",
+    "tests/dist/test_faults.py",
+    "tests/dist/test_hang_forensics.py",
+    "tests/dist/test_ledger_job.py",
+    "tests/dist/test_mpi.py",
+    "tests/e2e/test_faults_cli.py",
+    "tests/e2e/test_faults_oom.py",
+    "tests/e2e/test_signals.py",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(item.fspath).resolve().relative_to(REPO).as_posix() in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
+
+
 # Variables of a launcher around the test run: a CLI started by a test must not take itself for a rank.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 

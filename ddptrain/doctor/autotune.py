@@ -1,6 +1,7 @@
 """``dist.bucket_cap_mb=auto``: time a few bucket sizes in the first steps and keep the fastest.
 
-Every rank runs the same schedule: for each cap of ``CAPS_MB``, lay the buckets out again
+Every rank runs the same schedule: for each cap of ``CAPS_MB`` that gives a layout of its own
+(caps that give the same buckets are tried once), lay the buckets out again
 (:meth:`~ddptrain.ddp.reducer.Reducer.rebucket`, between steps, in the current launch order),
 run one step to settle, then time ``STEPS_PER_CAP`` steps. The median step times are all-reduced
 (MAX: the job goes at its slowest rank's pace), so every rank computes the same minimum and
@@ -23,7 +24,20 @@ from ..trainer.callbacks.base import Callback
 log = logging.getLogger("ddptrain.doctor")
 
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)
-STEPS_PER_CAP = 3
+STEPS_PER_CAP = 5
+
+
+def _distinct_layouts(reducer, caps_mb: tuple[float, ...]) -> tuple[float, ...]:
+    """The caps that give different bucket layouts (the first of equals; the same on every rank:
+    the layout depends on the parameters only). Trying one layout twice would let noise choose."""
+    seen, kept = set(), []
+    for cap in caps_mb:
+        reducer.rebucket(int(cap * MB))
+        layout = tuple(tuple(b) for b in reducer.plan.assignment)
+        if layout not in seen:
+            seen.add(layout)
+            kept.append(cap)
+    return tuple(kept)
 
 
 class BucketAutotune(Callback):
@@ -38,11 +52,13 @@ class BucketAutotune(Callback):
         self._started = 0.0
 
     def on_fit_start(self, trainer) -> None:
+        self.caps_mb = _distinct_layouts(trainer.model.reducer, self.caps_mb)
+        self.times = [[] for _ in self.caps_mb]
         trainer.model.reducer.rebucket(int(self.caps_mb[0] * MB))
         self._started = time.perf_counter()
 
     def on_train_batch_end(self, trainer, loss: float) -> None:
-        if self.chosen_mb is not None:
+        if self.chosen_mb is not None or not self.caps_mb:
             return
         now = time.perf_counter()
         if self._step_in_trial > 0:  # the first step of a layout settles it (allocation, caches)

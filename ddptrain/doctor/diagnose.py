@@ -146,7 +146,7 @@ def _straggler(b, ranks, facts, link, model) -> dict | None:
         f"rank {slow['rank']} works {extra:.3g} s longer per step than the others, who wait for it: remove what "
         "slows that rank (rank-dependent work in training_step, another job or a slower host); if its host is "
         "slower, run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker)",
-        b["step_s"] - extra,
+        others + b["comm_exposed_s"],  # the others' own step: their work and the link's time
         rank=slow["rank"],
     )
 

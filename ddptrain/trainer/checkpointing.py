@@ -9,6 +9,7 @@ A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load
 - ``world_size``: ranks of the job that wrote it (see :func:`check_world_size`);
 - ``model``, ``optimizer``, ``scheduler``: state dicts (``scheduler`` is ``None`` without one;
   lists, in ``configure_optimizers``' order, with several: :meth:`.optimizers.OptimizerSet.state_dict`);
+- ``callbacks``: ``{"<class name>[#n]": state}`` of the callbacks that have a ``state_dict``;
 - ``grad_scaler``: the ``GradScaler``'s state under ``trainer.precision=16-mixed``, else ``None``;
 - ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
 - ``rng``: every rank's generator states, in rank order;
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,8 @@ class Checkpointer:
         model: the bare module (not the DDP wrapper).
         optimizers: the fit's optimizers and schedulers (:class:`.optimizers.OptimizerSet`).
         precision: the fit's :class:`.precision.Precision` (its gradient scaler's state, under 16-mixed).
+        callbacks: the fit's callbacks; those with ``state_dict``/``load_state_dict`` (e.g.
+            ``EarlyStopping``) travel in the checkpoint's ``callbacks`` entry.
         sampler: the training sampler (the epoch and the position in it).
         state: the fit's :class:`TrainState` (its ``step`` is restored in place).
         metrics: the fit's :class:`.metrics.TrainingMetrics`.
@@ -138,6 +142,7 @@ class Checkpointer:
         model: nn.Module,
         optimizers: OptimizerSet,
         precision: Precision | None = None,
+        callbacks: Sequence[Any] = (),
         sampler: DistributedSampler,
         state: TrainState,
         metrics: TrainingMetrics,
@@ -148,6 +153,7 @@ class Checkpointer:
         trainer_class: str,
     ):
         self.model, self.optimizers, self.precision = model, optimizers, precision
+        self.callbacks = list(callbacks)
         self.sampler, self.state, self.metrics = sampler, state, metrics
         self.process_group, self.device, self.config = process_group, device, config
         self.directory, self.trainer_class = directory, trainer_class
@@ -159,6 +165,7 @@ class Checkpointer:
             model=trainer.model.module,
             optimizers=trainer.optimizer_set,
             precision=trainer.precision,
+            callbacks=trainer.callbacks,
             sampler=trainer.train_sampler,
             state=trainer.state,
             metrics=trainer.metrics,
@@ -185,6 +192,7 @@ class Checkpointer:
             "model": self.model.state_dict(),
             **self.optimizers.state_dict(),  # optimizer, scheduler
             "grad_scaler": None if self.precision is None else self.precision.state_dict(),
+            "callbacks": {key: cb.state_dict() for key, cb in _stateful(self.callbacks).items()},
             "sampler": self.sampler.state_dict(),
             "rng": rng_states,
             **self.metrics.state_dict(),
@@ -210,6 +218,10 @@ class Checkpointer:
         self.optimizers.load_state_dict(checkpoint)
         if self.precision is not None:
             self.precision.load_state_dict(checkpoint.get("grad_scaler"))
+        saved = checkpoint.get("callbacks") or {}
+        for key, callback in _stateful(self.callbacks).items():
+            if key in saved:
+                callback.load_state_dict(saved[key])
         self.sampler.load_state_dict(checkpoint["sampler"], allow_world_size_change=allow)
         self.state.step = checkpoint["step"]
         self.metrics.load_state_dict(checkpoint)
@@ -264,3 +276,15 @@ class Checkpointer:
         if self.is_main:
             log.info("resumed from %s: step %d, epoch %d", path, self.state.step, self.state.epoch + 1)
         return True
+
+
+def _stateful(callbacks: Sequence[Any]) -> dict[str, Any]:
+    """The callbacks with a state to checkpoint, keyed by class name (``#n`` for the n-th repeat)."""
+    found: dict[str, Any] = {}
+    for callback in callbacks:
+        if callable(getattr(callback, "state_dict", None)) and callable(getattr(callback, "load_state_dict", None)):
+            name, n = type(callback).__qualname__, 1
+            while (key := name if n == 1 else f"{name}#{n}") in found:
+                n += 1
+            found[key] = callback
+    return found

@@ -120,9 +120,11 @@ class InvariantSteps:
             yield InvariantStep(sampler.epoch, work, order, rank_samples)
 
     def _load(self, dataset: Dataset, indices: torch.Tensor) -> Any:
-        if isinstance(dataset, TensorDataset):
+        options = self.trainer.train_loader_options  # a train_dataloader() DataLoader's: its collate_fn
+        collate = (options or {}).get("collate_fn") or default_collate
+        if isinstance(dataset, TensorDataset) and collate is default_collate:
             return tuple(t[indices] for t in dataset.tensors)
-        return default_collate([dataset[i] for i in indices.tolist()])
+        return collate([dataset[i] for i in indices.tolist()])
 
     # == one step =================================================================================
     def train_step(self, step: InvariantStep) -> float:

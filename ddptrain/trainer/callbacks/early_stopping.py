@@ -54,6 +54,14 @@ class EarlyStopping(Callback):
     def on_fit_start(self, trainer: TrainerView) -> None:
         self._checked_step = -1
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (so a resumed run stops where the uninterrupted one would)."""
+        return {"monitor": self.monitor, "best": self.best, "best_step": self.best_step, "wait": self.wait}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("monitor") == self.monitor:  # another metric's best means nothing here
+            self.best, self.best_step, self.wait = state["best"], state["best_step"], state["wait"]
+
     def on_validation_end(self, trainer: TrainerView, metrics: dict[str, float]) -> None:
         self._check(trainer)
 

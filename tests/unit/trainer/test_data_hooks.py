@@ -136,3 +136,13 @@ def test_the_collate_fn_of_a_loader_over_tensors_runs_too(tmp_path):
 def test_the_smoke_check_collates_its_probe_as_training_does(tmp_path):
     config = _config(tmp_path, {"global_batch_size": 12}, {"lr": 0.3, "momentum": 0.9}, smoke_check=True, epochs=3)
     assert LoaderTrainer(config).fit()["step"] == 12  # the probe's raw items went through collate_raw
+
+
+def _invariant(rank, world_size, cls, config):
+    return cls(config).fit()["params_sha256"]
+
+
+def test_world_size_invariant_steps_collate_with_the_loaders_collate_fn(tmp_path):
+    config = _config(tmp_path, {"global_batch_size": 12}, world_size_invariant=True, epochs=1)
+    plain = run_threaded(_invariant, 1, FixedInitTrainer, config, timeout_s=60)[0]
+    assert run_threaded(_invariant, 2, LoaderTrainer, config, timeout_s=60) == [plain, plain]

@@ -7,6 +7,7 @@ import torch
 from ddptrain import Callback, ConfigError
 from ddptrain.testing import run_threaded
 from ddptrain.trainer import EarlyStopping
+from ddptrain.trainer.checkpoint_io import load_checkpoint
 
 from .test_trainer import TinyTrainer, _config
 
@@ -124,3 +125,17 @@ def test_bad_early_stopping_settings_are_refused():
     config = Config.from_dict({"trainer": {"early_stopping": {"monitor": "eval/loss", "mode": "up"}}})
     with pytest.raises(ConfigError, match="trainer.early_stopping.mode"):
         validate(config, 1)
+
+
+def test_early_stopping_state_survives_a_resume(tmp_path):
+    """Plateau from the first evaluation, checks every 2 steps, patience 3: the uninterrupted run
+    stops at step 8. Stopped at step 4 (one check without improvement behind it) and resumed, the
+    run must stop at 8 too, not start counting again (it would stop at 12)."""
+    kwargs = {"epochs": 10, "eval_every_steps": 2, "checkpoint_every_steps": 2}
+    kwargs["early_stopping"] = {"monitor": "eval/loss", "patience": 3}
+    straight = ZeroLr(_config(tmp_path / "straight", **kwargs)).fit()
+    ZeroLr(_config(tmp_path / "mid", stop_after_steps=4, **kwargs)).fit()
+    saved = load_checkpoint(tmp_path / "mid" / "checkpoints" / "step_000000004.pt")["callbacks"]["EarlyStopping"]
+    assert saved["wait"] == 1 and saved["best_step"] == 2 and saved["monitor"] == "eval/loss"
+    resumed = ZeroLr(_config(tmp_path / "mid", resume="latest", **kwargs)).fit()
+    assert straight["step"] == resumed["step"] == 8 and resumed["stopped_early"]

@@ -1,0 +1,258 @@
+"""ddptrain doctor, measured: its overhead, its scaling prediction, and its advice applied.
+
+    .venv/bin/python scripts/bench_doctor.py                 # everything (needs root for the slow link)
+    .venv/bin/python scripts/bench_doctor.py --no-slow-link  # loopback only
+
+1. Overhead: the same 2-rank run (tutorial Net, synthetic data, batch 32 per rank) with the doctor
+   off and on, interleaved rounds; median step interval over the doctor's window (the window's last
+   step, which also runs the link sweep, left out).
+2. Scaling: a doctored run at 2 ranks predicts 2, 3 and 4 ranks on this host (``doctor.hosts=1``)
+   and, with ``doctor.link_gbps=0.025``, 2 ranks over the 50 Mbit/s loopback (tbf on ``lo`` limits
+   both directions together: a full-duplex link of 25 Mbit/s); each is then measured (the slow
+   link in a private network namespace with a rate-limited loopback, as the tests do).
+3. Advice: each injected cause is diagnosed, the advice of its first cause applied, and the step
+   measured again, against the step the doctor predicted.
+
+Prints Markdown tables. The injected tasks are ``tests/doctor_tasks.py``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import ddptrain  # noqa: E402
+from tests.doctor_tasks import DoctorTask, doctor_config  # noqa: E402
+
+SCALING_MODEL = {"kind": "mlp", "layers": 4, "width": 256}
+SCALING_BATCH_PER_RANK = 32
+SLOW_LINK = (
+    "ip link set lo up && ip link set lo mtu 1500 && "
+    "tc qdisc add dev lo root tbf rate 50mbit burst 32kbit latency 400ms"
+)
+
+
+class StepClock(ddptrain.Callback):
+    """The wall time between consecutive ``on_train_batch_end`` calls, per step number."""
+
+    def __init__(self):
+        self.last, self.intervals = None, {}
+
+    def on_fit_start(self, trainer):
+        self.last = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, loss):
+        now = time.perf_counter()
+        self.intervals[trainer.state.step] = now - self.last
+        self.last = time.perf_counter()
+
+
+def _fit(root: Path, name: str, doctor: bool = True, clock=None, num_workers: int = 0, **kwargs) -> dict | None:
+    """One fit of ``DoctorTask``; rank 0's doctor report on every rank."""
+    from ddptrain.comm.objects import broadcast_object
+
+    out = root / name
+    config = doctor_config(out, **kwargs)
+    config.trainer.doctor = doctor
+    config.data.num_workers = num_workers
+    trainer = DoctorTask(config, callbacks=[clock] if clock else [])
+    trainer.fit()
+    path = out / "doctor.json"
+    mine = json.loads(path.read_text()) if doctor and trainer.is_main else None
+    return broadcast_object(trainer.process_group, mine, 0)
+
+
+def overhead_body(rank, world_size, root, rounds):
+    """Median step of the window, doctor off and on (interleaved), this rank."""
+    root, steps, warmup = Path(root), 10, 3
+    window = range(warmup + 1, warmup + steps)  # the last one also sweeps the link
+    off, on = [], []
+    for r in range(rounds):
+        for doctor, into in ((False, off), (True, on)):
+            clock = StepClock()
+            _fit(root, f"overhead{r}{doctor}", doctor, clock, model={"kind": "net"}, batch=32 * world_size, steps=steps)
+            into.extend(clock.intervals[s] for s in window)
+    return {"off_s": statistics.median(off), "on_s": statistics.median(on)}
+
+
+def scaling_body(rank, world_size, root):
+    """The measured step at this world size (and, at 2, the predictions)."""
+    root = Path(root)
+    kw = dict(model=SCALING_MODEL, batch=SCALING_BATCH_PER_RANK * world_size, steps=10)
+    loop = _fit(root, f"scaling{world_size}", world_sizes=[2, 3, 4], hosts=1, **kw)
+    # tbf on lo limits both directions together: a full-duplex link of half its rate
+    slow = _fit(root, f"scaling{world_size}slow", world_sizes=[2], link_gbps=0.025, **kw) if world_size == 2 else None
+    return {"report": loop, "slow_link_report": slow}
+
+
+AUTOTUNE_MODEL = {"kind": "mlp", "layers": 100, "width": 128}
+
+
+def autotune_body(rank, world_size, root, caps):
+    """The doctor's median step at each fixed bucket cap, then with ``auto`` (measured after its trial)."""
+    root, out = Path(root), {}
+    for cap in caps:
+        out[str(cap)] = _fit(root, f"cap{cap}", model=AUTOTUNE_MODEL, dist={"bucket_cap_mb": cap}, batch=16)["step_s"]
+    auto = _fit(root, "auto", model=AUTOTUNE_MODEL, dist={"bucket_cap_mb": "auto"}, batch=16, warmup_steps=26)
+    out["auto"] = auto["step_s"]
+    out["auto_chose_mb"] = auto["job"]["bucket_cap_mb"]
+    return out
+
+
+ADVICE_CASES = {
+    "data_loading": dict(model={"kind": "net", "sleep_s": 0.005}),
+    "straggler": dict(model={"kind": "net", "slow_rank": 1, "slow_s": 0.4}),
+    "small_buckets": dict(model={"kind": "mlp", "layers": 100, "width": 128}, dist={"bucket_cap_mb": 0.05}, batch=16),
+    "find_unused_overhead": dict(
+        model={"kind": "mlp", "layers": 200, "width": 8}, dist={"find_unused_parameters": True}, batch=8
+    ),
+    "cpu_oversubscribed": dict(model={"kind": "net"}, dist={"threads_per_worker": 4}, batch=256),
+}
+
+
+def _applied(case: dict, cause: dict) -> tuple[dict, str]:
+    """``case`` with the first cause's advice applied (the config key it names), and what changed."""
+    case = json.loads(json.dumps(case))
+    dist, model, advice = case.setdefault("dist", {}), case["model"], cause["advice"]
+    if cause["cause"] == "data_loading":
+        case["num_workers"] = int(re.search(r"data\.num_workers=(\d+)", advice).group(1))
+        return case, f"data.num_workers={case['num_workers']}"
+    if cause["cause"] == "straggler":
+        model["slow_s"] = 0.0
+        return case, "the slow rank's sleep removed"
+    if cause["cause"] in ("small_buckets", "no_overlap"):
+        dist["bucket_cap_mb"] = float(re.search(r"dist\.bucket_cap_mb=([\d.]+) ", advice + " ").group(1))
+        return case, f"dist.bucket_cap_mb={dist['bucket_cap_mb']:g}"
+    if cause["cause"] == "find_unused_overhead":
+        dist["find_unused_parameters"] = False
+        return case, "dist.find_unused_parameters=false"
+    if cause["cause"] == "cpu_oversubscribed":
+        dist["threads_per_worker"] = int(re.search(r"dist\.threads_per_worker=(\d+)", advice).group(1))
+        return case, f"dist.threads_per_worker={dist['threads_per_worker']}"
+    return case, "nothing (no advice to apply)"
+
+
+def advice_body(rank, world_size, root):
+    """Per injected cause: the diagnosis, then the step measured with its advice applied."""
+    root, rows = Path(root), []
+    for name, case in ADVICE_CASES.items():
+        case = {"batch": 64, **case}
+        before = _fit(root, f"advice_{name}", **case)
+        first = before["causes"][0]
+        fixed, applied = _applied(case, first)
+        after = _fit(root, f"advice_{name}_fixed", **fixed)
+        rows.append({"injected": name, "before": before, "first": first, "applied": applied, "after": after})
+    return rows
+
+
+def _run(body, world_size, *args, backend="gloo"):
+    from ddptrain.testing import run_distributed
+
+    return run_distributed(body, world_size, *args, backend=backend, timeout_s=900, threads_per_worker=1)
+
+
+def _slow_link_measured(root: Path, backend: str) -> float | None:
+    """Step time of the scaling task at 2 ranks over the 50 Mbit/s loopback (None: no unshare/tc)."""
+    if not (shutil.which("unshare") and shutil.which("tc")) or subprocess.run(["unshare", "-n", "true"]).returncode:
+        return None
+    repo, out = str(Path(__file__).resolve().parents[1]), str(root / "slow")
+    code = (
+        f"import json,sys; sys.path.insert(0, {repo!r}); import scripts.bench_doctor as b; "
+        f"r = b._run(b.scaling_body, 2, {out!r}, backend={backend!r})[0]; print('REPORT ' + json.dumps(r['report']))"
+    )
+    command = f"{SLOW_LINK} && exec {sys.executable} -c {json.dumps(code)}"
+    env = {**os.environ, "OMPI_MCA_btl": "self,tcp"}
+    done = subprocess.run(["unshare", "-n", "bash", "-c", command], capture_output=True, text=True, env=env)
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("REPORT ")]
+    if not lines:
+        print(done.stdout[-2000:], done.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(lines[0][7:])["step_s"]
+
+
+def _ms(x):
+    return f"{x * 1e3:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default="gloo", choices=["gloo", "mpi"])
+    parser.add_argument("--rounds", type=int, default=3, help="overhead: off/on rounds")
+    parser.add_argument("--no-slow-link", action="store_true")
+    parser.add_argument("--only", choices=["overhead", "scaling", "advice", "autotune"], default=None)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bench_doctor_"))
+    started = time.time()
+    print(f"ddptrain doctor benchmark, backend {args.backend}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}\n")
+    if args.only in (None, "overhead"):
+        _print_overhead(_run(overhead_body, 2, str(root), args.rounds, backend=args.backend))
+    if args.only in (None, "scaling"):
+        _print_scaling(root, args)
+    if args.only in (None, "advice"):
+        _print_advice(_run(advice_body, 2, str(root), backend=args.backend)[0])
+    if args.only in (None, "autotune"):
+        _print_autotune(_run(autotune_body, 2, str(root / "tune"), [1.0, 5.0, 25.0, 100.0], backend=args.backend)[0])
+    print(f"took {time.time() - started:.0f} s")
+
+
+def _print_overhead(per_rank) -> None:
+    print("| rank | doctor off: step ms | doctor on: step ms | on / off |\n|---|---|---|---|")
+    for rank, r in enumerate(per_rank):
+        print(f"| {rank} | {_ms(r['off_s'])} | {_ms(r['on_s'])} | {r['on_s'] / r['off_s']:.3f} |")
+    print()
+
+
+def _print_scaling(root: Path, args) -> None:
+    base = _run(scaling_body, 2, str(root / "s2"), backend=args.backend)[0]
+    predicted = {s["world_size"]: s["predicted_step_s"] for s in base["report"]["scaling"]}
+    measured = {2: base["report"]["step_s"]}
+    for p in (3, 4):
+        measured[p] = _run(scaling_body, p, str(root / f"s{p}"), backend=args.backend)[0]["report"]["step_s"]
+    print("| ranks, link | predicted step ms (from the 2-rank run) | measured step ms | measured / predicted |")
+    print("|---|---|---|---|")
+    for p in (2, 3, 4):
+        print(f"| {p}, loopback | {_ms(predicted[p])} | {_ms(measured[p])} | {measured[p] / predicted[p]:.3f} |")
+    slow_pred = base["slow_link_report"]["scaling"][0]["predicted_step_s"]
+    slow = None if args.no_slow_link else _slow_link_measured(root, args.backend)
+    if slow is not None:
+        print(f"| 2, 50 Mbit/s loopback | {_ms(slow_pred)} | {_ms(slow)} | {slow / slow_pred:.3f} |")
+    print()
+
+
+def _print_autotune(r) -> None:
+    caps = [k for k in r if k not in ("auto", "auto_chose_mb")]
+    best = min(caps, key=lambda k: r[k])
+    print("| dist.bucket_cap_mb | " + " | ".join(caps) + " | auto |")
+    print("|---|" + "---|" * (len(caps) + 1))
+    auto = f"{_ms(r['auto'])} (chose {r['auto_chose_mb']:g})"
+    print("| step ms | " + " | ".join(_ms(r[k]) for k in caps) + f" | {auto} |")
+    print(f"\n25 MB / best ({best} MB) = {r['25.0'] / r[best]:.3f}; auto / best = {r['auto'] / r[best]:.3f}\n")
+
+
+def _print_advice(rows) -> None:
+    head = "| injected | first cause | advice applied | step ms | predicted ms | measured after ms | after / pred. |"
+    print(head)
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        first, before, after = row["first"], row["before"], row["after"]
+        print(
+            f"| {row['injected']} | {first['cause']} | {row['applied']} | {_ms(before['step_s'])} | "
+            f"{_ms(first['predicted_step_s'])} | {_ms(after['step_s'])} | "
+            f"{after['step_s'] / first['predicted_step_s']:.2f} |"
+        )
+    print()
+
+
+if __name__ == "__main__":
+    main()
