@@ -179,7 +179,9 @@ class ExactAllReducer:
         self.headroom = headroom
         self.exponents: torch.Tensor | None = None
         self.fallbacks = 0
-        self._segment_of = _expand(torch.arange(len(self.sizes)), self.sizes)
+        self._segment_sizes = torch.tensor(self.sizes, dtype=torch.int64)
+        self._segment_ends = torch.cumsum(self._segment_sizes, 0)
+        self._scales: tuple[tuple, torch.Tensor] | None = None  # the guessed exponents' scales, cached
 
     def all_reduce(
         self, process_group: ProcessGroup, contributions: Sequence[torch.Tensor], count: int, extra: torch.Tensor
@@ -187,7 +189,10 @@ class ExactAllReducer:
         """``(exact sum of the contributions as float64, the int64 ``extra`` summed over ranks)``
         (collective: one all-reduce, or three when the guessed scales do not fit)."""
         if self.exponents is not None:
-            scales = _expand(torch.pow(2.0, self.exponents.to(torch.float64)), self.sizes)
+            key = tuple(self.exponents.tolist())
+            if self._scales is None or self._scales[0] != key:
+                self._scales = (key, _expand(torch.pow(2.0, self.exponents.to(torch.float64)), self.sizes))
+            scales = self._scales[1]
             total, misfits = self._fixed_checked(contributions, scales, count)
             packed = torch.cat([total, misfits, extra]).to(process_group.device)
             process_group.all_reduce(packed, ReduceOp.SUM).wait()
@@ -217,12 +222,12 @@ class ExactAllReducer:
         overflowing or not finite)."""
         count_bits = math.ceil(math.log2(count)) if count > 1 else 0
         limit = 2.0 ** (_HEADROOM_BITS - count_bits)
-        total = torch.zeros(len(scales), dtype=torch.int64)
-        bad = torch.zeros(len(scales), dtype=torch.bool)
-        for contribution in contributions:
-            scaled = contribution.detach().cpu().to(torch.float64) * scales
-            rounded = torch.round(scaled)
-            bad |= (rounded != scaled) | ~(scaled.abs() < limit)  # NaN fails both
-            total += torch.nan_to_num(rounded, nan=0.0, posinf=0.0, neginf=0.0).clamp(-limit, limit).to(torch.int64)
-        misfits = torch.zeros(len(self.sizes), dtype=torch.int64).index_add_(0, self._segment_of, bad.to(torch.int64))
-        return total, misfits
+        if not contributions:
+            return torch.zeros(len(scales), dtype=torch.int64), torch.zeros(len(self.sizes), dtype=torch.int64)
+        scaled = torch.stack([c.detach().cpu() for c in contributions]).to(torch.float64) * scales
+        rounded = torch.round(scaled)
+        bad = ((rounded != scaled) | ~(scaled.abs() < limit)).any(dim=0)  # NaN fails both
+        rounded = torch.nan_to_num(rounded, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-limit, limit)
+        total = rounded.to(torch.int64).sum(dim=0)
+        upto = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(bad.to(torch.int64), 0)])
+        return total, upto[self._segment_ends] - upto[self._segment_ends - self._segment_sizes]

@@ -163,3 +163,19 @@ def test_torchmetrics_are_synchronised_through_ddptrains_group(tmp_path, world_s
         assert final["val_f1"] == pytest.approx(float(f1), rel=1e-6)
         assert final["val_auroc"] == pytest.approx(float(auroc), rel=1e-6)
         assert final["eval/samples"] == 13
+
+
+def test_prog_bar_values_reach_the_progress_bar(tmp_path, capsys):
+    class Bar(FixedInitTrainer):
+        def training_step(self, model, batch):
+            loss = super().training_step(model, batch)
+            self.log("shown", 2 * loss, prog_bar=True)
+            self.log("hidden", loss)
+            return loss
+
+    config = _config(tmp_path, epochs=1, progress="true")
+    trainer = Bar(config)
+    trainer.fit()
+    assert set(trainer.progress_bar_metrics) == {"shown"}
+    assert trainer.progress_bar_metrics["shown"] == trainer.callback_metrics["shown"]
+    assert "shown=" in capsys.readouterr().out  # the tqdm bar's postfix (on stdout)
