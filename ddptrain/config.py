@@ -538,8 +538,8 @@ def validate(config: Config, world_size: int) -> None:
     check_precision(t.precision, t.device)
     if o.lr <= 0:
         raise ConfigError(f"optimizer.lr={o.lr} must be positive")
+    check_world_size_invariant(config, world_size)  # first: its error names the rule that mode adds
     per_rank_batch_size(config, world_size)
-    check_world_size_invariant(config, world_size)
     check_device(config)
 
 
