@@ -161,27 +161,38 @@ class _CommThread:
         self._replies = [(req, buf) for req, buf in self._replies if not req.Test()]
 
     def _poll(self) -> bool:
-        """Test the requests in flight and complete the finished ones; True if any finished."""
-        still = []
+        """Test the requests in flight and complete the finished ones; True if any finished.
+
+        A finished job leaves ``_pending`` (and with it the buffers its ``fn`` holds) before its
+        waiter is woken: a waiter that ran on while this thread still held them would see the
+        storage of a gradient it reduced in place used twice, and take the copying path."""
+        still, finished = [], []
         for entry in self._pending:
-            if not self._test(*entry):
+            outcome = self._test(*entry)
+            if outcome is None:
                 still.append(entry)
-        finished = len(still) < len(self._pending)
-        self._pending = still
-        return finished
+            else:
+                finished.append(outcome)
+        self._pending, entry = still, None
+        for fut, outputs, error in finished:
+            if error is None:
+                fut.set_result(outputs)
+            else:
+                fut.set_exception(error)
+        return bool(finished)
 
     @staticmethod
-    def _test(req, fut, on_done, outputs, _buffers) -> bool:
-        """Complete one request if it is done (its locals die with this call, see _start)."""
+    def _test(req, fut, on_done, outputs, _buffers):
+        """``(future, outputs, error)`` for a finished request, None while it runs (its locals,
+        the job's buffers among them, die with this call; see _start)."""
         try:
             if not req.Test():
-                return False
+                return None
             if on_done is not None:
                 on_done()
-            fut.set_result(outputs)
+            return fut, outputs, None
         except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
-            fut.set_exception(exc)
-        return True
+            return fut, outputs, exc
 
 
 _thread: _CommThread | None = None
