@@ -19,7 +19,7 @@ import torch
 
 from .. import envvars
 from .backends import create_backend
-from .ledger import Ledger, enable_stack_dumps
+from .ledger import DTYPES, Ledger, enable_stack_dumps
 from .ledger_check import PeerCheck
 from .process_group import ProcessGroup
 from .ring import ring_all_reduce as _ring_all_reduce
@@ -304,26 +304,8 @@ _OP_CODES = {
     name: i
     for i, name in enumerate(["broadcast", "all_reduce", "reduce", "all_gather", "gather", "scatter", "reduce_scatter"])
 }
-# A fixed table: codes must mean the same dtype on every rank, whatever each rank used first.
-_DTYPE_CODES = {
-    dt: i + 1
-    for i, dt in enumerate(
-        [
-            torch.float32,
-            torch.float64,
-            torch.float16,
-            torch.bfloat16,
-            torch.int64,
-            torch.int32,
-            torch.int16,
-            torch.int8,
-            torch.uint8,
-            torch.bool,
-            torch.complex64,
-            torch.complex128,
-        ]
-    )
-}
+# The ledger's fixed table: codes must mean the same dtype on every rank, whatever each rank used first.
+_DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPES) if dt is not None}
 
 
 def _check_uniform(
