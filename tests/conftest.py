@@ -37,6 +37,7 @@ SERIAL_MODULES = {
     "tests/e2e/test_faults_cli.py",
     "tests/e2e/test_faults_oom.py",
     "tests/e2e/test_signals.py",
+    "tests/e2e/test_torchrun_forensics.py",
 }
 
 
