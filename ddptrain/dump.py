@@ -1,8 +1,8 @@
 """``python -m ddptrain.dump <run dir>``: every live rank's Python stack and ledger tail, now.
 
 Reads the ranks' collective ledgers (``<run dir>/ledger/rank<N>.ledger``, or a ledger directory
-given directly), asks each live rank for its stack with ``SIGUSR1`` (ranks register faulthandler
-for it: the job goes on), names stopped and exited ranks, and compares the ledgers as a timeout
+given directly), asks each live rank for its stack with ``SIGUSR1`` (:mod:`ddptrain.comm.stacks`
+answers it: the job goes on), names stopped and exited ranks, and compares the ledgers as a timeout
 would. The local launcher prints the same on ``kill -USR1 <launcher pid>``.
 """
 

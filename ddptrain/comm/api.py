@@ -19,10 +19,11 @@ import torch
 
 from .. import envvars
 from .backends import create_backend
-from .ledger import DTYPES, Ledger, enable_stack_dumps
+from .ledger import DTYPES, Ledger
 from .ledger_check import PeerCheck
 from .process_group import ProcessGroup
 from .ring import ring_all_reduce as _ring_all_reduce
+from .stacks import enable_stack_dumps
 from .store import DEFAULT_INIT_TIMEOUT, Store, rendezvous, wait_for_all_ranks
 from .types import CommTimeoutError, GroupError, ReduceOp, Work, as_timedelta, to_reduce_op
 

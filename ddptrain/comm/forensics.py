@@ -19,7 +19,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ledger import _FALLBACK, _USER, LedgerFile, Record, frame_kind, read_all, short_path, stack_path
+from .ledger import _FALLBACK, _USER, LedgerFile, Record, frame_kind, read_all, short_path
+from .stacks import stack_path
 
 TAIL = 5  # ledger records shown per rank by the dump
 

@@ -10,9 +10,8 @@ the pages belong to the page cache, so a rank that is stopped, stuck or dead can
 its peers, by the launcher and by ``python -m ddptrain.dump``. Without a directory the ring is
 anonymous memory (only the rank itself reads it).
 
-The same directory holds ``rank<N>.stack``: :func:`enable_stack_dumps` registers faulthandler on
-``SIGUSR1``, so any live rank — in ``time.sleep``, in a C call, in an endless Python loop — writes
-every thread's Python stack there on request (:mod:`ddptrain.comm.forensics` reads it).
+The same directory holds ``rank<N>.stack``, where a live rank writes its threads' Python stacks
+when asked with ``SIGUSR1`` (:mod:`ddptrain.comm.stacks`; :mod:`ddptrain.comm.forensics` reads them).
 
 Recording costs one frame walk (the classification of each code object is cached) and one
 ``struct.pack_into``: a few microseconds per collective (``scripts/bench_ledger.py``).
@@ -229,10 +228,6 @@ def ledger_path(directory: str | Path, rank: int) -> Path:
     return Path(directory) / f"rank{rank}.ledger"
 
 
-def stack_path(directory: str | Path, rank: int) -> Path:
-    return Path(directory) / f"rank{rank}.stack"
-
-
 @dataclass
 class LedgerFile:
     """What a rank's ledger file says: who wrote it, and its records oldest first."""
@@ -290,19 +285,3 @@ def read_all(directory: str | Path) -> dict[int, LedgerFile]:
         if led is not None:
             found[led.rank] = led
     return found
-
-
-_stack_file = None
-
-
-def enable_stack_dumps(directory: str | Path, rank: int) -> None:
-    """Make ``SIGUSR1`` write every thread's Python stack to ``<directory>/rank<N>.stack``."""
-    global _stack_file
-    import faulthandler
-    import signal
-
-    path = stack_path(directory, rank)
-    if _stack_file is not None and _stack_file.name == str(path):
-        return
-    _stack_file = open(path, "a")  # noqa: SIM115 - stays open: faulthandler writes to its descriptor
-    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True, chain=False)

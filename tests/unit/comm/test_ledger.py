@@ -123,7 +123,8 @@ def test_the_ledger_check_waits_for_a_rank_that_is_behind(tmp_path):
 
 SLEEPER = """
 import sys, time
-from ddptrain.comm.ledger import Ledger, enable_stack_dumps
+from ddptrain.comm.ledger import Ledger
+from ddptrain.comm.stacks import enable_stack_dumps
 import torch
 enable_stack_dumps(sys.argv[1], 0)
 led = Ledger(0, 1, sys.argv[1])
@@ -151,7 +152,7 @@ def test_dump_shows_a_live_ranks_stack_and_ledger_and_names_a_stopped_one(tmp_pa
         time.sleep(0.5)  # into main's sleep
         out = forensics.dump(ledgers)
         assert f"rank 0 (pid {proc.pid} on " in out, out
-        assert "sleeper.py:12 in main: `time.sleep(60)`" in out, out
+        assert "sleeper.py:13 in main: `time.sleep(60)`" in out, out
         assert "#1 world: all_reduce of float32[2] SUM from sleeper.py:7" in out, out
         assert proc.poll() is None  # the dump stopped nothing
         os.kill(proc.pid, signal.SIGSTOP)
