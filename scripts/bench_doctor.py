@@ -39,6 +39,8 @@ from tests.doctor_tasks import DoctorTask, doctor_config  # noqa: E402
 
 SCALING_MODEL = {"kind": "mlp", "layers": 4, "width": 256}
 SCALING_BATCH_PER_RANK = 32
+SCALING_STEPS = 30
+SCALING_REPEATS = 3  # launches per world size; the table gives their median
 SLOW_LINK = (
     "ip link set lo up && ip link set lo mtu 1500 && "
     "tc qdisc add dev lo root tbf rate 50mbit burst 32kbit latency 400ms"
@@ -94,7 +96,7 @@ def overhead_body(rank, world_size, root, rounds):
 def scaling_body(rank, world_size, root):
     """The measured step at this world size (and, at 2, the predictions)."""
     root = Path(root)
-    kw = dict(model=SCALING_MODEL, batch=SCALING_BATCH_PER_RANK * world_size, steps=10)
+    kw = dict(model=SCALING_MODEL, batch=SCALING_BATCH_PER_RANK * world_size, steps=SCALING_STEPS)
     loop = _fit(root, f"scaling{world_size}", world_sizes=[2, 3, 4], hosts=1, **kw)
     # tbf on lo limits both directions together: a full-duplex link of half its rate
     slow = _fit(root, f"scaling{world_size}slow", world_sizes=[2], link_gbps=0.025, **kw) if world_size == 2 else None
@@ -219,16 +221,24 @@ def _print_overhead(per_rank) -> None:
 
 
 def _print_scaling(root: Path, args) -> None:
-    base = _run(scaling_body, 2, str(root / "s2"), backend=args.backend)[0]
-    predicted = {s["world_size"]: s["predicted_step_s"] for s in base["report"]["scaling"]}
-    measured = {2: base["report"]["step_s"]}
-    for p in (3, 4):
-        measured[p] = _run(scaling_body, p, str(root / f"s{p}"), backend=args.backend)[0]["report"]["step_s"]
+    """Predicted (from a 2-rank run) against measured step times; each the median of
+    ``SCALING_REPEATS`` launches, the world sizes taking turns (drift hits all alike)."""
+    runs: dict[int, list[dict]] = {2: [], 3: [], 4: []}
+    for r in range(SCALING_REPEATS):
+        for p in runs:
+            runs[p].append(_run(scaling_body, p, str(root / f"s{p}-{r}"), backend=args.backend)[0])
+    predicted = {
+        p: statistics.median(
+            next(s["predicted_step_s"] for s in run["report"]["scaling"] if s["world_size"] == p) for run in runs[2]
+        )
+        for p in runs
+    }
+    measured = {p: statistics.median(run["report"]["step_s"] for run in runs[p]) for p in runs}
     print("| ranks, link | predicted step ms (from the 2-rank run) | measured step ms | measured / predicted |")
     print("|---|---|---|---|")
-    for p in (2, 3, 4):
+    for p in runs:
         print(f"| {p}, loopback | {_ms(predicted[p])} | {_ms(measured[p])} | {measured[p] / predicted[p]:.3f} |")
-    slow_pred = base["slow_link_report"]["scaling"][0]["predicted_step_s"]
+    slow_pred = statistics.median(run["slow_link_report"]["scaling"][0]["predicted_step_s"] for run in runs[2])
     slow = None if args.no_slow_link else _slow_link_measured(root, args.backend)
     if slow is not None:
         print(f"| 2, 50 Mbit/s loopback | {_ms(slow_pred)} | {_ms(slow)} | {slow / slow_pred:.3f} |")

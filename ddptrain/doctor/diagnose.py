@@ -106,6 +106,7 @@ def step_model(breakdown: dict, facts: JobFacts, link: LinkModel) -> StepModel:
         compute_s=max(compute, 1e-9),
         backward_s=b["backward_s"],
         exposed_s=b["comm_exposed_s"],
+        wait_s=b["sync_wait_s"],
         bucket_sizes=facts.bucket_sizes,
         world_size=facts.world_size,
         ranks_per_host=facts.ranks_per_host,

@@ -3,8 +3,8 @@
 The sweep times ``all_reduce`` of float32 tensors of growing size on the run's own process group
 (what DDP's buckets use), reporting nccl-tests' figures: ``algbw = bytes / time`` and, for an
 all-reduce, ``busbw = algbw * 2(p-1)/p`` (the bytes each link really carries, comparable across
-world sizes). A line ``t(n) = a + b*n`` is put through the smallest and the
-largest size; for a ring all-reduce of ``p`` ranks ``a = 2(p-1) * alpha`` (latency steps) and
+world sizes). A line ``t(n) = a + b*n`` is put through the fastest small size
+and the largest; for a ring all-reduce of ``p`` ranks ``a = 2(p-1) * alpha`` (latency steps) and
 ``b = 2(p-1)/p / B`` (each rank sends ``2(p-1)/p`` of the bytes at bandwidth ``B``), which is
 what lets :class:`LinkModel` answer for other world sizes and link speeds.
 """
@@ -20,6 +20,7 @@ import torch
 from ..comm.types import ReduceOp
 
 SWEEP_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20, 16 << 20)
+LATENCY_BYTES = 64 << 10  # sizes up to this one are latency-bound: they give the model's alpha
 _SLOW_S = 0.15  # a size that takes longer is the last one swept (a slow link)
 
 
@@ -45,9 +46,11 @@ class LinkModel:
 
     @classmethod
     def fit(cls, sweep: list[dict], world_size: int) -> LinkModel:
-        """``t = a + b*n`` through the smallest and the largest size swept (the latency floor and
-        the bandwidth of big buckets: the two regimes DDP's collectives live in)."""
-        first, last = sweep[0], sweep[-1]
+        """``t = a + b*n`` through the fastest latency-bound size (up to 64 KiB: the latency floor,
+        which one size slowed by a hiccup of the machine must not set) and the largest size (the
+        bandwidth of big buckets): the two regimes DDP's collectives live in."""
+        small = [row for row in sweep if row["bytes"] <= LATENCY_BYTES] or sweep[:1]
+        first, last = min(small, key=lambda row: row["time_s"]), sweep[-1]
         span = last["bytes"] - first["bytes"]
         b = (last["time_s"] - first["time_s"]) / span if span > 0 else 0.0
         if b <= 0:  # a flat sweep: the largest size's throughput
@@ -60,7 +63,7 @@ class LinkModel:
 def sweep(process_group, sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = 5) -> list[dict]:
     """Time all-reduces of each size (collective: every rank calls it); median seconds per size.
 
-    Every rank takes the largest time of each repeat (one all-reduce more), so all ranks agree
+    Every rank takes the largest of the ranks' medians (one all-reduce more), so all ranks agree
     on the sweep and stop growing the size at the same point.
     """
     p, device, out = process_group.size(), process_group.device, []

@@ -68,6 +68,8 @@ class StepModel:
             and the wait for other ranks.
         backward_s: the part of ``compute_s`` that buckets can overlap with.
         exposed_s: the communication measured after backward (without waiting for stragglers).
+        wait_s: the wait for the slowest rank, kept at other world sizes (a straggler stays one;
+            ranks that share cores drift apart as much), scaled with the compute.
         bucket_sizes: bytes of each all-reduce, per bucket in launch order.
         world_size, ranks_per_host, threads, cores: the measured job's shape.
         link: the link model, calibrated on this step by :meth:`calibrate`: what the measured
@@ -87,6 +89,7 @@ class StepModel:
     ranks_per_host: int
     threads: int
     cores: int
+    wait_s: float = 0.0
     link: LinkModel | None = None
     overlap: float = 1.0
     per_collective_s: float = 0.0
@@ -137,7 +140,11 @@ class StepModel:
         per_host = math.ceil(world_size / hosts) if hosts else min(self.ranks_per_host, world_size)
         factor = self.cpu_factor(per_host)
         exposed = self.exposed_model_s(self.bucket_sizes, self.backward_s * factor, link or self.link, world_size)
-        return self.compute_s * factor + exposed
+        # Ranks that take turns on the cores take turns in their collectives too: a CPU transport
+        # (gloo, MPI) copies and reduces on those cores, and each ring hop waits for a peer that
+        # may not be running (2 -> 4 ranks on 2 cores: scaling the compute alone predicted 9.0 ms
+        # against 12.7 measured).
+        return (self.compute_s + self.wait_s + exposed) * factor
 
     def scaling(self, world_sizes: Sequence[int], link: LinkModel | None = None, hosts: int = 0) -> list[dict]:
         """``[{world_size, predicted_step_s, efficiency}]``; efficiency = one rank's step / this one

@@ -1,5 +1,7 @@
 """The overlap model, its calibration on a measured step, and the scaling prediction."""
 
+import dataclasses
+
 import pytest
 
 from ddptrain.doctor.link import LinkModel
@@ -47,11 +49,17 @@ def test_many_slow_collectives_are_charged_per_collective_and_merging_them_pays(
     assert merged == pytest.approx(2.0 + 0.4 + 3.6 / 40, rel=1e-6)
 
 
+def test_the_wait_for_the_slowest_rank_is_kept_and_shares_the_cores():
+    model = dataclasses.replace(_model(1.0, ((1_000_000,),), backward_s=0.0), step_s=3.5, wait_s=0.5).calibrate(LINK)
+    assert model.step_s_at(2) == pytest.approx(3.5)  # the measured step, wait included
+    assert model.step_s_at(4, hosts=1) == pytest.approx(2 * (2.0 + 0.5 + LINK.allreduce_s(1_000_000, 4)))
+
+
 def test_scaling_charges_ranks_that_share_cores_and_a_faster_link():
     model = _model(1.0, ((1_000_000,),), backward_s=0.0).calibrate(LINK)  # no overlap possible
-    # one host with 2 cores, 1 thread per rank: 4 ranks take twice as long to compute
+    # one host with 2 cores, 1 thread per rank: 4 ranks take turns, in compute and in the transport
     four_on_one_host = model.step_s_at(4, hosts=1)
-    assert four_on_one_host == pytest.approx(2 * 2.0 + LINK.allreduce_s(1_000_000, 4))
+    assert four_on_one_host == pytest.approx(2 * (2.0 + LINK.allreduce_s(1_000_000, 4)))
     # more hosts at 2 ranks each keep the compute; 10x the link divides the bytes' time by 10
     fast = model.step_s_at(4, LINK.with_gbps(0.08))
     assert fast == pytest.approx(2.0 + 1.5 / 10)
