@@ -35,18 +35,22 @@ class SleepyDataset(Dataset):
         return self.x[i], self.y[i]
 
 
+def build_model(m) -> nn.Module:
+    """The network ``config.model`` names (``net`` or ``mlp``)."""
+    if m.get("kind", "net") == "net":
+        from ddptrain.recipes.mnist import Net
+
+        return Net()
+    width, layers = m.get("width", 64), m.get("layers", 50)
+    body = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)]
+    return nn.Sequential(*body, nn.Linear(width, 10))
+
+
 class DoctorTask(Trainer):
     """The task ``config.model`` describes (see the module docstring)."""
 
     def configure_model(self) -> nn.Module:
-        m = self.config.model
-        if m.get("kind", "net") == "net":
-            from ddptrain.recipes.mnist import Net
-
-            return Net()
-        width, layers = m.get("width", 64), m.get("layers", 50)
-        body = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)]
-        return nn.Sequential(*body, nn.Linear(width, 10))
+        return build_model(self.config.model)
 
     def train_dataset(self) -> Dataset:
         m = self.config.model

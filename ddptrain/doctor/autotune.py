@@ -1,6 +1,8 @@
 """``dist.bucket_cap_mb=auto``: time a few bucket sizes in the first steps and keep the fastest.
 
-Every rank runs the same schedule: for each cap of ``CAPS_MB`` that gives a layout of its own
+The sizes: ``CAPS_MB``, and the model's gradient bytes over ``SPLITS`` (a model smaller than the
+fixed caps gets all its gradients in one bucket from each of them, and only smaller buckets can
+overlap its communication with backward). Every rank runs the same schedule: for each size that gives a layout of its own
 (caps that give the same buckets are tried once), lay the buckets out again
 (:meth:`~ddptrain.ddp.reducer.Reducer.rebucket`, between steps, in the current launch order),
 run one step to settle, then time ``STEPS_PER_CAP`` steps. The median step times are all-reduced
@@ -24,7 +26,15 @@ from ..trainer.callbacks.base import Callback
 log = logging.getLogger("ddptrain.doctor")
 
 CAPS_MB = (1.0, 5.0, 25.0, 100.0)
+SPLITS = (2, 4, 8)
 STEPS_PER_CAP = 5
+
+
+def candidate_caps(gradient_bytes: int) -> tuple[float, ...]:
+    """The bucket sizes (MiB) to try for a model of ``gradient_bytes``: ``CAPS_MB`` and the gradient
+    over ``SPLITS``, smallest first."""
+    split = {round(gradient_bytes / MB / k, 4) for k in SPLITS}
+    return tuple(sorted({*CAPS_MB, *(c for c in split if c > 0)}))
 
 
 def _distinct_layouts(reducer, caps_mb: tuple[float, ...]) -> tuple[float, ...]:
@@ -43,16 +53,19 @@ def _distinct_layouts(reducer, caps_mb: tuple[float, ...]) -> tuple[float, ...]:
 class BucketAutotune(Callback):
     """Try ``caps_mb`` for ``1 + steps_per_cap`` steps each, then keep the fastest (see the module doc)."""
 
-    def __init__(self, caps_mb: tuple[float, ...] = CAPS_MB, steps_per_cap: int = STEPS_PER_CAP):
-        self.caps_mb, self.steps_per_cap = tuple(caps_mb), steps_per_cap
-        self.times: list[list[float]] = [[] for _ in self.caps_mb]
+    def __init__(self, caps_mb: tuple[float, ...] | None = None, steps_per_cap: int = STEPS_PER_CAP):
+        """``caps_mb``: the sizes to try (default: :func:`candidate_caps` of the model)."""
+        self.caps_mb, self.steps_per_cap = (tuple(caps_mb) if caps_mb else None), steps_per_cap
+        self.times: list[list[float]] = []
         self.chosen_mb: float | None = None
         self._trial = 0
         self._step_in_trial = 0
         self._started = 0.0
 
     def on_fit_start(self, trainer) -> None:
-        self.caps_mb = _distinct_layouts(trainer.model.reducer, self.caps_mb)
+        reducer = trainer.model.reducer
+        caps = self.caps_mb or candidate_caps(sum(p.numel() * p.element_size() for p in reducer.params))
+        self.caps_mb = _distinct_layouts(reducer, caps)
         self.times = [[] for _ in self.caps_mb]
         trainer.model.reducer.rebucket(int(self.caps_mb[0] * MB))
         self._started = time.perf_counter()

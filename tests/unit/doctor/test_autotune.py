@@ -4,17 +4,26 @@ import pytest
 
 from ddptrain.config import Config, ConfigError, validate
 from ddptrain.ddp.buckets import MB
-from ddptrain.doctor.autotune import CAPS_MB, STEPS_PER_CAP, BucketAutotune
+from ddptrain.doctor.autotune import STEPS_PER_CAP, BucketAutotune, candidate_caps
 from ddptrain.testing import run_threaded
 from tests.doctor_tasks import DoctorTask, doctor_config
 
 
+def test_the_sizes_tried_include_fractions_of_a_small_model():
+    six_mib = 6 * 2**20
+    assert candidate_caps(six_mib) == (0.75, 1.0, 1.5, 3.0, 5.0, 25.0, 100.0)
+    assert candidate_caps(800 * 2**20) == (1.0, 5.0, 25.0, 100.0, 200.0, 400.0)
+
+
+# the task's MLP: 6 layers of 1 MiB + 2 KiB (weight and bias) and a small head, ~6.03 MiB
+CANDIDATES = candidate_caps(6 * (512 * 512 + 512) * 4 + (512 * 10 + 10) * 4)
+
+
 def _fit(rank, world_size, out):
-    # 6 layers of 1.1 MB: 1, 5, 25 and 100 MB caps give 6, 2 (5 MB holds four), 1 and 1 buckets
     model = {"kind": "mlp", "layers": 6, "width": 512}
     config = doctor_config(out, model=model, dist={"bucket_cap_mb": "auto"}, batch=4)
     config.trainer.doctor = False
-    config.trainer.max_steps = len(CAPS_MB) * (1 + STEPS_PER_CAP) + 2
+    config.trainer.max_steps = len(CANDIDATES) * (1 + STEPS_PER_CAP) + 2
     trainer = DoctorTask(config)
     trainer.fit()
     tune = next(c for c in trainer.callbacks if isinstance(c, BucketAutotune))
@@ -25,9 +34,10 @@ def _fit(rank, world_size, out):
 def test_every_rank_tries_every_size_and_keeps_the_same_choice(tmp_path):
     results = run_threaded(_fit, 2, tmp_path, timeout_s=100)
     chosen = {r[0] for r in results}
-    assert len(chosen) == 1 and chosen.pop() in CAPS_MB
+    assert len(chosen) == 1 and chosen.pop() in CANDIDATES
     for chosen_mb, counts, cap_bytes, tried in results:
-        assert tried == (1.0, 5.0, 25.0)  # 100 MB gives 25 MB's single bucket: tried once
+        # 1 MB gives 0.75's buckets (one layer each), 100 MB 25's single bucket: each tried once
+        assert tried == (CANDIDATES[0], *CANDIDATES[2:-1]), tried
         assert counts == [STEPS_PER_CAP] * len(tried)
         assert cap_bytes == int(chosen_mb * MB)  # the reducer runs on with the chosen layout
 
