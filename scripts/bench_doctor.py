@@ -13,7 +13,7 @@
    both directions together: a full-duplex link of 25 Mbit/s); each is then measured (the slow
    link in a private network namespace with a rate-limited loopback, as the tests do).
 3. Advice: each injected cause is diagnosed, the advice of its first cause applied, and the step
-   measured again, against the step the doctor predicted.
+   measured again, against the step the doctor predicted (medians of 3 runs each).
 
 Prints Markdown tables. The injected tasks are ``tests/doctor_tasks.py``'s.
 """
@@ -172,16 +172,26 @@ def _applied(case: dict, cause: dict) -> tuple[dict, str]:
     return case, "nothing (no advice to apply)"
 
 
-def advice_body(rank, world_size, root):
-    """Per injected cause: the diagnosis, then the step measured with its advice applied."""
+def advice_body(rank, world_size, root, repeats=3):
+    """Per injected cause: the diagnosis, then the step measured with its advice applied; each the
+    median of ``repeats`` runs (the diagnosis: the first run's)."""
     root, rows = Path(root), []
     for name, case in ADVICE_CASES.items():
-        case = {"batch": 64, **case}
-        before = _fit(root, f"advice_{name}", **case)
-        first = before["causes"][0]
+        case = {"batch": 64, "steps": 20, **case}
+        befores = [_fit(root, f"advice_{name}_{r}", **case) for r in range(repeats)]
+        first = befores[0]["causes"][0]
         fixed, applied = _applied(case, first)
-        after = _fit(root, f"advice_{name}_fixed", **fixed)
-        rows.append({"injected": name, "before": before, "first": first, "applied": applied, "after": after})
+        afters = [_fit(root, f"advice_{name}_fixed_{r}", **fixed)["step_s"] for r in range(repeats)]
+        rows.append(
+            {
+                "injected": name,
+                "step_s": statistics.median(b["step_s"] for b in befores),
+                "first": first,
+                "predicted_s": statistics.median(b["causes"][0]["predicted_step_s"] for b in befores),
+                "applied": applied,
+                "after_s": statistics.median(afters),
+            }
+        )
     return rows
 
 
@@ -305,11 +315,9 @@ def _print_advice(rows) -> None:
     print(head)
     print("|---|---|---|---|---|---|---|")
     for row in rows:
-        first, before, after = row["first"], row["before"], row["after"]
         print(
-            f"| {row['injected']} | {first['cause']} | {row['applied']} | {_ms(before['step_s'])} | "
-            f"{_ms(first['predicted_step_s'])} | {_ms(after['step_s'])} | "
-            f"{after['step_s'] / first['predicted_step_s']:.2f} |"
+            f"| {row['injected']} | {row['first']['cause']} | {row['applied']} | {_ms(row['step_s'])} | "
+            f"{_ms(row['predicted_s'])} | {_ms(row['after_s'])} | {row['after_s'] / row['predicted_s']:.2f} |"
         )
     print()
 

@@ -2,8 +2,8 @@
 
 The sizes: ``CAPS_MB``, and the model's gradient bytes over ``SPLITS`` (a model smaller than the
 fixed caps gets all its gradients in one bucket from each of them, and only smaller buckets can
-overlap its communication with backward). Every rank runs the same schedule: for each size that gives a layout of its own
-(caps that give the same buckets are tried once), lay the buckets out again
+overlap its communication with backward). Every rank runs the same schedule: for each size that
+gives a layout of its own (caps that give the same buckets are tried once), lay the buckets out again
 (:meth:`~ddptrain.ddp.reducer.Reducer.rebucket`, between steps, in the current launch order),
 run one step to settle, then time ``STEPS_PER_CAP`` steps. The median step times are all-reduced
 (MAX: the job goes at its slowest rank's pace), so every rank computes the same minimum and

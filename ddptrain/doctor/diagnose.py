@@ -27,6 +27,10 @@ STRAGGLER_MIN_SHARE = 0.30  # ranks sharing busy cores take turns being late; a 
 STRAGGLER_STEADY = 0.75  # ... and the busiest rank in at least this share of the steps
 # Looking for unused parameters when every one is used is pure overhead: worth saying from a few %.
 FIND_UNUSED_MIN_SHARE = 0.03
+# Forward+backward this much slower in the window than alone (the probe): communication ran inside
+# them, on the same cores (CPU ranks), so it does not overlap.
+STOLEN_MIN = 0.10
+MAX_WORKERS = 16  # data.num_workers advised at most (loading that waits on I/O uses few cores)
 # A straggler found beside one of these is likely its consequence (a rank starved of cores or of
 # data): the root cause is listed first.
 ROOT_CAUSES_OF = {"straggler": ("cpu_oversubscribed", "data_loading")}
@@ -49,8 +53,9 @@ class JobFacts:
 
     ``buckets_at(cap_mb)`` gives the bucket layout (bytes of each all-reduce, per bucket) the
     reducer would use at another ``dist.bucket_cap_mb``. ``compute_probe``: forward+backward
-    seconds timed with this run's threads and with ``cores // ranks_per_host`` (``None``: not
-    measured, the threads fit the cores).
+    seconds without communication, timed with this run's threads (``now_s``) and, when they
+    outnumber the cores, with ``cores // ranks_per_host`` (``fit_s``; else the same); ``None``:
+    not measured.
     """
 
     world_size: int
@@ -101,12 +106,19 @@ def step_model(breakdown: dict, facts: JobFacts, link: LinkModel) -> StepModel:
     """The measured step as the prediction model sees it, calibrated on ``link``."""
     b = breakdown
     compute = b["step_s"] - b["comm_exposed_s"] - b["sync_wait_s"]
+    probe = facts.compute_probe
+    stolen = 0.0  # communication that ran inside forward/backward and slowed them (shared cores)
+    if probe:
+        inside = b["forward_s"] + b["backward_s"]
+        if inside - probe["now_s"] > STOLEN_MIN * probe["now_s"]:
+            stolen = inside - probe["now_s"]
     return StepModel(
         step_s=b["step_s"],
         compute_s=max(compute, 1e-9),
         backward_s=b["backward_s"],
         exposed_s=b["comm_exposed_s"],
         wait_s=b["sync_wait_s"],
+        stolen_s=stolen,
         bucket_sizes=facts.bucket_sizes,
         world_size=facts.world_size,
         ranks_per_host=facts.ranks_per_host,
@@ -123,7 +135,9 @@ def _data_loading(b, ranks, facts, link, model) -> dict | None:
     step, data = b["step_s"], b["data_s"]
     rest = max(step - data, 1e-6)
     fetch = data if facts.num_workers == 0 else facts.num_workers * step  # one batch's loading time
-    workers = min(16, max(2 * facts.num_workers, math.ceil(fetch / rest) + 1))
+    # Loader processes that just keep pace leave the rank waiting at every hiccup (batches arrive
+    # in order: one late worker holds the rest up): half as many again.
+    workers = min(MAX_WORKERS, max(2 * facts.num_workers, math.ceil(1.5 * fetch / rest) + 1))
     return _cause(
         "data_loading",
         data / step,
@@ -227,8 +241,11 @@ def _cpu_oversubscribed(b, ranks, facts, link, model) -> dict | None:
     probe = facts.compute_probe
     if not probe or probe["threads_fit"] >= facts.threads or probe["fit_s"] >= probe["now_s"]:
         return None
-    compute = b["forward_s"] + b["backward_s"]
-    saved = compute * (1 - probe["fit_s"] / probe["now_s"])
+    # Threads that take turns slow every phase, not only forward and backward (OpenMP's threads
+    # spin while they wait, on the cores the transport and the optimizer need): all but the wait for
+    # data speed up as the probe's compute did.
+    busy = b["step_s"] - b["data_s"]
+    saved = busy * (1 - probe["fit_s"] / probe["now_s"])
     fit = probe["threads_fit"]
     return _cause(
         "cpu_oversubscribed",

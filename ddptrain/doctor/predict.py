@@ -70,6 +70,10 @@ class StepModel:
         exposed_s: the communication measured after backward (without waiting for stragglers).
         wait_s: the wait for the slowest rank, kept at other world sizes (a straggler stays one;
             ranks that share cores drift apart as much), scaled with the compute.
+        stolen_s: communication time spent inside forward and backward (they ran that much
+            slower than the probe's compute without communication): on CPU ranks the transport
+            takes the cores compute needs, so nothing overlaps; the model is then serial and
+            calibrated on ``exposed_s + stolen_s``.
         bucket_sizes: bytes of each all-reduce, per bucket in launch order.
         world_size, ranks_per_host, threads, cores: the measured job's shape.
         link: the link model, calibrated on this step by :meth:`calibrate`: what the measured
@@ -90,6 +94,7 @@ class StepModel:
     threads: int
     cores: int
     wait_s: float = 0.0
+    stolen_s: float = 0.0
     link: LinkModel | None = None
     overlap: float = 1.0
     per_collective_s: float = 0.0
@@ -97,17 +102,26 @@ class StepModel:
     def calibrate(self, link: LinkModel) -> StepModel:
         """This model with the overlap, link and per-collective cost the measurement shows: at the
         measured point it predicts the measured step."""
-        f = overlap_fraction(self.bucket_sizes, self.backward_s, self.exposed_s, link, self.world_size)
+        if self.stolen_s > 0:
+            f = 0.0
+        else:
+            f = overlap_fraction(self.bucket_sizes, self.backward_s, self.exposed_s, link, self.world_size)
         model = dataclasses.replace(self, link=link, overlap=f)
+        measured = self.comm_s
         now = model.exposed_model_s(self.bucket_sizes, self.backward_s, link, self.world_size)
-        excess = self.exposed_s - now
+        excess = measured - now
         count = sum(len(b) for b in self.bucket_sizes)
         if abs(excess) < 1e-12 or self.world_size <= 1 or not count or now <= 0:
             return model
         if excess > 0 and count >= MANY_COLLECTIVES:
             return dataclasses.replace(model, per_collective_s=excess / count)
-        factor = min(max(self.exposed_s / now, 1e-3), 1e3)
+        factor = min(max(measured / now, 1e-3), 1e3)
         return dataclasses.replace(model, link=_scaled(link, factor))
+
+    @property
+    def comm_s(self) -> float:
+        """The communication the measured step paid for: exposed after backward, and inside it."""
+        return self.exposed_s + self.stolen_s
 
     def exposed_model_s(self, bucket_sizes, backward_s: float, link: LinkModel, world_size: int) -> float:
         """Modelled exposed communication: the overlap model where it overlaps, serial where not."""
@@ -144,7 +158,7 @@ class StepModel:
         # (gloo, MPI) copies and reduces on those cores, and each ring hop waits for a peer that
         # may not be running (2 -> 4 ranks on 2 cores: scaling the compute alone predicted 9.0 ms
         # against 12.7 measured).
-        return (self.compute_s + self.wait_s + exposed) * factor
+        return (self.compute_s - self.stolen_s + self.wait_s + exposed) * factor
 
     def scaling(self, world_sizes: Sequence[int], link: LinkModel | None = None, hosts: int = 0) -> list[dict]:
         """``[{world_size, predicted_step_s, efficiency}]``; efficiency = one rank's step / this one
@@ -160,4 +174,4 @@ class StepModel:
         """Predicted step time with another bucket layout, on this job (stragglers' wait kept)."""
         now = self.exposed_model_s(self.bucket_sizes, self.backward_s, self.link, self.world_size)
         new = self.exposed_model_s(bucket_sizes, self.backward_s, self.link, self.world_size)
-        return self.step_s + max(new - now, -self.exposed_s)
+        return self.step_s + max(new - now, -self.comm_s)

@@ -7,10 +7,10 @@ writes ``doctor.json``, ``doctor_trace.json`` and the TensorBoard scalars, and p
 report. Training then goes on unmeasured (``python -m ddptrain.doctor`` stops there).
 
 Collectives (every rank reaches them at the same step): one all-reduce at fit start (a common
-time origin for the timeline), and at the end of the window two all-gathers, the link sweep and,
-when threads outnumber cores, a few forward/backward passes under ``no_sync`` with two thread
-counts (the probe; they consume random numbers, so a doctored run is not bitwise the same as an
-undoctored one).
+time origin for the timeline), and at the end of the window two all-gathers, the link sweep and a
+few forward/backward passes under ``no_sync`` (the probe: compute without communication, also
+with fewer threads when threads outnumber cores; they consume random numbers, so a doctored run
+is not bitwise the same as an undoctored one).
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class DoctorCallback(Callback):
             return
         link_rows = sweep(pg)
         facts = self._facts(trainer, everyone, records)
-        if facts.threads * facts.ranks_per_host > facts.cores and facts.threads > 1:
-            facts.compute_probe = _probe(trainer, recorder.last_batch, facts)
+        facts.compute_probe = _probe(trainer, recorder.last_batch, facts)
         if trainer.is_main:
             self.report = self._write(trainer, everyone, facts, link_rows)
 
@@ -134,15 +133,20 @@ class DoctorCallback(Callback):
 
 
 def _probe(trainer, batch, facts: JobFacts, repeats: int = 5) -> dict:
-    """Forward+backward seconds with this run's threads and with threads that fit the cores,
-    every rank computing at once (as in training), the slowest rank's median (collective)."""
+    """Forward+backward seconds without communication (``no_sync``) with this run's threads and,
+    when threads outnumber the cores, with threads that fit them; every rank computing at once
+    (as in training), the slowest rank's median (collective). Set against the window's forward
+    and backward, it shows how much communication slowed them (CPU ranks: the same cores)."""
     fit = max(1, facts.cores // max(facts.ranks_per_host, 1))
+    if facts.threads * facts.ranks_per_host <= facts.cores or facts.threads <= 1:
+        fit = facts.threads  # nothing to try
     pg = trainer.process_group
-    times = torch.tensor(
-        [_time_compute(trainer, batch, t, repeats) for t in (facts.threads, fit)], dtype=torch.float64, device=pg.device
-    )
+    counts = (facts.threads, fit) if fit != facts.threads else (facts.threads,)
+    times = torch.tensor([_time_compute(trainer, batch, t, repeats) for t in counts], dtype=torch.float64)
+    times = times.to(pg.device)
     pg.all_reduce(times, ReduceOp.MAX).wait()
-    return {"threads_now": facts.threads, "now_s": float(times[0]), "threads_fit": fit, "fit_s": float(times[1])}
+    fit_s = float(times[-1])
+    return {"threads_now": facts.threads, "now_s": float(times[0]), "threads_fit": fit, "fit_s": fit_s}
 
 
 def _time_compute(trainer, batch, threads: int, repeats: int) -> float:

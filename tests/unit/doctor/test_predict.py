@@ -66,3 +66,15 @@ def test_scaling_charges_ranks_that_share_cores_and_a_faster_link():
     rows = model.scaling([2, 4], hosts=0)
     assert [r["world_size"] for r in rows] == [2, 4]
     assert rows[0]["efficiency"] == pytest.approx(2.0 / 3.0)
+
+
+def test_communication_inside_backward_is_paid_serially_and_merging_buckets_recovers_it():
+    # 40 all-reduces of 10 kB (0.4 s on the link); 1 s exposed after backward, and backward ran
+    # 3 s slower than the probe's compute without communication: the transport took its cores
+    sizes = ((10_000,),) * 40
+    base = _model(1.0, sizes, compute_s=5.0)
+    model = dataclasses.replace(base, step_s=6.0, stolen_s=3.0).calibrate(LINK)
+    assert model.overlap == 0.0 and model.per_collective_s == pytest.approx(3.6 / 40)
+    assert model.step_s_at(2) == pytest.approx(6.0)
+    one_bucket = model.with_buckets(((400_000,),))
+    assert one_bucket == pytest.approx(6.0 - 4.0 + 0.4 + 3.6 / 40)  # both the exposed and the stolen time go
