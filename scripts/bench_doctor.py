@@ -62,16 +62,12 @@ class StepClock(ddptrain.Callback):
         self.last = time.perf_counter()
 
 
-def _fit(
-    root: Path, name: str, doctor: bool = True, clock=None, num_workers: int = 0, samples: int = 0, **kwargs
-) -> dict | None:
+def _fit(root: Path, name: str, doctor: bool = True, clock=None, num_workers: int = 0, **kwargs) -> dict | None:
     """One fit of ``DoctorTask``; rank 0's doctor report on every rank."""
     from ddptrain.comm.objects import broadcast_object
 
     out = root / name
     config = doctor_config(out, **kwargs)
-    if samples:
-        config.data.num_train_samples = samples
     config.trainer.doctor = doctor
     config.data.num_workers = num_workers
     trainer = DoctorTask(config, callbacks=[clock] if clock else [])
@@ -172,11 +168,15 @@ def _applied(case: dict, cause: dict) -> tuple[dict, str]:
     return case, "nothing (no advice to apply)"
 
 
-def advice_body(rank, world_size, root, repeats=3):
+# over the 50 Mbit/s loopback: one bucket for the tutorial Net (see AUTOTUNE_TASKS)
+ADVICE_SLOW_CASES = {"no_overlap": dict(model={"kind": "net"}, batch=1024, samples=1024 * 20)}
+
+
+def advice_body(rank, world_size, root, slow_link=False, repeats=3):
     """Per injected cause: the diagnosis, then the step measured with its advice applied; each the
     median of ``repeats`` runs (the diagnosis: the first run's)."""
     root, rows = Path(root), []
-    for name, case in ADVICE_CASES.items():
+    for name, case in (ADVICE_SLOW_CASES if slow_link else ADVICE_CASES).items():
         case = {"batch": 64, "steps": 20, **case}
         befores = [_fit(root, f"advice_{name}_{r}", **case) for r in range(repeats)]
         first = befores[0]["causes"][0]
@@ -229,6 +229,16 @@ def _slow_link_measured(root: Path, backend: str) -> float | None:
     return None if text is None else json.loads(text)["step_s"]
 
 
+def _slow_link_advice(root: Path, backend: str) -> list | None:
+    out = str(root / "advice-slow")
+    code = (
+        f"import scripts.bench_doctor as b; r = b._run(b.advice_body, 2, {out!r}, True, "
+        f"backend={backend!r})[0]; print('RESULT ' + json.dumps(r))"
+    )
+    text = _in_slow_link(code, backend)
+    return None if text is None else json.loads(text)
+
+
 def _slow_link_autotune(root: Path, backend: str) -> dict | None:
     out = str(root / "tune-slow")
     code = (
@@ -258,7 +268,9 @@ def main() -> None:
     if args.only in (None, "scaling"):
         _print_scaling(root, args)
     if args.only in (None, "advice"):
-        _print_advice(_run(advice_body, 2, str(root), backend=args.backend)[0])
+        rows = _run(advice_body, 2, str(root), backend=args.backend)[0]
+        slow = None if args.no_slow_link else _slow_link_advice(root, args.backend)
+        _print_advice(rows + [{**row, "injected": row["injected"] + " (50 Mbit/s)"} for row in slow or []])
     if args.only in (None, "autotune"):
         _print_autotune("loopback", _run(autotune_body, 2, str(root / "tune"), "loopback", backend=args.backend)[0])
         slow = None if args.no_slow_link else _slow_link_autotune(root, args.backend)

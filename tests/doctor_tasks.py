@@ -67,15 +67,18 @@ class DoctorTask(Trainer):
         return super().training_step(model, batch)
 
 
-def doctor_config(output_dir, model: dict, dist: dict | None = None, batch: int = 64, steps: int = 6, **doctor):
-    """A short doctored run of ``DoctorTask``: 2 warm-up steps, then ``steps`` measured."""
+def doctor_config(
+    output_dir, model: dict, dist: dict | None = None, batch: int = 64, steps: int = 6, samples: int = 4096, **doctor
+):
+    """A short doctored run of ``DoctorTask`` (one epoch of ``samples``): 2 warm-up steps, then
+    ``steps`` measured."""
     warmup = doctor.pop("warmup_steps", 2)
     return Config.from_dict(
         {
             "recipe": {"trainer_class": "tests.doctor_tasks.DoctorTask"},
             "model": model,
             "dist": dist or {},
-            "data": {"name": "synthetic", "num_train_samples": 4096, "global_batch_size": batch},
+            "data": {"name": "synthetic", "num_train_samples": samples, "global_batch_size": batch},
             "trainer": {
                 "epochs": 1,
                 "max_steps": warmup + steps,

@@ -74,7 +74,8 @@ class IterationStats:
     gradient hook, ``None`` for a bucket that was never launched. ``done_times`` (only while
     ``Reducer.track_completion`` is set, for ``ddptrain doctor``): when each bucket's result was
     in — ``backward_end`` for one already complete when backward ended, else when its wait
-    returned. ``find_unused_s``: time spent finding unused parameters (the graph walk at forward,
+    returned; ``ready_times``: (parameter index, when its gradient hook fired), in arrival order.
+    ``find_unused_s``: time spent finding unused parameters (the graph walk at forward,
     plus ``find_unused_comm_s``, the all-reduce of the used flags inside ``finalize_wait_s``).
     """
 
@@ -87,6 +88,7 @@ class IterationStats:
     finalize_wait_s: float = 0.0
     rebuilt_buckets: bool = False
     done_times: list[float | None] = field(default_factory=list)
+    ready_times: list[tuple[int, float]] = field(default_factory=list)
     find_unused_s: float = 0.0
     find_unused_comm_s: float = 0.0
     unused_on_rank: int = 0
@@ -268,6 +270,8 @@ class Reducer:
             self._raise_ready_twice(i)
         it.ready[i] = True
         it.arrival_order.append(i)
+        if self.track_completion:
+            it.stats.ready_times.append((i, time.perf_counter()))
         it.used[i] = used
         slot = self.plan.slots[i]
         view = self.flat[slot.bucket].views[slot.position]

@@ -98,8 +98,21 @@ def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
         for k in keys
     }
     breakdown["steps"] = len(steps)
+    breakdown["ready_curve"] = _median_curve([r.get("ready_curve") or [] for recs in per_rank for r in recs])
     breakdown["unused_params"] = max(x["unused_params"] for rs in rows for x in rs) if steps else 0
     return breakdown, ranks
+
+
+def _median_curve(curves: list[list]) -> list[tuple[float, float]]:
+    """The median gradient-readiness curve (``measure.ready_curve``) of the records whose curves
+    have the common length (the same gradients arrived); [] if none."""
+    if not curves:
+        return []
+    length = statistics.mode(len(c) for c in curves)
+    same = [c for c in curves if len(c) == length]
+    if not length or not same:
+        return []
+    return [(statistics.median(c[i][0] for c in same), same[0][i][1]) for i in range(length)]
 
 
 def step_model(breakdown: dict, facts: JobFacts, link: LinkModel) -> StepModel:
@@ -119,6 +132,7 @@ def step_model(breakdown: dict, facts: JobFacts, link: LinkModel) -> StepModel:
         exposed_s=b["comm_exposed_s"],
         wait_s=b["sync_wait_s"],
         stolen_s=stolen,
+        ready_curve=tuple(tuple(p) for p in breakdown.get("ready_curve") or ()),
         bucket_sizes=facts.bucket_sizes,
         world_size=facts.world_size,
         ranks_per_host=facts.ranks_per_host,
@@ -204,8 +218,9 @@ def _small_buckets(b, ranks, facts, link, model) -> dict | None:
 
 
 def _quarter_mb(nbytes: int) -> float:
-    """A bucket cap that splits ``nbytes`` of gradients into about four buckets (at least 1 MB)."""
-    return max(1.0, round(nbytes / MB / 4, 1))
+    """A bucket cap that splits ``nbytes`` of gradients into about four buckets (two significant
+    digits: 0.021 for the tutorial's 87 kB; a floor of 1 MB would leave a small model one bucket)."""
+    return float(f"{nbytes / MB / 4:.2g}")
 
 
 def _no_overlap(b, ranks, facts, link, model) -> dict | None:

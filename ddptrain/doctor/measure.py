@@ -49,6 +49,8 @@ class StepRecord:
     unused_params: int = 0  # parameters without a gradient on this rank (find_unused_parameters)
     marks: dict[str, float] = field(default_factory=dict)  # phase boundaries, for the timeline
     buckets: list[dict[str, Any]] = field(default_factory=list)  # bytes, launch, done
+    # [share of backward elapsed, share of gradient bytes ready], one point per gradient, in order
+    ready_curve: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def step_s(self) -> float:
@@ -77,6 +79,22 @@ def collective_bytes(plan, whole_buckets: bool) -> list[list[int]]:
                     numel *= d
                 sizes.append(numel * item)
         out.append(sizes)
+    return out
+
+
+def ready_curve(ready_times, params, backward_start: float | None, stats) -> list[tuple[float, float]]:
+    """When gradients became ready during backward: ``(share of backward elapsed, share of the
+    gradient bytes ready)`` after each one. Backward starts at the end of forward (else at the
+    first gradient) and ends when the reducer's last hook ran."""
+    if not ready_times:
+        return []
+    start = backward_start if backward_start is not None else ready_times[0][1]
+    length = max(stats.backward_end - start, 1e-9)
+    sizes = [params[i].numel() * params[i].element_size() for i, _ in ready_times]
+    total, done, out = sum(sizes) or 1, 0, []
+    for (_, t), n in zip(ready_times, sizes):
+        done += n
+        out.append((min(max((t - start) / length, 0.0), 1.0), done / total))
     return out
 
 
@@ -193,6 +211,7 @@ class StepRecorder:
                 {"bytes": sum(s), "collectives": len(s), "launch": launch, "done": d}
                 for s, launch, d in zip(sizes, stats.launch_times, done)
             ]
+            rec.ready_curve = ready_curve(stats.ready_times, reducer.params, rec.marks.get("forward_end"), stats)
         walk = rec.find_unused_s - (stats.find_unused_comm_s if fresh else 0.0)
         rec.forward_s = max(0.0, rec.forward_s - walk)
         rec.backward_s = max(0.0, (ended - started) - rec.forward_s - rec.comm_s - rec.find_unused_s)

@@ -21,13 +21,32 @@ from dataclasses import dataclass
 from .link import LinkModel
 
 
-def exposed_comm_s(bucket_sizes: Sequence[Sequence[int]], backward_s: float, link: LinkModel, world_size: int) -> float:
-    """Communication left after backward: buckets of all-reduces ``bucket_sizes`` (bytes, in launch order)."""
+def ready_share(curve: Sequence[Sequence[float]], bytes_share: float) -> float:
+    """The share of backward elapsed when ``bytes_share`` of the gradient bytes are ready, from a
+    measured readiness curve (``(time share, bytes share)`` points); no curve: an even rate."""
+    if not curve:
+        return bytes_share
+    for time_share, ready in curve:
+        if ready >= bytes_share - 1e-12:
+            return time_share
+    return 1.0
+
+
+def exposed_comm_s(
+    bucket_sizes: Sequence[Sequence[int]],
+    backward_s: float,
+    link: LinkModel,
+    world_size: int,
+    curve: Sequence[Sequence[float]] = (),
+) -> float:
+    """Communication left after backward: buckets of all-reduces ``bucket_sizes`` (bytes, in launch
+    order), each bucket ready when its bytes are (``curve``: when gradients were measured ready;
+    layers that compute long but hold few bytes, like convolutions, make big early buckets)."""
     total = sum(sum(b) for b in bucket_sizes) or 1
     done_bytes, busy_until = 0, 0.0
     for sizes in bucket_sizes:
         done_bytes += sum(sizes)
-        ready = backward_s * done_bytes / total
+        ready = backward_s * ready_share(curve, done_bytes / total)
         busy_until = max(busy_until, ready) + sum(link.allreduce_s(n, world_size) for n in sizes)
     return max(0.0, busy_until - backward_s)
 
@@ -37,13 +56,15 @@ def total_comm_s(bucket_sizes: Sequence[Sequence[int]], link: LinkModel, world_s
     return sum(link.allreduce_s(n, world_size) for sizes in bucket_sizes for n in sizes)
 
 
-def overlap_fraction(bucket_sizes, backward_s: float, exposed_s: float, link: LinkModel, world_size: int) -> float:
+def overlap_fraction(
+    bucket_sizes, backward_s: float, exposed_s: float, link: LinkModel, world_size: int, curve=()
+) -> float:
     """Where the measured exposed time lies between the overlap model (1) and no overlap (0).
 
     On a GPU the all-reduces run beside the kernels and the fraction is near 1; on CPU ranks
     compute and communication share the cores and it is near 0 (what is sent during backward
     slows backward down by as much)."""
-    hidden = exposed_comm_s(bucket_sizes, backward_s, link, world_size)
+    hidden = exposed_comm_s(bucket_sizes, backward_s, link, world_size, curve)
     serial = total_comm_s(bucket_sizes, link, world_size)
     if serial - hidden <= 1e-12:
         return 1.0
@@ -70,6 +91,7 @@ class StepModel:
         exposed_s: the communication measured after backward (without waiting for stragglers).
         wait_s: the wait for the slowest rank, kept at other world sizes (a straggler stays one;
             ranks that share cores drift apart as much), scaled with the compute.
+        ready_curve: when gradients became ready in backward (``measure.ready_curve``, median).
         stolen_s: communication time spent inside forward and backward (they ran that much
             slower than the probe's compute without communication): on CPU ranks the transport
             takes the cores compute needs, so nothing overlaps; the model is then serial and
@@ -95,6 +117,7 @@ class StepModel:
     cores: int
     wait_s: float = 0.0
     stolen_s: float = 0.0
+    ready_curve: tuple = ()
     link: LinkModel | None = None
     overlap: float = 1.0
     per_collective_s: float = 0.0
@@ -105,7 +128,9 @@ class StepModel:
         if self.stolen_s > 0:
             f = 0.0
         else:
-            f = overlap_fraction(self.bucket_sizes, self.backward_s, self.exposed_s, link, self.world_size)
+            f = overlap_fraction(
+                self.bucket_sizes, self.backward_s, self.exposed_s, link, self.world_size, self.ready_curve
+            )
         model = dataclasses.replace(self, link=link, overlap=f)
         measured = self.comm_s
         now = model.exposed_model_s(self.bucket_sizes, self.backward_s, link, self.world_size)
@@ -127,7 +152,7 @@ class StepModel:
         """Modelled exposed communication: the overlap model where it overlaps, serial where not."""
         if world_size <= 1:
             return 0.0
-        hidden = exposed_comm_s(bucket_sizes, backward_s, link, world_size)
+        hidden = exposed_comm_s(bucket_sizes, backward_s, link, world_size, self.ready_curve)
         serial = total_comm_s(bucket_sizes, link, world_size)
         extra = self.per_collective_s * sum(len(b) for b in bucket_sizes)
         return self.overlap * hidden + (1 - self.overlap) * serial + extra

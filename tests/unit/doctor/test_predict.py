@@ -78,3 +78,13 @@ def test_communication_inside_backward_is_paid_serially_and_merging_buckets_reco
     assert model.step_s_at(2) == pytest.approx(6.0)
     one_bucket = model.with_buckets(((400_000,),))
     assert one_bucket == pytest.approx(6.0 - 4.0 + 0.4 + 3.6 / 40)  # both the exposed and the stolen time go
+
+
+def test_a_measured_readiness_curve_sets_when_each_bucket_can_go():
+    # 3/4 of the bytes are ready after a tenth of backward (a big layer near the output), the
+    # rest at the end: the first bucket's second (1 MB/s) runs behind the remaining 1.8 s of backward
+    sizes = ((750_000,), (250_000,))
+    curve = ((0.1, 0.75), (1.0, 1.0))
+    assert exposed_comm_s(sizes, backward_s=2.0, link=LINK, world_size=2, curve=curve) == pytest.approx(0.25)
+    # spread evenly over the bytes instead, the first bucket would be ready at 1.5 s and run past the end
+    assert exposed_comm_s(sizes, backward_s=2.0, link=LINK, world_size=2) == pytest.approx(0.5)
