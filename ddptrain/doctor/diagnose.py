@@ -87,8 +87,9 @@ def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
             row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "find_unused_s", "optimizer_s", "other_s")}
             row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least, step_s=r["end"] - r["start"])
             row.update(cpu_s=r["cpu_s"], unused_params=r["unused_params"], busy_s=row["step_s"] - r["comm_s"])
+            row["in_backward_s"] = _comm_in_backward(r)
             rows[rank].append(row)
-    keys = ("step_s", *BREAKDOWN, "cpu_s", "busy_s")
+    keys = ("step_s", *BREAKDOWN, "cpu_s", "busy_s", "in_backward_s")
     ranks = [{"rank": i, **{k: statistics.median(x[k] for x in rs) for k in keys}} for i, rs in enumerate(rows)]
     for i, rank in enumerate(ranks):
         busiest = sum(max(range(len(rows)), key=lambda r: rows[r][n]["busy_s"]) == i for n in range(len(steps)))
@@ -101,6 +102,19 @@ def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
     breakdown["ready_curve"] = _median_curve([r.get("ready_curve") or [] for recs in per_rank for r in recs])
     breakdown["unused_params"] = max(x["unused_params"] for rs in rows for x in rs) if steps else 0
     return breakdown, ranks
+
+
+def _comm_in_backward(record: dict) -> float:
+    """Seconds of all-reduces in flight before backward ended (overlapping buckets count once)."""
+    end = record.get("marks", {}).get("backward_end")
+    spans = sorted((b["launch"], min(b["done"] or end, end)) for b in record.get("buckets", []) if end and b["launch"])
+    total, reach = 0.0, float("-inf")
+    for start, stop in spans:
+        start = max(start, reach)
+        if stop > start:
+            total += stop - start
+            reach = stop
+    return total
 
 
 def _median_curve(curves: list[list]) -> list[tuple[float, float]]:
@@ -122,9 +136,11 @@ def step_model(breakdown: dict, facts: JobFacts, link: LinkModel) -> StepModel:
     probe = facts.compute_probe
     stolen = 0.0  # communication that ran inside forward/backward and slowed them (shared cores)
     if probe:
-        inside = b["forward_s"] + b["backward_s"]
-        if inside - probe["now_s"] > STOLEN_MIN * probe["now_s"]:
-            stolen = inside - probe["now_s"]
+        # what compute lost, up to the time all-reduces actually ran beside it (one bucket launched
+        # at the end of backward steals nothing, whatever noise the probe has)
+        lost = min(b["forward_s"] + b["backward_s"] - probe["now_s"], b.get("in_backward_s", 0.0))
+        if lost > STOLEN_MIN * probe["now_s"]:
+            stolen = lost
     return StepModel(
         step_s=b["step_s"],
         compute_s=max(compute, 1e-9),

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from ddptrain.doctor.diagnose import JobFacts, diagnose, summarize
+from ddptrain.doctor.diagnose import JobFacts, _comm_in_backward, diagnose, step_model, summarize
 from ddptrain.doctor.link import LinkModel
 
 LINK = LinkModel(alpha_s=50e-6, bandwidth_Bps=1e9)
@@ -146,3 +146,25 @@ def test_a_few_percent_of_needless_find_unused_is_reported_but_not_a_few_percent
     cause, _ = _first(_records(find_unused_s=0.002), facts)  # ~5% of the step
     assert cause["cause"] == "find_unused_overhead" and cause["share"] < 0.1
     assert _first(_records(data_s=0.002))[0]["cause"] == "healthy"
+
+
+def test_only_communication_that_ran_beside_backward_can_have_slowed_it():
+    # buckets in flight from 1.0 to 1.5 and 1.2 to 1.8 (once: 0.8 s), one launched at backward's end
+    record = {
+        "marks": {"backward_end": 2.0},
+        "buckets": [
+            {"launch": 1.0, "done": 1.5},
+            {"launch": 1.2, "done": 1.8},
+            {"launch": 2.0, "done": 2.5},
+            {"launch": None, "done": None},  # never launched
+        ],
+    }
+    assert _comm_in_backward(record) == pytest.approx(0.8)
+    probe = {"threads_now": 1, "now_s": 0.05, "threads_fit": 1, "fit_s": 0.05}
+    facts = _facts(compute_probe=probe)
+    base = dict(step_s=0.1, data_s=0.0, forward_s=0.02, backward_s=0.04, comm_exposed_s=0.03, sync_wait_s=0.0)
+    base.update(find_unused_s=0.0, optimizer_s=0.0, other_s=0.01)
+    # forward+backward 10 ms slower than the probe, all-reduces beside them for 20 ms: 10 ms stolen
+    assert step_model({**base, "in_backward_s": 0.02}, facts, LINK).stolen_s == pytest.approx(0.01)
+    # the same 10 ms, but only 0.4 ms of communication ran beside backward: noise, not stealing
+    assert step_model({**base, "in_backward_s": 0.0004}, facts, LINK).stolen_s == 0.0
