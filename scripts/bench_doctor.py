@@ -218,35 +218,20 @@ def _in_slow_link(code: str, backend: str) -> str | None:
     return lines[0][len("RESULT ") :]
 
 
+def _run_over_slow_link(body: str, out: Path, backend: str, *args):
+    """``_run(body, 2, out, *args)``'s rank-0 result, run over the 50 Mbit/s loopback (None: cannot)."""
+    code = (
+        f"import scripts.bench_doctor as b; r = b._run(b.{body}, 2, {str(out)!r}, *{args!r}, "
+        f"backend={backend!r})[0]; print('RESULT ' + json.dumps(r))"
+    )
+    text = _in_slow_link(code, backend)
+    return None if text is None else json.loads(text)
+
+
 def _slow_link_measured(root: Path, backend: str) -> float | None:
     """Step time of the scaling task at 2 ranks over the 50 Mbit/s loopback (None: no unshare/tc)."""
-    out = str(root / "slow")
-    code = (
-        f"import scripts.bench_doctor as b; r = b._run(b.scaling_body, 2, {out!r}, backend={backend!r})[0]; "
-        "print('RESULT ' + json.dumps(r['report']))"
-    )
-    text = _in_slow_link(code, backend)
-    return None if text is None else json.loads(text)["step_s"]
-
-
-def _slow_link_advice(root: Path, backend: str) -> list | None:
-    out = str(root / "advice-slow")
-    code = (
-        f"import scripts.bench_doctor as b; r = b._run(b.advice_body, 2, {out!r}, True, "
-        f"backend={backend!r})[0]; print('RESULT ' + json.dumps(r))"
-    )
-    text = _in_slow_link(code, backend)
-    return None if text is None else json.loads(text)
-
-
-def _slow_link_autotune(root: Path, backend: str) -> dict | None:
-    out = str(root / "tune-slow")
-    code = (
-        f"import scripts.bench_doctor as b; r = b._run(b.autotune_body, 2, {out!r}, 'slow link', "
-        f"backend={backend!r})[0]; print('RESULT ' + json.dumps(r))"
-    )
-    text = _in_slow_link(code, backend)
-    return None if text is None else json.loads(text)
+    result = _run_over_slow_link("scaling_body", root / "slow", backend)
+    return None if result is None else result["report"]["step_s"]
 
 
 def _ms(x):
@@ -269,11 +254,17 @@ def main() -> None:
         _print_scaling(root, args)
     if args.only in (None, "advice"):
         rows = _run(advice_body, 2, str(root), backend=args.backend)[0]
-        slow = None if args.no_slow_link else _slow_link_advice(root, args.backend)
+        slow = (
+            None if args.no_slow_link else _run_over_slow_link("advice_body", root / "advice-slow", args.backend, True)
+        )
         _print_advice(rows + [{**row, "injected": row["injected"] + " (50 Mbit/s)"} for row in slow or []])
     if args.only in (None, "autotune"):
         _print_autotune("loopback", _run(autotune_body, 2, str(root / "tune"), "loopback", backend=args.backend)[0])
-        slow = None if args.no_slow_link else _slow_link_autotune(root, args.backend)
+        slow = (
+            None
+            if args.no_slow_link
+            else _run_over_slow_link("autotune_body", root / "tune-slow", args.backend, "slow link")
+        )
         if slow is not None:
             _print_autotune("slow link", slow)
     print(f"took {time.time() - started:.0f} s")
