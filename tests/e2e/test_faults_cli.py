@@ -180,17 +180,24 @@ MNIST_ONE_EPOCH = [
 ]
 
 
-def _session_processes(sid):
-    """Live (non-zombie) processes of session ``sid``: whatever a job started with start_new_session left."""
-    alive = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[3]) == sid and fields[0] != "Z":
-            alive.append(int(stat.parent.name))
-    return alive
+def _session_processes(sid, settle_s: float = 5.0):
+    """Live (non-zombie) processes of session ``sid`` (whatever a job started with
+    start_new_session left), once those already exiting are gone: a killed rank reparented to
+    init can still be tearing down (state R, its command line already empty) just after the job
+    returned. A process still there after ``settle_s`` outlived the job."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == sid and fields[0] != "Z":
+                alive.append(int(stat.parent.name))
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
 
 
 def _final_accuracy(out):
