@@ -162,17 +162,15 @@ class Reducer:
         ]
 
     # -- layout ------------------------------------------------------------------------------
-    def _assign(self, **kwargs) -> list[list[int]]:
+    def _assign(self, cap_bytes: int | None = None, **kwargs) -> list[list[int]]:
         sizes = [s.nbytes for s in self._specs]
         keys = [(s.dtype, s.device) for s in self._specs]
-        return assign_buckets(sizes, keys, self.bucket_cap_bytes, **kwargs)
+        return assign_buckets(sizes, keys, self.bucket_cap_bytes if cap_bytes is None else cap_bytes, **kwargs)
 
     def _install(self, assignment: list[list[int]]) -> None:
         """Plan ``assignment``, allocate its buffers; a comm hook gets raw sums and the whole buffer."""
-        hooked = self.comm_hook is not None
-        self._scale = 1.0 if hooked else 1.0 / self.world_size
-        in_place_min = None if (hooked or self.as_view) else self.in_place_min_bytes
-        self.plan = plan_buckets(self._specs, assignment, in_place_min)
+        self._scale = 1.0 if self.comm_hook is not None else 1.0 / self.world_size
+        self.plan = plan_buckets(self._specs, assignment, self._in_place_min())
         self.flat = allocate(self.plan)
         if self.as_view:  # existing gradients move into the new buffers
             for i, p in enumerate(self.params):
@@ -188,10 +186,22 @@ class Reducer:
     def rebucket(self, bucket_cap_bytes: int) -> None:
         """Lay the buckets out again with another cap, keeping the current launch order (between
         iterations; every rank must call it with the same cap: ``dist.bucket_cap_mb=auto``)."""
+        assignment = self.layout_at(bucket_cap_bytes)
         self.bucket_cap_bytes = int(bucket_cap_bytes)
+        self._install(assignment)
+
+    def layout_at(self, bucket_cap_bytes: int) -> list[list[int]]:
+        """The buckets :meth:`rebucket` would lay out with this cap, without installing them."""
         order = [i for bucket in self.plan.assignment for i in bucket]
-        first_cap = min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes)
-        self._install(self._assign(first_cap_bytes=first_cap, order=order, reverse=False))
+        first_cap = min(int(FIRST_BUCKET_CAP_MB * MB), int(bucket_cap_bytes))
+        return self._assign(int(bucket_cap_bytes), first_cap_bytes=first_cap, order=order, reverse=False)
+
+    def plan_at(self, bucket_cap_bytes: int) -> BucketPlan:
+        """The plan :meth:`rebucket` would install with this cap (``ddptrain doctor``'s what-ifs)."""
+        return plan_buckets(self._specs, self.layout_at(bucket_cap_bytes), self._in_place_min())
+
+    def _in_place_min(self) -> int | None:
+        return None if (self.comm_hook is not None or self.as_view) else self.in_place_min_bytes
 
     def set_comm_hook(self, hook: CommHook, state: object) -> None:
         """Send buckets through ``hook(state, GradBucket)``; the layout is planned again for it."""

@@ -42,8 +42,7 @@ def _distinct_layouts(reducer, caps_mb: tuple[float, ...]) -> tuple[float, ...]:
     the layout depends on the parameters only). Trying one layout twice would let noise choose."""
     seen, kept = set(), []
     for cap in caps_mb:
-        reducer.rebucket(int(cap * MB))
-        layout = tuple(tuple(b) for b in reducer.plan.assignment)
+        layout = tuple(tuple(b) for b in reducer.layout_at(int(cap * MB)))
         if layout not in seen:
             seen.add(layout)
             kept.append(cap)

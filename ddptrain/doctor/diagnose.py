@@ -124,8 +124,6 @@ def _median_curve(curves: list[list]) -> list[tuple[float, float]]:
         return []
     length = statistics.mode(len(c) for c in curves)
     same = [c for c in curves if len(c) == length]
-    if not length or not same:
-        return []
     return [(statistics.median(c[i][0] for c in same), same[0][i][1]) for i in range(length)]
 
 

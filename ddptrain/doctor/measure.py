@@ -82,14 +82,14 @@ def collective_bytes(plan, whole_buckets: bool) -> list[list[int]]:
     return out
 
 
-def ready_curve(ready_times, params, backward_start: float | None, stats) -> list[tuple[float, float]]:
+def ready_curve(ready_times, params, backward_start: float | None, backward_end: float) -> list[tuple[float, float]]:
     """When gradients became ready during backward: ``(share of backward elapsed, share of the
     gradient bytes ready)`` after each one. Backward starts at the end of forward (else at the
     first gradient) and ends when the reducer's last hook ran."""
     if not ready_times:
         return []
     start = backward_start if backward_start is not None else ready_times[0][1]
-    length = max(stats.backward_end - start, 1e-9)
+    length = max(backward_end - start, 1e-9)
     sizes = [params[i].numel() * params[i].element_size() for i, _ in ready_times]
     total, done, out = sum(sizes) or 1, 0, []
     for (_, t), n in zip(ready_times, sizes):
@@ -211,7 +211,9 @@ class StepRecorder:
                 {"bytes": sum(s), "collectives": len(s), "launch": launch, "done": d}
                 for s, launch, d in zip(sizes, stats.launch_times, done)
             ]
-            rec.ready_curve = ready_curve(stats.ready_times, reducer.params, rec.marks.get("forward_end"), stats)
+            rec.ready_curve = ready_curve(
+                stats.ready_times, reducer.params, rec.marks.get("forward_end"), stats.backward_end
+            )
         walk = rec.find_unused_s - (stats.find_unused_comm_s if fresh else 0.0)
         rec.forward_s = max(0.0, rec.forward_s - walk)
         rec.backward_s = max(0.0, (ended - started) - rec.forward_s - rec.comm_s - rec.find_unused_s)

@@ -25,7 +25,7 @@ import torch
 
 from ..comm.objects import all_gather_object
 from ..comm.types import ReduceOp
-from ..ddp.buckets import FIRST_BUCKET_CAP_MB, MB, ParamSpec, assign_buckets, plan_buckets
+from ..ddp.buckets import MB
 from ..trainer.callbacks.base import Callback
 from .autotune import BucketAutotune
 from .diagnose import JobFacts, diagnose, step_model, summarize
@@ -92,18 +92,10 @@ class DoctorCallback(Callback):
     def _facts(self, trainer, everyone: list[dict], records: list[dict]) -> JobFacts:
         hosts = [e["host"] for e in everyone]
         reducer, dist = trainer.model.reducer, trainer.config.dist
-        specs = [ParamSpec.of(p) for p in reducer.params]
-
-        order = [i for bucket in reducer.plan.assignment for i in bucket]  # the launch order, as rebucket keeps
+        hooked = reducer.comm_hook is not None
 
         def buckets_at(cap_mb: float) -> tuple[tuple[int, ...], ...]:
-            keys = [(s.dtype, s.device) for s in specs]
-            cap = int(cap_mb * MB)
-            first = min(int(FIRST_BUCKET_CAP_MB * MB), cap)
-            assignment = assign_buckets([s.nbytes for s in specs], keys, cap, first, order=order, reverse=False)
-            in_place = None if (reducer.comm_hook is not None or reducer.as_view) else reducer.in_place_min_bytes
-            plan = plan_buckets(specs, assignment, in_place)
-            return tuple(tuple(s) for s in collective_bytes(plan, reducer.comm_hook is not None))
+            return tuple(tuple(s) for s in collective_bytes(reducer.plan_at(int(cap_mb * MB)), hooked))
 
         return JobFacts(
             world_size=trainer.world_size,
@@ -113,7 +105,7 @@ class DoctorCallback(Callback):
             num_workers=trainer.config.data.num_workers,
             bucket_cap_mb=reducer.bucket_cap_bytes / MB,
             find_unused=dist.find_unused_parameters,
-            bucket_sizes=tuple(tuple(s) for s in collective_bytes(reducer.plan, reducer.comm_hook is not None)),
+            bucket_sizes=tuple(tuple(s) for s in collective_bytes(reducer.plan, hooked)),
             buckets_at=buckets_at,
         )
 
