@@ -9,7 +9,9 @@ also adapts a group that user code created through ``torch.distributed`` (``from
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -114,6 +116,8 @@ class TorchProcessGroup(ProcessGroup):
         self._native_avg = native_avg
         self._torch_group = None  # set when adapting a torch.distributed group
         self._collective_seq = 0  # same count on every rank: collectives are called in one order
+        self._failed = False  # an operation failed: the backend may hold a stuck one
+        _OWN_BACKENDS.add(self)
 
     @classmethod
     def from_torch(cls, group=None) -> TorchProcessGroup:
@@ -163,6 +167,7 @@ class TorchProcessGroup(ProcessGroup):
     def translate_error(
         self, op: str, exc: BaseException, seq: int = 0, wait_timeout: timedelta | None = None
     ) -> CommError:
+        self._failed = True
         text = str(exc)
         where = f"{op} on group {self.name!r} ({self.backend}, rank {self._rank} of {self._size})"
         low = text.lower()
@@ -368,7 +373,36 @@ class TorchProcessGroup(ProcessGroup):
                 self.pg.shutdown()
             except Exception:  # noqa: BLE001 - best effort; older torch lacks shutdown on gloo
                 pass
+            self._release_backend()
         super().destroy()
+
+    def _release_backend(self) -> None:
+        """Drop our reference to the C++ backend, so that it is destroyed now, while Python runs.
+
+        gloo's worker threads destroy each finished work themselves, a moment after ``wait()``
+        returns, and that releases the work's tensors, which takes the GIL. A process that exits
+        at once (the end of a training run) can be finalizing Python by then: the thread that
+        asks for the GIL is ended in C++ code, and the process dies of SIGABRT ("terminate called
+        without an active exception") after a run that succeeded. Destroying the backend joins
+        those threads first (torch releases the GIL for it). Not after a failed operation: a
+        thread may be stuck on a dead peer, and joining it would hang the exit.
+        """
+        _OWN_BACKENDS.discard(self)
+        if not self._failed and self._torch_group is None:
+            self.pg = None
+
+
+# Groups whose C++ backend we created and still hold: a program that ends without
+# destroy_process_group() gets its gloo threads joined at exit all the same (before Python
+# finalizes; see ``_release_backend``). NCCL's backends are left to torch's own teardown.
+_OWN_BACKENDS: weakref.WeakSet[TorchProcessGroup] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_gloo_backends_at_exit() -> None:
+    for group in list(_OWN_BACKENDS):
+        if group.backend == "gloo":
+            group._release_backend()
 
 
 def _gloo_device(master_addr: str | None):
