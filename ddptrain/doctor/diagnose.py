@@ -69,13 +69,20 @@ class JobFacts:
     buckets_at: Callable[[float], tuple[tuple[int, ...], ...]] = field(repr=False, default=None)
     compute_probe: dict | None = None
 
+    @property
+    def shares_cores(self) -> bool:
+        """This host's ranks run more threads than it has cores: they take turns on them."""
+        return self.ranks_per_host * self.threads > self.cores
 
-def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
+
+def summarize(per_rank: list[list[dict]], shared_cores: bool = False) -> tuple[dict, list[dict]]:
     """``(breakdown, per_rank)``: medians over the window's steps (breakdown: of the rank mean).
 
-    Per rank also ``busy_s`` (its step without communication and waiting: its own work) and
-    ``busiest_share`` (in how many of the steps it was the busiest rank: a straggler is busiest
-    step after step; ranks that take turns being descheduled on a busy host are not).
+    Per rank also ``busy_s`` (its step without communication and waiting for peers), ``own_s``
+    (its own work: ``busy_s``, less the time its thread waited for a core when the host's ranks
+    outnumber its cores, ``shared_cores``: which rank the OS keeps waiting says nothing about the
+    rank) and ``busiest_share`` (in how many of the steps its ``own_s`` was the largest: a
+    straggler is busiest step after step; ranks that take turns on a busy host are not).
     """
     steps = sorted(set.intersection(*(set(r["step"] for r in recs) for recs in per_rank)))
     by_rank = [{r["step"]: r for r in recs} for recs in per_rank]
@@ -86,13 +93,15 @@ def summarize(per_rank: list[list[dict]]) -> tuple[dict, list[dict]]:
             r = ranks[s]
             row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "find_unused_s", "optimizer_s", "other_s")}
             row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least, step_s=r["end"] - r["start"])
-            row.update(cpu_s=r["cpu_s"], unused_params=r["unused_params"], busy_s=row["step_s"] - r["comm_s"])
+            row.update(cpu_s=r["cpu_s"], core_wait_s=r.get("core_wait_s", 0.0), unused_params=r["unused_params"])
+            row["busy_s"] = row["step_s"] - r["comm_s"]
+            row["own_s"] = row["busy_s"] - (row["core_wait_s"] if shared_cores else 0.0)
             row["in_backward_s"] = _comm_in_backward(r)
             rows[rank].append(row)
-    keys = ("step_s", *BREAKDOWN, "cpu_s", "busy_s", "in_backward_s")
+    keys = ("step_s", *BREAKDOWN, "cpu_s", "core_wait_s", "busy_s", "own_s", "in_backward_s")
     ranks = [{"rank": i, **{k: statistics.median(x[k] for x in rs) for k in keys}} for i, rs in enumerate(rows)]
     for i, rank in enumerate(ranks):
-        busiest = sum(max(range(len(rows)), key=lambda r: rows[r][n]["busy_s"]) == i for n in range(len(steps)))
+        busiest = sum(max(range(len(rows)), key=lambda r: rows[r][n]["own_s"]) == i for n in range(len(steps)))
         rank["busiest_share"] = busiest / max(len(steps), 1)
     breakdown = {
         k: statistics.median(statistics.fmean(rows[r][i][k] for r in range(len(rows))) for i in range(len(steps)))
@@ -178,9 +187,9 @@ def _data_loading(b, ranks, facts, link, model) -> dict | None:
 def _straggler(b, ranks, facts, link, model) -> dict | None:
     if len(ranks) < 2:
         return None
-    slow = max(ranks, key=lambda r: r["busy_s"])
-    others = statistics.median(r["busy_s"] for r in ranks if r is not slow)
-    extra = slow["busy_s"] - others
+    slow = max(ranks, key=lambda r: r["own_s"])
+    others = statistics.median(r["own_s"] for r in ranks if r is not slow)
+    extra = slow["own_s"] - others
     if slow["busiest_share"] < STRAGGLER_STEADY:
         return None
     return _cause(
@@ -189,7 +198,8 @@ def _straggler(b, ranks, facts, link, model) -> dict | None:
         f"rank {slow['rank']} works {extra:.3g} s longer per step than the others, who wait for it: remove what "
         "slows that rank (rank-dependent work in training_step, another job or a slower host); if its host is "
         "slower, run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker)",
-        others + b["comm_exposed_s"],  # the others' own step: their work and the link's time
+        # the others' own step: their work (and turns on the cores) and the link's time
+        statistics.median(r["busy_s"] for r in ranks if r is not slow) + b["comm_exposed_s"],
         rank=slow["rank"],
     )
 

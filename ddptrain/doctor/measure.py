@@ -46,6 +46,7 @@ class StepRecord:
     optimizer_s: float = 0.0
     other_s: float = 0.0
     cpu_s: float = 0.0
+    core_wait_s: float = 0.0  # the training thread was ready to run but had no core (Linux only)
     unused_params: int = 0  # parameters without a gradient on this rank (find_unused_parameters)
     marks: dict[str, float] = field(default_factory=dict)  # phase boundaries, for the timeline
     buckets: list[dict[str, Any]] = field(default_factory=list)  # bytes, launch, done
@@ -58,6 +59,20 @@ class StepRecord:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def core_wait_s() -> float:
+    """Seconds the calling thread has waited, ready to run, for a core since it started.
+
+    Linux's scheduler statistics (``/proc/thread-self/schedstat``, second field); 0 where they
+    are not kept. This tells a rank that the OS kept off the cores (its host runs more threads
+    than it has cores) from one that is slow by its own work.
+    """
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 def collective_bytes(plan, whole_buckets: bool) -> list[list[int]]:
@@ -106,6 +121,7 @@ class StepRecorder:
         self.records: list[StepRecord] = []
         self._open: StepRecord | None = None
         self._cpu0 = 0.0
+        self._core_wait0 = 0.0
         self._saved: dict[str, Any] = {}
         self.last_batch: Any = None  # a micro-batch of the window (the compute probe reruns it)
 
@@ -151,6 +167,7 @@ class StepRecorder:
             step = self.trainer.state.step + 1
             if self.first < step <= self.last:
                 self._cpu0 = time.process_time()
+                self._core_wait0 = core_wait_s()
                 self._open = StepRecord(step, started, data_s=time.perf_counter() - started)
                 self._open.marks["data_end"] = time.perf_counter()
             yield item
@@ -225,6 +242,7 @@ class StepRecorder:
             return
         rec.end = now
         rec.cpu_s = time.process_time() - self._cpu0
+        rec.core_wait_s = core_wait_s() - self._core_wait0
         busy = sum(getattr(rec, p) for p in PHASES if p != "other_s")
         rec.other_s = max(0.0, rec.step_s - busy)
         self.records.append(rec)

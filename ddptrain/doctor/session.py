@@ -111,7 +111,7 @@ class DoctorCallback(Callback):
 
     def _write(self, trainer, everyone: list[dict], facts: JobFacts, link_rows: list[dict]) -> dict:
         per_rank_records = [e["records"] for e in everyone]
-        breakdown, ranks = summarize(per_rank_records)
+        breakdown, ranks = summarize(per_rank_records, facts.shares_cores)
         link = LinkModel.fit(link_rows, facts.world_size)
         causes = diagnose(breakdown, ranks, facts, link)
         model = step_model(breakdown, facts, link)
@@ -134,7 +134,7 @@ def _probe(trainer, batch, facts: JobFacts, repeats: int = 5) -> dict:
     (as in training), the slowest rank's median (collective). Set against the window's forward
     and backward, it shows how much communication slowed them (CPU ranks: the same cores)."""
     fit = max(1, facts.cores // max(facts.ranks_per_host, 1))
-    if facts.threads * facts.ranks_per_host <= facts.cores or facts.threads <= 1:
+    if not facts.shares_cores or facts.threads <= 1:
         fit = facts.threads  # nothing to try
     pg = trainer.process_group
     counts = (facts.threads, fit) if fit != facts.threads else (facts.threads,)
