@@ -78,6 +78,8 @@ class JobFacts:
 def summarize(per_rank: list[list[dict]], shared_cores: bool = False) -> tuple[dict, list[dict]]:
     """``(breakdown, per_rank)``: medians over the window's steps (breakdown: of the rank mean).
 
+    Waiting for the slowest rank counts as ``sync_wait_s``, wherever it happened (the bucket
+    all-reduces or, with ``find_unused_parameters``, the used flags' all-reduce before them).
     Per rank also ``busy_s`` (its step without communication and waiting for peers), ``own_s``
     (its own work: ``busy_s``, less the time its thread waited for a core when the host's ranks
     outnumber its cores, ``shared_cores``: which rank the OS keeps waiting says nothing about the
@@ -89,12 +91,17 @@ def summarize(per_rank: list[list[dict]], shared_cores: bool = False) -> tuple[d
     rows: list[list[dict]] = [[] for _ in per_rank]
     for s in steps:
         least = min(ranks[s]["comm_s"] for ranks in by_rank)
+        # find_unused_parameters: the used flags' all-reduce comes first after backward, so the wait
+        # for the slowest rank lands in it: that part is waiting, not the search's cost
+        least_flags = min(ranks[s].get("find_unused_comm_s", 0.0) for ranks in by_rank)
         for rank, ranks in enumerate(by_rank):
             r = ranks[s]
-            row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "find_unused_s", "optimizer_s", "other_s")}
-            row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least, step_s=r["end"] - r["start"])
+            flags_wait = r.get("find_unused_comm_s", 0.0) - least_flags
+            row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s", "other_s")}
+            row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least + flags_wait, step_s=r["end"] - r["start"])
             row.update(cpu_s=r["cpu_s"], core_wait_s=r.get("core_wait_s", 0.0), unused_params=r["unused_params"])
-            row["busy_s"] = row["step_s"] - r["comm_s"]
+            row["find_unused_s"] = r["find_unused_s"] - flags_wait
+            row["busy_s"] = row["step_s"] - r["comm_s"] - flags_wait
             row["own_s"] = row["busy_s"] - (row["core_wait_s"] if shared_cores else 0.0)
             row["in_backward_s"] = _comm_in_backward(r)
             rows[rank].append(row)

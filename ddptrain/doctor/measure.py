@@ -43,6 +43,7 @@ class StepRecord:
     backward_s: float = 0.0
     comm_s: float = 0.0
     find_unused_s: float = 0.0
+    find_unused_comm_s: float = 0.0  # the used flags' all-reduce, inside find_unused_s (with its wait)
     optimizer_s: float = 0.0
     other_s: float = 0.0
     cpu_s: float = 0.0
@@ -218,6 +219,7 @@ class StepRecorder:
         fresh = stats is not None and stats.backward_end >= started
         if fresh:
             rec.find_unused_s = stats.find_unused_s
+            rec.find_unused_comm_s = stats.find_unused_comm_s
             rec.unused_params = stats.unused_on_rank
             rec.comm_s = max(0.0, stats.finalize_wait_s - stats.find_unused_comm_s)
             rec.marks["backward_end"] = stats.backward_end

@@ -174,6 +174,23 @@ def test_more_threads_than_cores_with_a_faster_probe_is_cpu_oversubscribed():
     assert _first(_records(forward_s=0.03, backward_s=0.06), facts)[0]["cause"] == "healthy"
 
 
+def test_waiting_in_the_used_flags_all_reduce_is_the_stragglers_not_find_unused_overhead():
+    # rank 1 computes 0.2 s longer; with find_unused_parameters the others wait for it in the used
+    # flags' all-reduce (inside find_unused_s), the first collective after backward
+    slow, flags = 1, 0.0005
+    forward = [0.21 if r == slow else 0.01 for r in range(3)]
+    search = [0.002 + (flags if r == slow else flags + 0.2) for r in range(3)]
+    records = _records(ranks=3, forward_s=forward, find_unused_s=search)
+    for r, recs in enumerate(records):
+        for rec in recs:
+            rec["find_unused_comm_s"] = flags if r == slow else flags + 0.2
+    breakdown, ranks = summarize(records)
+    causes = diagnose(breakdown, ranks, _facts(world_size=3, find_unused=True), LINK)
+    assert (causes[0]["cause"], causes[0]["rank"]) == ("straggler", slow)
+    assert breakdown["find_unused_s"] == pytest.approx(0.0025)
+    assert breakdown["sync_wait_s"] == pytest.approx(0.4 / 3)
+
+
 def test_a_few_percent_of_needless_find_unused_is_reported_but_not_a_few_percent_of_data():
     facts = _facts(find_unused=True)
     cause, _ = _first(_records(find_unused_s=0.002), facts)  # ~5% of the step
