@@ -72,17 +72,28 @@ def test_the_sum_is_the_exact_sum_rounded_and_nothing_overflows():
     # Element 0 and 1 are exact small integers; element 3 sums +-3e38 (near float32's max) to 3.
     assert result[0].item() == float(exact[0]) and result[1].item() == float(exact[1])
     assert result[3].item() == pytest.approx(float(exact[3]), rel=0, abs=2.0**-20 * 3.0e38 * 2**-30)
-    # The rest: within a float32 rounding of the exact sum.
-    for i in (2, 4):
-        assert abs(Fraction(result[i].item()) - exact[i]) <= abs(exact[i]) * Fraction(2) ** -23
+    # The rest: the exact sum of the contributions rounded to the segment's grid (2**-s: half a
+    # step each), then rounded to float32.
+    exponents = _canonical_exponents(contributions).tolist()
+    for i, s in ((2, exponents[0]), (4, exponents[2])):
+        on_grid = V * Fraction(2) ** (-s - 1)
+        assert abs(Fraction(result[i].item()) - exact[i]) <= on_grid + abs(exact[i]) * Fraction(2) ** -23
 
 
 def test_scales_leave_room_for_every_contribution():
     exps = scale_exponents(torch.tensor([3.0e38, 1.0, 0.0, 1e-40], dtype=torch.float64), count=8)
     for m, s in zip([3.0e38, 1.0, 1e-40], [exps[0], exps[1], exps[3]]):
         assert 8 * m * 2.0 ** int(s) < 2.0**62
-        assert 8 * m * 2.0 ** int(s) >= 2.0**60  # and use the room: precision is not thrown away
+        assert 8 * m * 2.0 ** int(s) >= 2.0**58  # and use the room, but for a band of 4 bits
     assert int(exps[2]) == 0  # a zero segment
+
+
+def test_scales_stay_put_within_a_band_of_16x():
+    """The exponent changes only when the maximum crosses a power of 16: so the last step's
+    exponents are this step's while the gradients' scale drifts (one collective per sum)."""
+    maxima = torch.tensor([2.0**-4, 0.07, 0.5, 0.99, 1.0, 1.5, 15.9], dtype=torch.float64)
+    exps = scale_exponents(maxima, count=8).tolist()
+    assert exps[:4] == [exps[0]] * 4 and exps[4:] == [exps[4]] * 3 and exps[4] == exps[0] - 4
 
 
 def _reduce_with_nan(rank, world_size):
@@ -113,24 +124,43 @@ def _random_contributions(seed):
     return [torch.randn(5, generator=g) * scales for _ in range(V)]
 
 
+def _lossy_contributions(seed):
+    """Segment 0 holds values 1e-14 of its largest: off the canonical grid (they round)."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.tensor([1e3, 1e-11, 3.0, 1.0, 1e-20])
+    return [torch.randn(5, generator=g) * scales for _ in range(V)]
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_a_guessed_scale_gives_the_canonical_bits_or_falls_back(world_size):
     """Whatever exponents the reducer guesses (too fine: overflow; too coarse: lossy; right), the
     result has the bits of the two-collective sum; a right guess takes one collective."""
-    for contributions in (_adversarial(), _random_contributions(0), _random_contributions(1)):
+    for contributions in (_adversarial(), _random_contributions(0), _random_contributions(1), _lossy_contributions(0)):
         canonical = run_threaded(_reduce, 1, contributions, timeout_s=30)[0]
-        for guess in (None, [0, 0, 0], [200, 200, 200], [-50, 30, 100], [10, 10, 10]):
+        right = _canonical_exponents(contributions)
+        near = [(right + d).tolist() for d in (-4, -2, -1, 1, 2)]  # coarser, misaligned, finer
+        for guess in (None, [0, 0, 0], [200, 200, 200], [-50, 30, 100], [10, 10, 10], *near):
             for values, extra, _ in run_threaded(_reduce_with_guess, world_size, contributions, guess, timeout_s=30):
                 assert torch.equal(values.view(torch.int32), canonical.view(torch.int32)), guess
                 assert extra == world_size * (world_size + 1) // 2  # the extra ints summed once
-    # A guess a little below the canonical exponents (what the reducer keeps) fits the same data: one collective.
-    contributions = _random_contributions(2)
-    first = ExactAllReducer(SIZES)
+
+
+def _canonical_exponents(contributions):
     max_abs = torch.stack([c.abs() for c in contributions]).amax(0).to(torch.float64)
-    canonical_exponents = scale_exponents(torch.stack([max_abs[:3].max(), max_abs[3], max_abs[4]]), V)
-    guess = (canonical_exponents - first.headroom).tolist()
-    values, _, fallbacks = run_threaded(_reduce_with_guess, 2, contributions, guess, timeout_s=30)[0]
-    assert fallbacks == 0
+    return scale_exponents(torch.stack([max_abs[:3].max(), max_abs[3], max_abs[4]]), V)
+
+
+@pytest.mark.parametrize("make", [_random_contributions, _lossy_contributions])
+def test_the_last_sums_exponents_take_one_collective_even_off_the_grid(make):
+    """The reducer keeps the canonical exponents; the next sum's values (same scale, other
+    values) fit them in one collective, also when tiny values round on the grid."""
+    guess = _canonical_exponents(make(2)).tolist()
+    contributions = make(3)
+    assert _canonical_exponents(contributions).tolist() == guess  # the same bands
+    canonical = run_threaded(_reduce, 1, contributions, timeout_s=30)[0]
+    for values, _, fallbacks in run_threaded(_reduce_with_guess, 2, contributions, guess, timeout_s=30):
+        assert fallbacks == 0
+        assert torch.equal(values.view(torch.int32), canonical.view(torch.int32))
 
 
 @pytest.mark.parametrize("exponents", [[0, 0, 0], [20, 20, 20], [20, 40, 100], [60, 3, 90]])

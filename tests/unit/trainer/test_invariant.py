@@ -170,6 +170,14 @@ def test_a_world_size_that_does_not_divide_virtual_ranks_is_a_config_error(tmp_p
     assert "dist.world_size=8" in text and "trainer.virtual_ranks=4" in text and "[1, 2, 4]" in text
 
 
+def test_any_number_of_virtual_ranks_that_the_world_sizes_divide(tmp_path):
+    """V=6 at W=1, 2, 3: shards of 4 samples, 3 per rank at W=2, 2 at W=3."""
+    config = _config(tmp_path, "tests.models.Net", epochs=1, virtual_ranks=6)
+    config.data.global_batch_size = 24  # every rank the same number of samples at 1, 2 and 3
+    results = _runs(ImagesTrainer, config, (1, 2, 3))
+    assert results[1] == results[2] == results[3]
+
+
 def test_a_training_step_of_the_users_own_is_used_per_shard(tmp_path):
     class Weighted(ImagesTrainer):
         def training_step(self, model, batch):
