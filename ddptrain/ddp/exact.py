@@ -239,7 +239,8 @@ class ExactAllReducer:
         """This rank's int64 sum at ``scales``, and per segment (rows) how many of its elements
         overflowed (or are not finite), whether its largest reached the scale's band, and how many
         are lossy (off the grid)."""
-        limit = 2.0 ** (_HEADROOM_BITS - _count_bits(count))
+        room = _HEADROOM_BITS - _count_bits(count)
+        limit = 2.0**room
         checks = torch.zeros(3, len(self.sizes), dtype=torch.int64)
         if not contributions:
             return torch.zeros(len(scales), dtype=torch.int64), checks
@@ -253,7 +254,7 @@ class ExactAllReducer:
         largest = scaled.abs().amax(dim=0)  # NaN stays NaN: it fails ``< limit`` below
         # "in the band" proves the guess canonical only for an exponent canonical for some maximum
         # and this count (the previous sum's, normally): a band's top a multiple of BAND_BITS
-        aligned = (_HEADROOM_BITS - _count_bits(count) - self.exponents) % BAND_BITS == 0
+        aligned = (room - self.exponents) % BAND_BITS == 0
         checks[1] = self._per_segment(largest >= limit / 2.0**BAND_BITS, any_of=True) * aligned
         # the common case, in few passes: every value on the grid (NaN is unequal to itself) and
         # below the limit (inf is not)

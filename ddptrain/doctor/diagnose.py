@@ -93,13 +93,13 @@ def summarize(per_rank: list[list[dict]], shared_cores: bool = False) -> tuple[d
         least = min(ranks[s]["comm_s"] for ranks in by_rank)
         # find_unused_parameters: the used flags' all-reduce comes first after backward, so the wait
         # for the slowest rank lands in it: that part is waiting, not the search's cost
-        least_flags = min(ranks[s].get("find_unused_comm_s", 0.0) for ranks in by_rank)
+        least_flags = min(ranks[s]["find_unused_comm_s"] for ranks in by_rank)
         for rank, ranks in enumerate(by_rank):
             r = ranks[s]
-            flags_wait = r.get("find_unused_comm_s", 0.0) - least_flags
+            flags_wait = r["find_unused_comm_s"] - least_flags
             row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s", "other_s")}
             row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least + flags_wait, step_s=r["end"] - r["start"])
-            row.update(cpu_s=r["cpu_s"], core_wait_s=r.get("core_wait_s", 0.0), unused_params=r["unused_params"])
+            row.update(cpu_s=r["cpu_s"], core_wait_s=r["core_wait_s"], unused_params=r["unused_params"])
             row["find_unused_s"] = r["find_unused_s"] - flags_wait
             row["busy_s"] = row["step_s"] - r["comm_s"] - flags_wait
             row["own_s"] = row["busy_s"] - (row["core_wait_s"] if shared_cores else 0.0)

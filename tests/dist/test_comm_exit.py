@@ -3,7 +3,8 @@
 gloo's worker threads release a finished work's tensors a moment after ``wait()`` returns, and
 that takes the GIL: a process that was already finalizing Python died of SIGABRT ("terminate
 called without an active exception") after a run that had succeeded (seen as a failed torchrun
-job in CI). Each case runs several real 2-process jobs: the race is likely, not certain.
+job in CI). Observed from outside: the backend's threads (by their names in /proc), and real
+2-process jobs' exit codes.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 SCRIPT = str(REPO / "tests" / "dist" / "exit_after_collective.py")
 
 
-def _job(mode: str) -> list[tuple[int, str]]:
+def _job() -> list[tuple[int, str]]:
     url = f"tcp://127.0.0.1:{find_free_port()}"
     ranks = [
         subprocess.Popen(
-            [PYTHON, SCRIPT, url, str(rank), mode],
+            [PYTHON, SCRIPT, url, str(rank)],
             cwd=REPO,
             env=cli_env(),
             stdout=subprocess.PIPE,
@@ -75,9 +76,8 @@ def test_destroy_process_group_joins_gloo_worker_threads():
     assert not started & _gloo_worker_threads(), f"{group!r} was destroyed but its gloo threads still run"
 
 
-@pytest.mark.parametrize("mode", ["destroy", "unwaited"])
-def test_a_job_that_ends_right_after_its_last_collective_exits_0(mode):
+def test_a_job_that_ends_with_an_unwaited_collective_exits_0():
     for attempt in range(4):
-        for rank, (code, out) in enumerate(_job(mode)):
+        for rank, (code, out) in enumerate(_job()):
             failed = code != 0 or "terminate called" in out
             assert not failed, f"job {attempt}, rank {rank}: exit {code}\n{out[-3000:]}"

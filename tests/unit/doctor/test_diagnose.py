@@ -30,7 +30,18 @@ def _records(ranks=2, steps=5, **phases_by_rank):
                 }.items()
             }
             step_s = sum(values.values())
-            recs.append({"step": s + 1, "start": t, "end": t + step_s, "cpu_s": step_s, "unused_params": 0, **values})
+            recs.append(
+                {
+                    "step": s + 1,
+                    "start": t,
+                    "end": t + step_s,
+                    "cpu_s": step_s,
+                    "core_wait_s": 0.0,
+                    "find_unused_comm_s": 0.0,
+                    "unused_params": 0,
+                    **values,
+                }
+            )
             t += step_s
         out.append(recs)
     return out
