@@ -196,21 +196,18 @@ class ExactAllReducer:
         self.sizes = list(sizes)
         self.exponents: torch.Tensor | None = None
         self.fallbacks = 0
-        self._segment_sizes = torch.tensor(self.sizes, dtype=torch.int64)
-        self._segment_ends = torch.cumsum(self._segment_sizes, 0)
-        self._scales: tuple[tuple, torch.Tensor] | None = None  # the guessed exponents' scales, cached
+        self._scales: tuple | None = None  # the guessed exponents' scales, cached: _guessed_scales
 
     def all_reduce(
         self, process_group: ProcessGroup, contributions: Sequence[torch.Tensor], count: int, extra: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(exact sum of the contributions as float64, the int64 ``extra`` summed over ranks)``
-        (collective: one all-reduce, or three when the guessed scales do not fit)."""
+        (collective: one all-reduce, or three when the guessed scales do not fit).
+
+        ``contributions``: this rank's flat vectors, or one 2-D tensor with a row each (no copy)."""
         if self.exponents is not None:
-            key = tuple(self.exponents.tolist())
-            if self._scales is None or self._scales[0] != key:
-                self._scales = (key, _expand(torch.pow(2.0, self.exponents.to(torch.float64)), self.sizes))
-            scales = self._scales[1]
-            total, checks = self._fixed_checked(contributions, scales, count)
+            scales, _, _, _ = self._guessed_scales()
+            total, checks = self._fixed_checked(contributions, count)
             packed = torch.cat([total, checks.reshape(-1), extra]).to(process_group.device)
             process_group.all_reduce(packed, ReduceOp.SUM).wait()
             packed, n, k = packed.cpu(), len(total), len(self.sizes)
@@ -235,38 +232,50 @@ class ExactAllReducer:
             extra if extra_summed else packed[n:]
         )
 
-    def _fixed_checked(self, contributions: Sequence[torch.Tensor], scales: torch.Tensor, count: int):
-        """This rank's int64 sum at ``scales``, and per segment (rows) how many of its elements
-        overflowed (or are not finite), whether its largest reached the scale's band, and how many
-        are lossy (off the grid)."""
+    def _fixed_checked(self, contributions: Sequence[torch.Tensor], count: int):
+        """This rank's int64 sum at the guessed exponents' scales, and per segment (rows, 1 or 0) whether any element
+        overflowed (or is not finite), whether its largest reached the scale's band, and whether any
+        is lossy (off the grid)."""
         room = _HEADROOM_BITS - _count_bits(count)
         limit = 2.0**room
         checks = torch.zeros(3, len(self.sizes), dtype=torch.int64)
-        if not contributions:
-            return torch.zeros(len(scales), dtype=torch.int64), checks
-        stacked = torch.stack([c.detach().cpu() for c in contributions])
+        if len(contributions) == 0:
+            return torch.zeros(sum(self.sizes), dtype=torch.int64), checks
+        if isinstance(contributions, torch.Tensor):  # already one row per contribution
+            stacked = contributions.detach().cpu()
+        else:
+            stacked = torch.stack([c.detach().cpu() for c in contributions])
+        scales, scales32, lowest, highest = self._guessed_scales()
         # float32 values times 2**s, s in [0, 100], stay exact in float32 (no overflow, no underflow:
         # the exponent only grows), so the tests and the rounding give float64's bits at half the
         # traffic. A negative exponent could push a tiny value below float32's range unnoticed.
-        narrow = stacked.dtype == torch.float32 and 0 <= int(self.exponents.min()) and int(self.exponents.max()) <= 100
-        scaled = stacked * scales.to(torch.float32) if narrow else stacked.to(torch.float64) * scales
+        narrow = stacked.dtype == torch.float32 and 0 <= lowest and highest <= 100
+        scaled = stacked * scales32 if narrow else stacked.to(torch.float64) * scales
         rounded = torch.round(scaled)
-        largest = scaled.abs().amax(dim=0)  # NaN stays NaN: it fails ``< limit`` below
+        # per element, over the contributions: the largest magnitude (NaN stays NaN: it fails
+        # ``< limit``) and the largest distance to the grid; then per segment
+        largest, off_grid = self._segment_max(
+            torch.stack([scaled.abs().amax(dim=0), (scaled - rounded).abs_().amax(dim=0)])
+        )
+        checks[0] = ~(largest < limit)
         # "in the band" proves the guess canonical only for an exponent canonical for some maximum
         # and this count (the previous sum's, normally): a band's top a multiple of BAND_BITS
-        aligned = (room - self.exponents) % BAND_BITS == 0
-        checks[1] = self._per_segment(largest >= limit / 2.0**BAND_BITS, any_of=True) * aligned
-        # the common case, in few passes: every value on the grid (NaN is unequal to itself) and
-        # below the limit (inf is not)
-        if torch.equal(rounded, scaled) and float(largest.max()) < limit:
-            return rounded.to(torch.int64).sum(dim=0), checks
-        checks[0] = self._per_segment(~(largest < limit))
-        checks[2] = self._per_segment((rounded != scaled).any(dim=0))
-        rounded = torch.nan_to_num(rounded, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-limit, limit)
+        checks[1] = (largest >= limit / 2.0**BAND_BITS) & ((room - self.exponents) % BAND_BITS == 0)
+        checks[2] = off_grid != 0  # NaN too (the segment has overflowed anyway)
+        if checks[0].any():  # the sum is discarded; keep the conversion defined
+            rounded = torch.nan_to_num(rounded, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-limit, limit)
         return rounded.to(torch.int64).sum(dim=0), checks
 
-    def _per_segment(self, flags: torch.Tensor, any_of: bool = False) -> torch.Tensor:
-        """How many of each segment's elements are flagged (``any_of``: 1 if any)."""
-        upto = torch.cat([torch.zeros(1, dtype=torch.int64), torch.cumsum(flags.to(torch.int64), 0)])
-        counts = upto[self._segment_ends] - upto[self._segment_ends - self._segment_sizes]
-        return (counts > 0).to(torch.int64) if any_of else counts
+    def _guessed_scales(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """The per-element scales of ``self.exponents`` as float64 and float32, and the exponents'
+        lowest and highest (cached while the exponents stay put)."""
+        key = tuple(self.exponents.tolist())
+        if self._scales is None or self._scales[0] != key:
+            scales = _expand(torch.pow(2.0, self.exponents.to(torch.float64)), self.sizes)
+            self._scales = (key, (scales, scales.to(torch.float32), min(key, default=0), max(key, default=0)))
+        return self._scales[1]
+
+    def _segment_max(self, rows: torch.Tensor) -> torch.Tensor:
+        """The largest value of each row within each segment (NaN if any is NaN): ``[rows, segments]``."""
+        parts = [part.amax(dim=1) if part.shape[1] else part.new_zeros(len(rows)) for part in rows.split(self.sizes, 1)]
+        return torch.stack(parts, dim=1)

@@ -92,6 +92,14 @@ class InvariantSteps:
         # One scale per parameter and per float buffer: the segments of each shard's contribution.
         self.sizes = [p.numel() for p in self.params] + [b.numel() for b in self.float_buffers]
         self.reducer = ExactAllReducer(self.sizes)
+        # Each shard's backward accumulates straight into its row of one [shards, numel] buffer
+        # (``.grad`` set to views of it, zeros: ``0 + g`` is ``g``), which the exact sum takes as it
+        # is. Parameters of another dtype or device keep their own ``.grad``, copied afterwards.
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self._in_row = [p.dtype == torch.float32 and p.device == device for p in self.params]
+        self._row_device = device
+        self._used = [False] * len(self.params)  # set by the hooks: which got a gradient this shard
+        self._hooks = [p.register_post_accumulate_grad_hook(self._mark_used(i)) for i, p in enumerate(self.params)]
         threads = cfg.dist.threads_per_worker or 1
         torch.set_num_threads(threads)
         if trainer.is_main:
@@ -139,13 +147,13 @@ class InvariantSteps:
         """
         t, module, work = self.trainer, self.trainer.model.module, step.work
         snapshot = [b.detach().clone() for b in (*self.float_buffers, *self.int_buffers)]
-        contributions = []
+        shards = [shard for shard in work.shards if shard.size > 0]
+        contributions = torch.zeros(len(shards), sum(self.sizes), dtype=torch.float32, device=self._row_device)
         losses = torch.zeros(work.num_shards, dtype=torch.float64)
         counts = torch.zeros(len(self.params) + len(self.float_buffers), dtype=torch.int64)  # used, changed
-        for shard in work.shards:
-            if shard.size == 0:
-                continue
+        for shard, row in zip(shards, contributions):
             self._restore(snapshot)
+            views = self._grads_into(row)
             with _SHARD_LOCK, torch.random.fork_rng(devices=_cuda_devices(t.device)):
                 _seed(t.device, shard_seed(self.seed, step.epoch, t.state.step, shard.index))
                 batch = self._load(t.train_set, step.order[shard.start : shard.end])
@@ -153,8 +161,9 @@ class InvariantSteps:
                     loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
                 t.precision.backward(loss * (shard.size / work.num_samples))
             losses[shard.index] = float(loss.detach()) * shard.size
-            contributions.append(torch.cat([self._take_grads(counts), self._buffer_state(counts, snapshot)]))
-        ran = torch.tensor([1 if contributions else 0], dtype=torch.int64)
+            self._take_grads(row, views, counts)
+            self._buffer_state(row, counts, snapshot)
+        ran = torch.tensor([1 if shards else 0], dtype=torch.int64)
         ints = [b.detach().reshape(-1).to("cpu", torch.int64) * ran for b in self.int_buffers]  # last shard's
         self._restore(snapshot)
         extra = torch.cat([losses.view(torch.int64), counts, *ints, ran])
@@ -166,17 +175,36 @@ class InvariantSteps:
         loss = sum(extra[: work.num_shards].view(torch.float64).tolist()) / work.num_samples  # shard order: fixed
         return float(torch.tensor(loss, dtype=torch.float32))
 
-    def _take_grads(self, counts: torch.Tensor) -> torch.Tensor:
-        """This shard's gradients as one flat float32 vector (zeros where none); clears ``.grad``."""
-        parts = []
+    def _mark_used(self, index: int):
+        def hook(param: torch.Tensor) -> None:
+            self._used[index] = True
+
+        return hook
+
+    def _grads_into(self, row: torch.Tensor) -> list[torch.Tensor | None]:
+        """Point each float32 parameter's ``.grad`` at its (zero) slice of this shard's ``row``; the views."""
+        views, offset = [], 0
         for i, p in enumerate(self.params):
-            if p.grad is None:
-                parts.append(torch.zeros(p.numel(), dtype=torch.float32, device=p.device))
-            else:
+            n = p.numel()
+            views.append(row[offset : offset + n].view_as(p) if self._in_row[i] else None)
+            p.grad = views[-1]
+            self._used[i] = False
+            offset += n
+        return views
+
+    def _take_grads(self, row: torch.Tensor, views: list[torch.Tensor | None], counts: torch.Tensor) -> None:
+        """Complete this shard's ``row`` (the gradients that did not land in it: another dtype, or a
+        backward that replaced ``.grad``), count the parameters that got a gradient, clear ``.grad``."""
+        offset = 0
+        for i, p in enumerate(self.params):
+            n = p.numel()
+            if self._used[i]:
                 counts[i] += 1
-                parts.append(p.grad.detach().reshape(-1).to(torch.float32))
-                p.grad = None
-        return torch.cat(parts).cpu() if parts else torch.zeros(0)
+                view = views[i]
+                if view is None or p.grad.data_ptr() != view.data_ptr():
+                    row[offset : offset + n] = p.grad.detach().reshape(-1).to(row.device, torch.float32)
+            p.grad = None
+            offset += n
 
     def _set_grads(self, values: torch.Tensor, used: torch.Tensor) -> None:
         offset = 0
@@ -191,14 +219,14 @@ class InvariantSteps:
             for b, saved in zip((*self.float_buffers, *self.int_buffers), snapshot):
                 b.copy_(saved)
 
-    def _buffer_state(self, counts: torch.Tensor, snapshot: list[torch.Tensor]) -> torch.Tensor:
-        """This shard's float buffers as one flat vector; counts those it changed."""
-        if not self.float_buffers:
-            return torch.zeros(0)
+    def _buffer_state(self, row: torch.Tensor, counts: torch.Tensor, snapshot: list[torch.Tensor]) -> None:
+        """This shard's float buffers into the tail of its ``row``; counts those it changed."""
+        offset = self.param_numel
         for i, (b, saved) in enumerate(zip(self.float_buffers, snapshot)):
             if not torch.equal(b, saved):
                 counts[len(self.params) + i] += 1
-        return torch.cat([b.detach().reshape(-1).cpu() for b in self.float_buffers])
+            row[offset : offset + b.numel()] = b.detach().reshape(-1).to(row.device, torch.float32)
+            offset += b.numel()
 
     def _set_buffers(self, values: torch.Tensor, changed: torch.Tensor, int_values: torch.Tensor, work) -> None:
         """Float buffers: the exact mean over the step's non-empty shards, where any shard changed

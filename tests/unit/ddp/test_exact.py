@@ -171,15 +171,14 @@ def test_the_float32_grid_check_gives_the_float64_checks_sums_and_misfits(expone
     g = torch.Generator().manual_seed(sum(exponents))
     reducer = ExactAllReducer([3, 1, 2])
     reducer.exponents = torch.tensor(exponents, dtype=torch.int64)
-    scales = torch.repeat_interleave(torch.pow(2.0, reducer.exponents.to(torch.float64)), torch.tensor([3, 1, 2]))
     compared = 0
     for values in (
         [torch.randn(6, generator=g) * 1e-3 for _ in range(4)],  # mostly off the grid
         [torch.round(torch.randn(6, generator=g) * 2.0**10) / 2.0**10 for _ in range(4)],  # on the grid
         [torch.tensor([1.0, float("nan"), 2.0, 3.0, float("inf"), 2.0**70]) for _ in range(2)],
     ):
-        narrow = reducer._fixed_checked(values, scales, 8)
-        wide = reducer._fixed_checked([v.to(torch.float64) for v in values], scales, 8)
+        narrow = reducer._fixed_checked(values, 8)
+        wide = reducer._fixed_checked([v.to(torch.float64) for v in values], 8)
         assert torch.equal(narrow[1], wide[1]), (narrow, wide)
         assert narrow[1].any() or torch.equal(narrow[0], wide[0]), (narrow, wide)
         compared += not narrow[1].any()

@@ -117,12 +117,26 @@ def _final_state(rank, world_size, config):
     return {k: v.clone() for k, v in trainer.model.module.state_dict().items()}
 
 
-def test_the_gradient_is_the_global_batch_mean(tmp_path):
-    """Without dropout, invariant mode trains what plain training trains, up to float rounding."""
-    configs = [_config(tmp_path, "tests.models.Net", invariant=i, epochs=1, max_steps=5) for i in (True, False)]
+@pytest.mark.parametrize("model", ["tests.models.Net", "tests.models.MixedNet"])
+def test_the_gradient_is_the_global_batch_mean(tmp_path, model):
+    """Without dropout, invariant mode trains what plain training trains, up to float rounding;
+    float64 parameters too (their gradients do not land in the shards' float32 buffer)."""
+    configs = [_config(tmp_path, model, invariant=i, epochs=1, max_steps=5) for i in (True, False)]
     invariant, plain = (run_threaded(_final_state, 1, c, timeout_s=60)[0] for c in configs)
     for name in plain:
         torch.testing.assert_close(invariant[name], plain[name], rtol=1e-4, atol=1e-6)
+
+
+def test_a_parameter_no_shard_uses_gets_no_gradient(tmp_path):
+    """BranchNet's branch and head are never used: with weight decay a zero gradient would shrink
+    them; no gradient (None, as in plain training) leaves them as they were."""
+    config = _config(tmp_path, "tests.models.BranchNet", epochs=1, max_steps=3)
+    config.optimizer.weight_decay = 0.1
+    initial = _INIT["tests.models.BranchNet"]
+    for rank_state in run_threaded(_final_state, 2, config, timeout_s=60):
+        for name in ("branch.weight", "branch.bias", "never.weight", "never.bias"):
+            assert torch.equal(rank_state[name], initial[name]), name
+        assert not torch.equal(rank_state["fc1.weight"], initial["fc1.weight"])  # the used ones train
 
 
 def test_batchnorm_running_stats_take_the_mean_of_the_shards_statistics(tmp_path):
