@@ -152,7 +152,10 @@ def _applied(case: dict, cause: dict) -> tuple[dict, str]:
     dist, model, advice = case.setdefault("dist", {}), case["model"], cause["advice"]
     if cause["cause"] == "data_loading":
         case["num_workers"] = int(re.search(r"data\.num_workers=(\d+)", advice).group(1))
-        return case, f"data.num_workers={case['num_workers']}"
+        # the workers start together and each queues 2 batches (prefetch_factor): the first
+        # 2 * workers batches come in waves, not at the loader's steady rate the prediction is for
+        case["warmup_steps"] = 2 * case["num_workers"]
+        return case, f"data.num_workers={case['num_workers']} (warm-up {case['warmup_steps']} steps)"
     if cause["cause"] == "straggler":
         model["slow_s"] = 0.0
         return case, "the slow rank's sleep removed"
@@ -172,11 +175,13 @@ def _applied(case: dict, cause: dict) -> tuple[dict, str]:
 ADVICE_SLOW_CASES = {"no_overlap": dict(model={"kind": "net"}, batch=1024, samples=1024 * 20)}
 
 
-def advice_body(rank, world_size, root, slow_link=False, repeats=3):
-    """Per injected cause: the diagnosis, then the step measured with its advice applied; each the
-    median of ``repeats`` runs (the diagnosis: the first run's)."""
+def advice_body(rank, world_size, root, slow_link=False, repeats=3, only=None):
+    """Per injected cause (``only``: those named): the diagnosis, then the step measured with its
+    advice applied; each the median of ``repeats`` runs (the diagnosis: the first run's)."""
     root, rows = Path(root), []
     for name, case in (ADVICE_SLOW_CASES if slow_link else ADVICE_CASES).items():
+        if only and name not in only:
+            continue
         case = {"batch": 64, "steps": 20, **case}
         befores = [_fit(root, f"advice_{name}_{r}", **case) for r in range(repeats)]
         first = befores[0]["causes"][0]
@@ -244,6 +249,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="overhead: off/on rounds")
     parser.add_argument("--no-slow-link", action="store_true")
     parser.add_argument("--only", choices=["overhead", "scaling", "advice", "autotune"], default=None)
+    parser.add_argument("--cases", nargs="+", default=None, help="advice: only these injected causes")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bench_doctor_"))
     started = time.time()
@@ -253,9 +259,11 @@ def main() -> None:
     if args.only in (None, "scaling"):
         _print_scaling(root, args)
     if args.only in (None, "advice"):
-        rows = _run(advice_body, 2, str(root), backend=args.backend)[0]
+        rows = _run(advice_body, 2, str(root), False, 3, args.cases, backend=args.backend)[0]
         slow = (
-            None if args.no_slow_link else _run_over_slow_link("advice_body", root / "advice-slow", args.backend, True)
+            None
+            if args.no_slow_link or (args.cases and not set(args.cases) & set(ADVICE_SLOW_CASES))
+            else _run_over_slow_link("advice_body", root / "advice-slow", args.backend, True)
         )
         _print_advice(rows + [{**row, "injected": row["injected"] + " (50 Mbit/s)"} for row in slow or []])
     if args.only in (None, "autotune"):
