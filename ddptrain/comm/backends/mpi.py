@@ -114,10 +114,15 @@ class _CommThread:
                 item = ()
             if item is None:
                 return
-            if item:
+            started = bool(item)
+            if started:
                 self._start(*item)
-            progressed = self._poll() or bool(item)
-            item = None  # hold no reference to a finished job's buffers (see _start)
+            # Hold no reference to the job's buffers (see _start) before _poll may complete it: its
+            # waiter runs on at once, and a reference left here until this thread next gets a core
+            # keeps a gradient's storage used twice, so DDP copies it instead of reducing it in
+            # place (the likely cause of one test run with 7 of 8 in place, 3 mpi ranks, 2 cores).
+            item = None
+            progressed = self._poll() or started
             sleep = poll_min_s if progressed else min(2 * sleep, poll_max_s)
             self._answer_probes()
 
