@@ -54,8 +54,8 @@ class JobFacts:
     ``buckets_at(cap_mb)`` gives the bucket layout (bytes of each all-reduce, per bucket) the
     reducer would use at another ``dist.bucket_cap_mb``. ``compute_probe``: forward+backward
     seconds without communication, timed with this run's threads (``now_s``) and, when they
-    outnumber the cores, with ``cores // ranks_per_host`` (``fit_s``; else the same); ``None``:
-    not measured.
+    outnumber the cores, with ``cores // ranks_per_host`` (``fit_s``; else the same), and each
+    rank's passes run back to back (``warm_s``, by rank); ``None``: not measured.
     """
 
     world_size: int
@@ -206,9 +206,20 @@ def _straggler(b, ranks, facts, link, model) -> dict | None:
         "slows that rank (rank-dependent work in training_step, another job or a slower host); if its host is "
         "slower, run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker)",
         # the others' own step: their work (and turns on the cores) and the link's time
-        statistics.median(r["busy_s"] for r in ranks if r is not slow) + b["comm_exposed_s"],
+        statistics.median(_unhurried_busy_s(r, facts) for r in ranks if r is not slow) + b["comm_exposed_s"],
         rank=slow["rank"],
     )
+
+
+def _unhurried_busy_s(rank: dict, facts: JobFacts) -> float:
+    """A waiting rank's work once nobody waits: its busy time, sped up as its forward+backward is
+    when run back to back (the probe's ``warm_s``) rather than after each wait; never slowed."""
+    probe = facts.compute_probe or {}
+    warm = probe.get("warm_s")
+    window = rank["forward_s"] + rank["backward_s"]
+    if not warm or window <= 0:
+        return rank["busy_s"]
+    return rank["busy_s"] * min(1.0, warm[rank["rank"]] / window)
 
 
 def _slow_network(b, ranks, facts, link, model) -> dict | None:

@@ -132,7 +132,11 @@ def _probe(trainer, batch, facts: JobFacts, repeats: int = 5) -> dict:
     """Forward+backward seconds without communication (``no_sync``) with this run's threads and,
     when threads outnumber the cores, with threads that fit them; every rank computing at once
     (as in training), the slowest rank's median (collective). Set against the window's forward
-    and backward, it shows how much communication slowed them (CPU ranks: the same cores)."""
+    and backward, it shows how much communication slowed them (CPU ranks: the same cores).
+
+    ``warm_s``: each rank's median of passes run back to back (no wait for the others between
+    them). A rank that waits long for a straggler every step computes slower after each wait than
+    it does once nobody waits (measured: all its phases ~30% slower after 0.4 s idle)."""
     fit = max(1, facts.cores // max(facts.ranks_per_host, 1))
     if not facts.shares_cores or facts.threads <= 1:
         fit = facts.threads  # nothing to try
@@ -142,18 +146,31 @@ def _probe(trainer, batch, facts: JobFacts, repeats: int = 5) -> dict:
     times = times.to(pg.device)
     pg.all_reduce(times, ReduceOp.MAX).wait()
     fit_s = float(times[-1])
-    return {"threads_now": facts.threads, "now_s": float(times[0]), "threads_fit": fit, "fit_s": fit_s}
+    warm = torch.zeros(facts.world_size, dtype=torch.float64)
+    warm[pg.rank()] = _time_compute(trainer, batch, facts.threads, repeats, each_together=False)
+    warm = warm.to(pg.device)
+    pg.all_reduce(warm, ReduceOp.SUM).wait()
+    return {
+        "threads_now": facts.threads,
+        "now_s": float(times[0]),
+        "threads_fit": fit,
+        "fit_s": fit_s,
+        "warm_s": warm.cpu().tolist(),
+    }
 
 
-def _time_compute(trainer, batch, threads: int, repeats: int) -> float:
+def _time_compute(trainer, batch, threads: int, repeats: int, each_together: bool = True) -> float:
+    """The median of ``repeats`` passes after a first one; ``each_together``: every rank starts
+    each pass together (else only the first)."""
     from ..trainer.data import move_to
 
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     model, pg, times = trainer.model, trainer.process_group, []
     try:
-        for _ in range(repeats + 1):
-            pg.all_reduce(torch.zeros(1, device=pg.device), ReduceOp.SUM).wait()  # all ranks compute together
+        for i in range(repeats + 1):
+            if each_together or i == 0:
+                pg.all_reduce(torch.zeros(1, device=pg.device), ReduceOp.SUM).wait()  # all ranks compute together
             started = time.perf_counter()
             with model.no_sync():
                 trainer.training_step(model, move_to(batch, trainer.device)).backward()

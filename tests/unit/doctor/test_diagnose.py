@@ -229,3 +229,25 @@ def test_only_communication_that_ran_beside_backward_can_have_slowed_it():
     assert step_model({**base, "in_backward_s": 0.02}, facts, LINK).stolen_s == pytest.approx(0.01)
     # the same 10 ms, but only 0.4 ms of communication ran beside backward: noise, not stealing
     assert step_model({**base, "in_backward_s": 0.0004}, facts, LINK).stolen_s == 0.0
+
+
+def test_the_straggler_prediction_takes_the_waiting_ranks_work_at_its_unhurried_speed():
+    """Ranks that idle for a straggler every step compute slower after each wait: their forward and
+    backward, run back to back by the probe (``warm_s``), take half as long as in the window, so
+    once the straggler is gone their work is predicted to take half as long too (never longer)."""
+    slow = 2
+    forward = [0.21 if r == slow else 0.01 for r in range(3)]
+    comm = [0.0005 if r == slow else 0.2005 for r in range(3)]
+    records = _records(ranks=3, forward_s=forward, comm_s=comm)
+    plain, b = _first(records, _facts(world_size=3))
+    window = 0.01 + 0.02  # the waiting ranks' forward and backward (_records' defaults)
+    probe = {"threads_now": 1, "now_s": 0.3, "threads_fit": 1, "fit_s": 0.3, "warm_s": [window / 2] * 3}
+    warm, _ = _first(records, _facts(world_size=3, compute_probe=probe))
+    assert (warm["cause"], warm["rank"]) == ("straggler", slow)
+    saved = plain["predicted_step_s"] - warm["predicted_step_s"]
+    busy = plain["predicted_step_s"] - b["comm_exposed_s"]
+    assert saved == pytest.approx(busy / 2, rel=0.05)
+    probe["warm_s"] = [window * 2] * 3  # slower back to back than in the window: no slower prediction
+    assert _first(records, _facts(world_size=3, compute_probe=probe))[0]["predicted_step_s"] == pytest.approx(
+        plain["predicted_step_s"]
+    )
