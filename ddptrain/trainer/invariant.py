@@ -96,7 +96,10 @@ class InvariantSteps:
         # (``.grad`` set to views of it, zeros: ``0 + g`` is ``g``), which the exact sum takes as it
         # is. Parameters of another dtype or device keep their own ``.grad``, copied afterwards.
         device = self.params[0].device if self.params else torch.device("cpu")
-        self._in_row = [p.dtype == torch.float32 and p.device == device for p in self.params]
+        # float64 when a float buffer is: its state is summed as it is (a gradient is float32 first)
+        wide = any(b.dtype == torch.float64 for b in self.float_buffers)
+        self._row_dtype = torch.float64 if wide else torch.float32
+        self._in_row = [p.dtype == self._row_dtype and p.device == device for p in self.params]
         self._row_device = device
         self._used = [False] * len(self.params)  # set by the hooks: which got a gradient this shard
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark_used(i)) for i, p in enumerate(self.params)]
@@ -148,7 +151,7 @@ class InvariantSteps:
         t, module, work = self.trainer, self.trainer.model.module, step.work
         snapshot = [b.detach().clone() for b in (*self.float_buffers, *self.int_buffers)]
         shards = [shard for shard in work.shards if shard.size > 0]
-        contributions = torch.zeros(len(shards), sum(self.sizes), dtype=torch.float32, device=self._row_device)
+        contributions = torch.zeros(len(shards), sum(self.sizes), dtype=self._row_dtype, device=self._row_device)
         losses = torch.zeros(work.num_shards, dtype=torch.float64)
         counts = torch.zeros(len(self.params) + len(self.float_buffers), dtype=torch.int64)  # used, changed
         for shard, row in zip(shards, contributions):
@@ -202,7 +205,7 @@ class InvariantSteps:
                 counts[i] += 1
                 view = views[i]
                 if view is None or p.grad.data_ptr() != view.data_ptr():
-                    row[offset : offset + n] = p.grad.detach().reshape(-1).to(row.device, torch.float32)
+                    row[offset : offset + n] = p.grad.detach().reshape(-1).to(row.device, torch.float32).to(row.dtype)
             p.grad = None
             offset += n
 
@@ -225,7 +228,7 @@ class InvariantSteps:
         for i, (b, saved) in enumerate(zip(self.float_buffers, snapshot)):
             if not torch.equal(b, saved):
                 counts[len(self.params) + i] += 1
-            row[offset : offset + b.numel()] = b.detach().reshape(-1).to(row.device, torch.float32)
+            row[offset : offset + b.numel()] = b.detach().reshape(-1).to(row.device, row.dtype)
             offset += b.numel()
 
     def _set_buffers(self, values: torch.Tensor, changed: torch.Tensor, int_values: torch.Tensor, work) -> None:
