@@ -65,6 +65,20 @@ class MixedNet(nn.Module):
         return F.log_softmax(self.fc2(h.double()), dim=1).float()
 
 
+class Float64BNNet(nn.Module):
+    """A float64 BatchNorm (float64 running stats) between float32 layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(784, 32)
+        self.bn = nn.BatchNorm1d(32).double()
+        self.fc2 = nn.Linear(32, 10)
+
+    def forward(self, x):
+        h = self.bn(self.fc1(x.view(len(x), -1)).double()).float()
+        return F.log_softmax(self.fc2(F.relu(h)), dim=1)
+
+
 class BranchNet(nn.Module):
     """A branch used only when ``use_branch`` is set (on some ranks), and a never-used head."""
 

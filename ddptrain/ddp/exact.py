@@ -151,11 +151,16 @@ def from_fixed(
 ) -> torch.Tensor:
     """The exact integer sum back as floats: ``total / scale`` (a fixed function of ``total``); the
     segments whose ``max_abs`` is not finite (a contribution held inf or NaN) are NaN."""
-    result = (total.cpu().to(torch.float64) / scales).to(dtype)
+    result = _unscaled(total, scales).to(dtype)
     bad = ~torch.isfinite(max_abs)
     if bad.any():
         result[_expand(bad, sizes)] = float("nan")
     return result
+
+
+def _unscaled(total: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``total / scale`` in float64: exact for ``|total| < 2**53``, else one rounding (to nearest)."""
+    return total.cpu().to(torch.float64) / scales
 
 
 def exact_all_reduce(
@@ -211,10 +216,10 @@ class ExactAllReducer:
             packed = torch.cat([total, checks.reshape(-1), extra]).to(process_group.device)
             process_group.all_reduce(packed, ReduceOp.SUM).wait()
             packed, n, k = packed.cpu(), len(total), len(self.sizes)
-            overflowed, in_band, lossy = packed[n : n + 3 * k].view(3, k)
+            overflowed, in_band, lossy = packed[n : n + 3 * k].view(3, k).tolist()
             extra = packed[n + 3 * k :]
-            if not (overflowed.any() or ((in_band == 0) & (lossy > 0)).any()):
-                return from_fixed(packed[:n], scales, torch.zeros(k), self.sizes, torch.float64), extra
+            if not any(overflowed) and all(band or not off for band, off in zip(in_band, lossy)):
+                return _unscaled(packed[:n], scales), extra  # from_fixed's, all finite (none overflowed)
             extra_summed = True
         else:
             extra_summed = False
@@ -238,9 +243,8 @@ class ExactAllReducer:
         is lossy (off the grid)."""
         room = _HEADROOM_BITS - _count_bits(count)
         limit = 2.0**room
-        checks = torch.zeros(3, len(self.sizes), dtype=torch.int64)
         if len(contributions) == 0:
-            return torch.zeros(sum(self.sizes), dtype=torch.int64), checks
+            return torch.zeros(sum(self.sizes), dtype=torch.int64), torch.zeros(3, len(self.sizes), dtype=torch.int64)
         if isinstance(contributions, torch.Tensor):  # already one row per contribution
             stacked = contributions.detach().cpu()
         else:
@@ -257,14 +261,14 @@ class ExactAllReducer:
         largest, off_grid = self._segment_max(
             torch.stack([scaled.abs().amax(dim=0), (scaled - rounded).abs_().amax(dim=0)])
         )
-        checks[0] = ~(largest < limit)
         # "in the band" proves the guess canonical only for an exponent canonical for some maximum
         # and this count (the previous sum's, normally): a band's top a multiple of BAND_BITS
-        checks[1] = (largest >= limit / 2.0**BAND_BITS) & ((room - self.exponents) % BAND_BITS == 0)
-        checks[2] = off_grid != 0  # NaN too (the segment has overflowed anyway)
+        canonical = (room - self.exponents) % BAND_BITS == 0
+        checks = torch.stack([~(largest < limit), (largest >= limit / 2.0**BAND_BITS) & canonical, off_grid != 0])
         if checks[0].any():  # the sum is discarded; keep the conversion defined
             rounded = torch.nan_to_num(rounded, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-limit, limit)
-        return rounded.to(torch.int64).sum(dim=0), checks
+        # rows: overflowed (or not finite), reached the band, lossy (off the grid; NaN too)
+        return rounded.to(torch.int64).sum(dim=0), checks.to(torch.int64)
 
     def _guessed_scales(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The per-element scales of ``self.exponents`` as float64 and float32, and the exponents'

@@ -102,6 +102,8 @@ class InvariantSteps:
         self._in_row = [p.dtype == self._row_dtype and p.device == device for p in self.params]
         self._row_device = device
         self._used = [False] * len(self.params)  # set by the hooks: which got a gradient this shard
+        self._offsets = [sum(self.sizes[:i]) for i in range(len(self.params))]  # of each parameter in a row
+        self._buffer: tuple[torch.Tensor, list[list[torch.Tensor | None]]] | None = None  # _rows
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark_used(i)) for i, p in enumerate(self.params)]
         threads = cfg.dist.threads_per_worker or 1
         torch.set_num_threads(threads)
@@ -134,7 +136,7 @@ class InvariantSteps:
         options = self.trainer.train_loader_options  # a train_dataloader() DataLoader's: its collate_fn
         collate = (options or {}).get("collate_fn") or default_collate
         if isinstance(dataset, TensorDataset) and collate is default_collate:
-            return tuple(t[indices] for t in dataset.tensors)
+            return tuple(t.index_select(0, indices) for t in dataset.tensors)  # t[indices]'s, cheaper
         return collate([dataset[i] for i in indices.tolist()])
 
     # == one step =================================================================================
@@ -151,27 +153,31 @@ class InvariantSteps:
         t, module, work = self.trainer, self.trainer.model.module, step.work
         snapshot = [b.detach().clone() for b in (*self.float_buffers, *self.int_buffers)]
         shards = [shard for shard in work.shards if shard.size > 0]
-        contributions = torch.zeros(len(shards), sum(self.sizes), dtype=self._row_dtype, device=self._row_device)
+        contributions, views = self._rows(len(shards))
         losses = torch.zeros(work.num_shards, dtype=torch.float64)
-        counts = torch.zeros(len(self.params) + len(self.float_buffers), dtype=torch.int64)  # used, changed
-        for shard, row in zip(shards, contributions):
-            self._restore(snapshot)
-            views = self._grads_into(row)
-            with _SHARD_LOCK, torch.random.fork_rng(devices=_cuda_devices(t.device)):
+        used = [0] * len(self.params)  # how many shards gave each parameter a gradient
+        changed = [0] * len(self.float_buffers)  # how many shards changed each float buffer
+        # One fork of the generators for the step's shards (each shard seeds its own): the state
+        # the rest of the run draws from is as it was before the step.
+        with _SHARD_LOCK, torch.random.fork_rng(devices=_cuda_devices(t.device)):
+            for shard, row, row_views in zip(shards, contributions, views):
+                self._restore(snapshot)
+                self._grads_into(row_views)
                 _seed(t.device, shard_seed(self.seed, step.epoch, t.state.step, shard.index))
-                batch = self._load(t.train_set, step.order[shard.start : shard.end])
+                batch = self._load(t.train_set, step.order[shard.start : shard.end])  # __getitem__ may draw
                 with t.precision.autocast():  # trainer.precision
                     loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
-                t.precision.backward(loss * (shard.size / work.num_samples))
-            losses[shard.index] = float(loss.detach()) * shard.size
-            self._take_grads(row, views, counts)
-            self._buffer_state(row, counts, snapshot)
+                t.precision.backward(loss, scale=shard.size / work.num_samples)
+                losses[shard.index] = float(loss.detach()) * shard.size
+                self._take_grads(row, row_views, used)
+                self._buffer_state(row, changed, snapshot)
+        counts = torch.tensor(used + changed, dtype=torch.int64)
         ran = torch.tensor([1 if shards else 0], dtype=torch.int64)
         ints = [b.detach().reshape(-1).to("cpu", torch.int64) * ran for b in self.int_buffers]  # last shard's
         self._restore(snapshot)
         extra = torch.cat([losses.view(torch.int64), counts, *ints, ran])
         values, extra = self.reducer.all_reduce(t.process_group, contributions, work.num_shards, extra)
-        self._set_grads(values, extra[work.num_shards : work.num_shards + len(self.params)])
+        self._set_grads(values, extra[work.num_shards : work.num_shards + len(self.params)].tolist())
         changed = extra[work.num_shards + len(self.params) : work.num_shards + len(counts)]
         int_values = extra[work.num_shards + len(counts) : -1] // extra[-1]  # all shards agree: their mean
         self._set_buffers(values, changed, int_values, work)
@@ -184,37 +190,46 @@ class InvariantSteps:
 
         return hook
 
-    def _grads_into(self, row: torch.Tensor) -> list[torch.Tensor | None]:
-        """Point each float32 parameter's ``.grad`` at its (zero) slice of this shard's ``row``; the views."""
-        views, offset = [], 0
-        for i, p in enumerate(self.params):
-            n = p.numel()
-            views.append(row[offset : offset + n].view_as(p) if self._in_row[i] else None)
-            p.grad = views[-1]
-            self._used[i] = False
-            offset += n
-        return views
+    def _rows(self, num_shards: int) -> tuple[torch.Tensor, list[list[torch.Tensor | None]]]:
+        """A zeroed ``[num_shards, numel]`` buffer, one row per shard, and each row's views for the
+        parameters' ``.grad`` (None for a parameter of another dtype or device). Kept between steps:
+        a step's sum does not hold on to it."""
+        if self._buffer is None or len(self._buffer[0]) != num_shards:
+            rows = torch.zeros(num_shards, sum(self.sizes), dtype=self._row_dtype, device=self._row_device)
+            places = list(zip(self.params, self._offsets, self._in_row))
+            views = [[row[o : o + p.numel()].view_as(p) if ok else None for p, o, ok in places] for row in rows]
+            self._buffer = (rows, views)
+        else:
+            self._buffer[0].zero_()
+        return self._buffer
 
-    def _take_grads(self, row: torch.Tensor, views: list[torch.Tensor | None], counts: torch.Tensor) -> None:
+    def _grads_into(self, views: list[torch.Tensor | None]) -> None:
+        """Point each parameter's ``.grad`` at its (zero) slice of this shard's row: ``0 + g`` is ``g``."""
+        for p, view in zip(self.params, views):
+            p.grad = view
+        self._used = [False] * len(self.params)
+
+    def _take_grads(self, row: torch.Tensor, views: list[torch.Tensor | None], used: list[int]) -> None:
         """Complete this shard's ``row`` (the gradients that did not land in it: another dtype, or a
-        backward that replaced ``.grad``), count the parameters that got a gradient, clear ``.grad``."""
-        offset = 0
-        for i, p in enumerate(self.params):
-            n = p.numel()
+        backward that replaced ``.grad``), count the parameters that got a gradient."""
+        for i, (p, view, offset) in enumerate(zip(self.params, views, self._offsets)):
             if self._used[i]:
-                counts[i] += 1
-                view = views[i]
-                if view is None or p.grad.data_ptr() != view.data_ptr():
-                    row[offset : offset + n] = p.grad.detach().reshape(-1).to(row.device, torch.float32).to(row.dtype)
-            p.grad = None
-            offset += n
+                used[i] += 1
+                grad = p.grad
+                if view is None or (grad is not view and grad.data_ptr() != view.data_ptr()):
+                    flat = grad.detach().reshape(-1).to(row.device, torch.float32)  # float32 first
+                    row[offset : offset + p.numel()] = flat.to(row.dtype)
 
-    def _set_grads(self, values: torch.Tensor, used: torch.Tensor) -> None:
-        offset = 0
-        for i, p in enumerate(self.params):
-            n = p.numel()
-            p.grad = values[offset : offset + n].view_as(p).to(p.device, p.dtype) if used[i] > 0 else None
-            offset += n
+    def _set_grads(self, values: torch.Tensor, used: list[int]) -> None:
+        """Each used parameter's ``.grad``: its slice of the exact sum, converted once per dtype."""
+        converted: dict[torch.dtype, torch.Tensor] = {}
+        for p, offset, times in zip(self.params, self._offsets, used):
+            if times == 0:
+                p.grad = None
+                continue
+            if p.dtype not in converted:
+                converted[p.dtype] = values.to(p.dtype)
+            p.grad = converted[p.dtype][offset : offset + p.numel()].view_as(p).to(p.device)
 
     # == buffers (BatchNorm) ======================================================================
     def _restore(self, snapshot: list[torch.Tensor]) -> None:
@@ -222,12 +237,12 @@ class InvariantSteps:
             for b, saved in zip((*self.float_buffers, *self.int_buffers), snapshot):
                 b.copy_(saved)
 
-    def _buffer_state(self, row: torch.Tensor, counts: torch.Tensor, snapshot: list[torch.Tensor]) -> None:
+    def _buffer_state(self, row: torch.Tensor, changed: list[int], snapshot: list[torch.Tensor]) -> None:
         """This shard's float buffers into the tail of its ``row``; counts those it changed."""
         offset = self.param_numel
         for i, (b, saved) in enumerate(zip(self.float_buffers, snapshot)):
             if not torch.equal(b, saved):
-                counts[len(self.params) + i] += 1
+                changed[i] += 1
             row[offset : offset + b.numel()] = b.detach().reshape(-1).to(row.device, row.dtype)
             offset += b.numel()
 

@@ -44,8 +44,16 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+    def backward(self, loss: torch.Tensor, scale: float | None = None) -> None:
+        """Backward of ``loss`` (times ``scale``, when given: as ``(loss * scale).backward()``,
+        without the extra multiplication in the graph)."""
+        if scale is not None and loss.numel() != 1:  # backward() alone refuses it: so do we
+            raise RuntimeError(
+                f"training_step must return the loss as one number, got a tensor of shape {tuple(loss.shape)}: "
+                "reduce it (loss.mean() or loss.sum())"
+            )
+        loss = loss if self.scaler is None else self.scaler.scale(loss)
+        loss.backward(None if scale is None else torch.full_like(loss, scale))
 
     def unscale(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """True gradients before clipping (16-mixed); nothing otherwise."""

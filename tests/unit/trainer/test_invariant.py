@@ -160,6 +160,41 @@ def test_batchnorm_running_stats_take_the_mean_of_the_shards_statistics(tmp_path
         assert tracked == 1  # one update per step, not one per shard
 
 
+def test_float64_running_stats_keep_float64_precision(tmp_path):
+    """A float64 buffer is summed as float64 (a float32 row would round each shard's running mean
+    to float32 first: off by ~1e-8 relative, far over this tolerance)."""
+
+    config = _config(tmp_path, "tests.models.Float64BNNet", epochs=1, max_steps=1)
+
+    def body(rank, world_size):
+        trainer = BNTrainer(config)
+        module = trainer.configure_model()
+        data = trainer.train_dataset()
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
+        with torch.no_grad():  # shard by shard, as the fit computes them: float32's bits
+            shards = data.tensors[0][order].view(8, 4, -1)
+            per_shard = torch.stack([0.1 * module.fc1(shard).double().mean(dim=0) for shard in shards])
+        trainer.fit()
+        return trainer.model.module.bn.running_mean.clone(), per_shard
+
+    for running_mean, per_shard in run_threaded(body, 2, timeout_s=60):
+        assert running_mean.dtype == torch.float64
+        # the exact mean of the shards' float64 values, to float64's precision
+        torch.testing.assert_close(running_mean, per_shard.mean(dim=0), rtol=1e-13, atol=1e-15)
+        assert not torch.equal(running_mean, per_shard.float().double().mean(dim=0))  # float32's differs
+
+
+def test_a_loss_that_is_not_one_number_is_refused_by_name(tmp_path):
+    class PerSample(ImagesTrainer):
+        def training_step(self, model, batch):
+            images, labels = batch
+            return F.nll_loss(model(images), labels, reduction="none")
+
+    config = _config(tmp_path, "tests.models.Net", epochs=1, max_steps=1)
+    with pytest.raises(RuntimeError, match=r"training_step must return the loss as one number.*shape \(4,\)"):
+        run_threaded(_fit, 2, PerSample, config, timeout_s=60)
+
+
 def _stop_then_resume(rank, world_size, config):
     trainer = ImagesTrainer(config)
     return trainer.fit()["params_sha256"], trainer.loss_history
