@@ -187,6 +187,10 @@ def exact_all_reduce(
     return from_fixed(total, scales, max_abs, sizes, dtype)
 
 
+_SCRATCH_BYTES = 256 * 2**20
+"""The most scratch memory an :class:`ExactAllReducer` keeps between sums (:meth:`ExactAllReducer._scratch`)."""
+
+
 class ExactAllReducer:
     """Exact sums over ranks, one int64 all-reduce SUM in the common case (see the module docstring).
 
@@ -202,6 +206,7 @@ class ExactAllReducer:
         self.exponents: torch.Tensor | None = None
         self.fallbacks = 0
         self._scales: tuple | None = None  # the guessed exponents' scales, cached: _guessed_scales
+        self._kept_scratch: tuple[torch.Tensor, ...] | None = None  # _scratch
 
     def all_reduce(
         self, process_group: ProcessGroup, contributions: Sequence[torch.Tensor], count: int, extra: torch.Tensor
@@ -254,21 +259,35 @@ class ExactAllReducer:
         # the exponent only grows), so the tests and the rounding give float64's bits at half the
         # traffic. A negative exponent could push a tiny value below float32's range unnoticed.
         narrow = stacked.dtype == torch.float32 and 0 <= lowest and highest <= 100
-        scaled = stacked * scales32 if narrow else stacked.to(torch.float64) * scales
-        rounded = torch.round(scaled)
+        scaled, rounded, ints = self._scratch(stacked.shape, torch.float32 if narrow else torch.float64)
+        torch.mul(stacked, scales32 if narrow else scales, out=scaled)  # float64: as stacked.to(float64) * scales
         # per element, over the contributions: the largest magnitude (NaN stays NaN: it fails
         # ``< limit``) and the largest distance to the grid; then per segment
-        largest, off_grid = self._segment_max(
-            torch.stack([scaled.abs().amax(dim=0), (scaled - rounded).abs_().amax(dim=0)])
-        )
+        largest = torch.abs(scaled, out=rounded).amax(dim=0)
+        torch.round(scaled, out=rounded)
+        off_grid = scaled.sub_(rounded).abs_().amax(dim=0)  # scaled is spent
+        largest, off_grid = self._segment_max(torch.stack([largest, off_grid]))
         # "in the band" proves the guess canonical only for an exponent canonical for some maximum
         # and this count (the previous sum's, normally): a band's top a multiple of BAND_BITS
         canonical = (room - self.exponents) % BAND_BITS == 0
         checks = torch.stack([~(largest < limit), (largest >= limit / 2.0**BAND_BITS) & canonical, off_grid != 0])
         if checks[0].any():  # the sum is discarded; keep the conversion defined
-            rounded = torch.nan_to_num(rounded, nan=0.0, posinf=0.0, neginf=0.0).clamp_(-limit, limit)
+            rounded.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).clamp_(-limit, limit)
         # rows: overflowed (or not finite), reached the band, lossy (off the grid; NaN too)
-        return rounded.to(torch.int64).sum(dim=0), checks.to(torch.int64)
+        return ints.copy_(rounded).sum(dim=0), checks.to(torch.int64)
+
+    def _scratch(self, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Scratch tensors of ``shape`` for :meth:`_fixed_checked`: scaled and rounded (``dtype``),
+        and int64. Kept between sums while they take at most ``_SCRATCH_BYTES`` (fresh ones each
+        step cost as much as the arithmetic: new pages); larger ones are made per call."""
+        rows, numel = shape
+        kept = self._kept_scratch
+        if kept is not None and kept[0].dtype == dtype and kept[0].shape[1] == numel and len(kept[0]) >= rows:
+            return tuple(t[:rows] for t in kept)
+        made = (torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=torch.int64))
+        if sum(t.numel() * t.element_size() for t in made) <= _SCRATCH_BYTES:
+            self._kept_scratch = made
+        return made
 
     def _guessed_scales(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """The per-element scales of ``self.exponents`` as float64 and float32, and the exponents'

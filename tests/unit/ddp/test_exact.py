@@ -183,3 +183,26 @@ def test_the_float32_grid_check_gives_the_float64_checks_sums_and_misfits(expone
         assert narrow[1].any() or torch.equal(narrow[0], wide[0]), (narrow, wide)
         compared += not narrow[1].any()
     assert compared == (exponents == [20, 20, 20])  # the on-grid values fit that grid
+
+
+def test_scratch_kept_between_sums_never_leaks_into_the_next():
+    """A reducer keeps its conversion's scratch tensors between sums: a later sum (fewer rows, the
+    other dtype, rows that overflow) must come out as a fresh reducer's."""
+    g = torch.Generator().manual_seed(3)
+    kept = ExactAllReducer([5, 3])
+    kept.exponents = torch.tensor([30, 40], dtype=torch.int64)
+    sums = [
+        torch.randn(4, 8, generator=g),
+        torch.randn(2, 8, generator=g),  # fewer rows than the scratch holds
+        torch.randn(3, 8, generator=g, dtype=torch.float64),
+        torch.tensor([[float("nan"), 1.0, 2.0, 3.0, 4.0, 2.0**70, 1.0, 1.0]]),  # overflows
+        torch.randn(4, 8, generator=g),
+    ]
+    for rows in sums:
+        fresh = ExactAllReducer([5, 3])
+        fresh.exponents = kept.exponents
+        got, expected = kept._fixed_checked(rows, 8), fresh._fixed_checked(rows.clone(), 8)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        if not got[1][0].any():  # without overflow: the exact sum of each row's rounding
+            wide = torch.round(rows.to(torch.float64) * 2.0 ** torch.tensor([30.0] * 5 + [40.0] * 3))
+            assert torch.equal(got[0], wide.to(torch.int64).sum(dim=0))
