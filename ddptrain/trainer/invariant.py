@@ -233,9 +233,9 @@ class InvariantSteps:
 
     # == buffers (BatchNorm) ======================================================================
     def _restore(self, snapshot: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for b, saved in zip((*self.float_buffers, *self.int_buffers), snapshot):
-                b.copy_(saved)
+        if snapshot:
+            with torch.no_grad():
+                torch._foreach_copy_([*self.float_buffers, *self.int_buffers], snapshot)  # one call, not one each
 
     def _buffer_state(self, row: torch.Tensor, changed: list[int], snapshot: list[torch.Tensor]) -> None:
         """This shard's float buffers into the tail of its ``row``; counts those it changed."""
