@@ -139,6 +139,14 @@ def test_a_parameter_no_shard_uses_gets_no_gradient(tmp_path):
         assert not torch.equal(rank_state["fc1.weight"], initial["fc1.weight"])  # the used ones train
 
 
+def _first_step_shards(trainer) -> torch.Tensor:
+    """The inputs of the first step's 8 shards of 4 (global batch 32, the sampler's first epoch
+    order: trainer.seed 1234 + epoch 0), flattened: ``[8, 4, 784]``."""
+    data = trainer.train_dataset()
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
+    return data.tensors[0][order].view(8, 4, -1)
+
+
 def test_batchnorm_running_stats_take_the_mean_of_the_shards_statistics(tmp_path):
     """One step from fresh stats: running_mean = (1 - m) * 0 + m * mean over the 8 shards of their batch means."""
 
@@ -147,10 +155,8 @@ def test_batchnorm_running_stats_take_the_mean_of_the_shards_statistics(tmp_path
     def body(rank, world_size):
         trainer = BNTrainer(config)
         module = trainer.configure_model()
-        data = trainer.train_dataset()
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
         with torch.no_grad():
-            features = module.fc1(data.tensors[0][order].view(32, -1))
+            features = module.fc1(_first_step_shards(trainer).reshape(32, -1))
         expected = 0.1 * features.view(8, 4, -1).mean(dim=1).mean(dim=0)
         trainer.fit()
         return trainer.model.module.bn.running_mean.clone(), expected, int(trainer.model.module.bn.num_batches_tracked)
@@ -169,10 +175,8 @@ def test_float64_running_stats_keep_float64_precision(tmp_path):
     def body(rank, world_size):
         trainer = BNTrainer(config)
         module = trainer.configure_model()
-        data = trainer.train_dataset()
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
         with torch.no_grad():  # shard by shard, as the fit computes them: float32's bits
-            shards = data.tensors[0][order].view(8, 4, -1)
+            shards = _first_step_shards(trainer)
             per_shard = torch.stack([0.1 * module.fc1(shard).double().mean(dim=0) for shard in shards])
         trainer.fit()
         return trainer.model.module.bn.running_mean.clone(), per_shard
