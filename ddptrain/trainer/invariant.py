@@ -96,8 +96,9 @@ class InvariantSteps:
         # (``.grad`` set to views of it, zeros: ``0 + g`` is ``g``), which the exact sum takes as it
         # is. Parameters of another dtype or device keep their own ``.grad``, copied afterwards.
         device = self.params[0].device if self.params else torch.device("cpu")
-        # float64 when a float buffer is: its state is summed as it is (a gradient is float32 first)
-        wide = any(b.dtype == torch.float64 for b in self.float_buffers)
+        # float64 when a parameter or float buffer is: each is summed at its own precision (the
+        # others widen exactly); float32 (half the bytes, the exact sum's float32 path) otherwise
+        wide = any(t.dtype == torch.float64 for t in (*self.params, *self.float_buffers))
         self._row_dtype = torch.float64 if wide else torch.float32
         self._in_row = [p.dtype == self._row_dtype and p.device == device for p in self.params]
         self._row_device = device
@@ -216,9 +217,8 @@ class InvariantSteps:
             if self._used[i]:
                 used[i] += 1
                 grad = p.grad
-                if view is None or (grad is not view and grad.data_ptr() != view.data_ptr()):
-                    flat = grad.detach().reshape(-1).to(row.device, torch.float32)  # float32 first
-                    row[offset : offset + p.numel()] = flat.to(row.dtype)
+                if view is None or grad.data_ptr() != view.data_ptr():
+                    row[offset : offset + p.numel()] = grad.detach().reshape(-1).to(row.device, row.dtype)
 
     def _set_grads(self, values: torch.Tensor, used: list[int]) -> None:
         """Each used parameter's ``.grad``: its slice of the exact sum, converted once per dtype."""

@@ -188,6 +188,28 @@ def test_float64_running_stats_keep_float64_precision(tmp_path):
         assert not torch.equal(running_mean, per_shard.float().double().mean(dim=0))  # float32's differs
 
 
+def test_float64_parameters_get_float64_gradients(tmp_path):
+    """MixedNet's float64 layer: after one SGD step its weight is ``w - lr * g``, g the float64 sum
+    of the 8 shards' gradients (each ``training_step`` loss weighted 4/32), to float64's precision.
+    Rounding each shard's gradient to float32 is off by ~1e-8 relative, far over this tolerance."""
+    config = _config(tmp_path, "tests.models.MixedNet", epochs=1, max_steps=1)
+
+    def body(rank, world_size):
+        trainer = ImagesTrainer(config)
+        module = trainer.configure_model()
+        data = trainer.train_dataset()
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
+        for images, labels in zip(data.tensors[0][order].view(8, 4, 1, 28, 28), data.tensors[1][order].view(8, 4)):
+            (trainer.training_step(module, (images, labels)) * (4 / 32)).backward()  # shard by shard
+        expected = module.fc2.weight.detach() - config.optimizer.lr * module.fc2.weight.grad
+        trainer.fit()
+        return trainer.model.module.fc2.weight.detach().clone(), expected
+
+    for weight, expected in run_threaded(body, 2, timeout_s=60):
+        assert weight.dtype == torch.float64
+        torch.testing.assert_close(weight, expected, rtol=1e-13, atol=1e-15)
+
+
 def test_a_loss_that_is_not_one_number_is_refused_by_name(tmp_path):
     class PerSample(ImagesTrainer):
         def training_step(self, model, batch):
