@@ -2,8 +2,9 @@
 
 The knobs live in ``config.model`` (free-form): ``kind`` (``net``: the tutorial's conv net,
 compute-bound; ``mlp``: ``layers`` Linear(width, width) layers + ReLU), ``sleep_s`` (each
-sample's ``__getitem__`` sleeps that long), ``slow_rank``/``slow_s`` (that rank sleeps in every
-``training_step``). Importable by spawned workers (a module, not a test file).
+sample's ``__getitem__`` sleeps that long), ``spin_s`` (... computes that long: a CPU-bound
+decoder), ``slow_rank``/``slow_s`` (that rank sleeps in every ``training_step``). Importable by
+spawned workers (a module, not a test file).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from ddptrain import Config, Trainer
 
 
 class SleepyDataset(Dataset):
-    """MNIST-shaped random samples; ``__getitem__`` sleeps ``sleep_s`` (a slow disk or decoder)."""
+    """MNIST-shaped random samples; ``__getitem__`` sleeps ``sleep_s`` (a slow disk) and then
+    busy-waits ``spin_s`` (a slow decoder: it needs a core all that time)."""
 
-    def __init__(self, n: int, sleep_s: float = 0.0, features: int = 784):
+    def __init__(self, n: int, sleep_s: float = 0.0, features: int = 784, spin_s: float = 0.0):
         g = torch.Generator().manual_seed(0)
         self.x = torch.randn(n, 1, 28, 28, generator=g) if features == 784 else torch.randn(n, features, generator=g)
         self.y = torch.randint(0, 10, (n,), generator=g)
-        self.sleep_s = sleep_s
+        self.sleep_s, self.spin_s = sleep_s, spin_s
 
     def __len__(self) -> int:
         return len(self.y)
@@ -32,6 +34,10 @@ class SleepyDataset(Dataset):
     def __getitem__(self, i):
         if self.sleep_s:
             time.sleep(self.sleep_s)
+        if self.spin_s:
+            until = time.thread_time() + self.spin_s  # this thread's CPU time: a core's worth of work
+            while time.thread_time() < until:
+                pass
         return self.x[i], self.y[i]
 
 
@@ -55,7 +61,7 @@ class DoctorTask(Trainer):
     def train_dataset(self) -> Dataset:
         m = self.config.model
         features = 784 if m.get("kind", "net") == "net" else m.get("width", 64)
-        return SleepyDataset(self.config.data.num_train_samples, m.get("sleep_s", 0.0), features)
+        return SleepyDataset(self.config.data.num_train_samples, m.get("sleep_s", 0.0), features, m.get("spin_s", 0.0))
 
     def val_dataset(self):
         return None

@@ -100,12 +100,14 @@ def summarize(per_rank: list[list[dict]], shared_cores: bool = False) -> tuple[d
             row = {k: r[k] for k in ("data_s", "forward_s", "backward_s", "optimizer_s", "other_s")}
             row.update(comm_exposed_s=least, sync_wait_s=r["comm_s"] - least + flags_wait, step_s=r["end"] - r["start"])
             row.update(cpu_s=r["cpu_s"], core_wait_s=r["core_wait_s"], unused_params=r["unused_params"])
+            row["data_core_wait_s"] = r.get("data_core_wait_s", 0.0)
             row["find_unused_s"] = r["find_unused_s"] - flags_wait
             row["busy_s"] = row["step_s"] - r["comm_s"] - flags_wait
-            row["own_s"] = row["busy_s"] - (row["core_wait_s"] if shared_cores else 0.0)
+            waited = row["core_wait_s"] + row["data_core_wait_s"]  # for a core, over the whole step
+            row["own_s"] = row["busy_s"] - (waited if shared_cores else 0.0)
             row["in_backward_s"] = _comm_in_backward(r)
             rows[rank].append(row)
-    keys = ("step_s", *BREAKDOWN, "cpu_s", "core_wait_s", "busy_s", "own_s", "in_backward_s")
+    keys = ("step_s", *BREAKDOWN, "cpu_s", "core_wait_s", "data_core_wait_s", "busy_s", "own_s", "in_backward_s")
     ranks = [{"rank": i, **{k: statistics.median(x[k] for x in rs) for k in keys}} for i, rs in enumerate(rows)]
     for i, rank in enumerate(ranks):
         busiest = sum(max(range(len(rows)), key=lambda r: rows[r][n]["own_s"]) == i for n in range(len(steps)))
@@ -176,7 +178,12 @@ def _cause(name: str, share: float, advice: str, predicted: float, **extra) -> d
 
 
 def _data_loading(b, ranks, facts, link, model) -> dict | None:
-    step, data = b["step_s"], b["data_s"]
+    # The loading's own time: without the part of the wait the thread spent ready to run but
+    # without a core. That part is the host running more threads than it has cores (3 ranks of
+    # the tutorial net on 2 cores: a third of a 2 ms wait for 32 samples, in 18 ms steps, at
+    # times a whole 5 ms scheduler slice), and loader processes would not shorten it: they need
+    # cores too.
+    step, data = b["step_s"], max(b["data_s"] - b.get("data_core_wait_s", 0.0), 0.0)
     rest = max(step - data, 1e-6)
     fetch = data if facts.num_workers == 0 else facts.num_workers * step  # one batch's loading time
     # Loader processes that just keep pace leave the rank waiting at every hiccup (batches arrive
@@ -185,7 +192,7 @@ def _data_loading(b, ranks, facts, link, model) -> dict | None:
     return _cause(
         "data_loading",
         data / step,
-        f"data.num_workers={workers}: each step waits {data:.3g} s for its batch (of {step:.3g} s); "
+        f"data.num_workers={workers}: each step spends {data:.3g} s loading its batch (of {step:.3g} s); "
         f"{workers} loader processes per rank prepare batches while the rank computes",
         max(rest, fetch / workers),
     )
@@ -224,7 +231,7 @@ def _unhurried_busy_s(rank: dict, facts: JobFacts) -> float:
 
 def _slow_network(b, ranks, facts, link, model) -> dict | None:
     latency, bandwidth = model.latency_and_bandwidth_s()
-    if bandwidth < latency:
+    if bandwidth < latency or bandwidth + latency <= 0:  # latency-bound, or nothing crosses a link (one rank)
         return None
     nbytes = sum(sum(x) for x in facts.bucket_sizes)
     step, exposed, p = b["step_s"], b["comm_exposed_s"], facts.world_size

@@ -8,7 +8,9 @@ wrappers are removed when the window is measured.
 One step, on one rank, from the moment the loop asks for its batch to the moment it asks for the
 next one:
 
-- ``data_s``: waiting for the batch (the iterator's ``next``);
+- ``data_s``: waiting for the batch (the iterator's ``next``); ``data_core_wait_s`` is the part of
+  it the thread spent ready to run without a core (a host running more threads than it has cores,
+  not slow loading);
 - ``forward_s``: from the start of ``train_step`` to the end of the model's forward (user code
   before the model call counts here), plus the forwards of further micro-batches;
 - ``backward_s``: the rest of ``train_step`` that is not waiting for communication (the loss,
@@ -48,7 +50,8 @@ class StepRecord:
     optimizer_s: float = 0.0
     other_s: float = 0.0
     cpu_s: float = 0.0
-    core_wait_s: float = 0.0  # the training thread was ready to run but had no core (Linux only)
+    core_wait_s: float = 0.0  # the training thread was ready to run but had no core (Linux only), after data_s
+    data_core_wait_s: float = 0.0  # ... and during data_s
     unused_params: int = 0  # parameters without a gradient on this rank (find_unused_parameters)
     marks: dict[str, float] = field(default_factory=dict)  # phase boundaries, for the timeline
     buckets: list[dict[str, Any]] = field(default_factory=list)  # bytes, launch, done
@@ -181,16 +184,24 @@ class StepRecorder:
         while True:
             started = time.perf_counter()
             self._close(started)
+            step = self.trainer.state.step + 1  # the step this batch is for
+            measured = self.first < step <= self.last
+            if measured:
+                self._core_wait = self._core_wait or CoreWait()
+                data_wait0 = self._core_wait.seconds()
             try:
                 item = next(it)
             except StopIteration:
                 return
-            step = self.trainer.state.step + 1
-            if self.first < step <= self.last:
+            if measured:
                 self._cpu0 = time.process_time()
-                self._core_wait = self._core_wait or CoreWait()
                 self._core_wait0 = self._core_wait.seconds()
-                self._open = StepRecord(step, started, data_s=time.perf_counter() - started)
+                self._open = StepRecord(
+                    step,
+                    started,
+                    data_s=time.perf_counter() - started,
+                    data_core_wait_s=self._core_wait0 - data_wait0,
+                )
                 self._open.marks["data_end"] = time.perf_counter()
             yield item
 

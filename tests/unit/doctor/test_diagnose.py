@@ -251,3 +251,29 @@ def test_the_straggler_prediction_takes_the_waiting_ranks_work_at_its_unhurried_
     assert _first(records, _facts(world_size=3, compute_probe=probe))[0]["predicted_step_s"] == pytest.approx(
         plain["predicted_step_s"]
     )
+
+
+def test_one_rank_has_no_link_to_blame():
+    # nothing crosses a link: no slow_network (it once divided by the link's zero time)
+    cause, _ = _first(_records(ranks=1), _facts(world_size=1, ranks_per_host=1))
+    assert cause["cause"] == "healthy", cause
+
+
+def _loading_beside_busy_cores(data_core_wait_s: float):
+    """2 ranks; each waits 12 ms for its batch in a 44 ms step, ``data_core_wait_s`` of it ready
+    to run but without a core."""
+    records = _records(data_s=0.012)
+    for recs in records:
+        for rec in recs:
+            rec["data_core_wait_s"] = data_core_wait_s
+    return records
+
+
+def test_waiting_for_a_core_while_the_batch_loads_is_not_data_loading():
+    facts = _facts(ranks_per_host=2, cores=1)
+    cause, b = _first(_loading_beside_busy_cores(0.0), facts)
+    assert cause["cause"] == "data_loading" and cause["share"] == pytest.approx(0.012 / b["step_s"], abs=1e-4)
+    # the same wait, 10 of its 12 ms spent without a core: 2 ms of loading (5%) is no cause
+    cause, b = _first(_loading_beside_busy_cores(0.010), facts)
+    assert cause["cause"] == "healthy", cause
+    assert b["data_core_wait_s"] == pytest.approx(0.010)
