@@ -114,3 +114,13 @@ def run_doctored(rank: int, world_size: int, runs: list[tuple[str, dict]], root:
         if rank == 0:
             reports.append(json.loads((out / "doctor.json").read_text()))
     return reports
+
+
+def fit_on_one_core(rank: int, world_size: int, root: str, core: int, kwargs: dict) -> list[dict]:
+    """Pin this rank to ``core``, fit ``doctor_config(root, **kwargs)``; this rank's step records."""
+    import os
+
+    os.sched_setaffinity(0, {core})
+    trainer = DoctorTask(doctor_config(root, **kwargs))
+    trainer.fit()
+    return [r for c in trainer.callbacks for r in getattr(c, "records", [])]

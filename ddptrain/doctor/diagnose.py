@@ -178,12 +178,14 @@ def _cause(name: str, share: float, advice: str, predicted: float, **extra) -> d
 
 
 def _data_loading(b, ranks, facts, link, model) -> dict | None:
-    # The loading's own time: without the part of the wait the thread spent ready to run but
-    # without a core. That part is the host running more threads than it has cores (3 ranks of
-    # the tutorial net on 2 cores: a third of a 2 ms wait for 32 samples, in 18 ms steps, at
-    # times a whole 5 ms scheduler slice), and loader processes would not shorten it: they need
-    # cores too.
-    step, data = b["step_s"], max(b["data_s"] - b.get("data_core_wait_s", 0.0), 0.0)
+    # On a host whose ranks outnumber its cores, the loading's own time is the wait for the batch
+    # without the part the thread spent ready to run but without a core: the ranks take turns on
+    # the cores (3 ranks of the tutorial net on 2 cores: a third of a 2 ms wait for 32 samples, in
+    # 18 ms steps, at times a whole 5 ms scheduler slice), and loader processes would not shorten
+    # that, they need cores too. With a core per rank the wait for a core is the wake-up after
+    # each read (a slow disk), which loader processes do take off the rank: it counts.
+    waited = b.get("data_core_wait_s", 0.0) if facts.shares_cores else 0.0
+    step, data = b["step_s"], max(b["data_s"] - waited, 0.0)
     rest = max(step - data, 1e-6)
     fetch = data if facts.num_workers == 0 else facts.num_workers * step  # one batch's loading time
     # Loader processes that just keep pace leave the rank waiting at every hiccup (batches arrive

@@ -277,3 +277,6 @@ def test_waiting_for_a_core_while_the_batch_loads_is_not_data_loading():
     cause, b = _first(_loading_beside_busy_cores(0.010), facts)
     assert cause["cause"] == "healthy", cause
     assert b["data_core_wait_s"] == pytest.approx(0.010)
+    # with a core per rank that wait is the wake-up after each read: loader processes remove it
+    cause, b = _first(_loading_beside_busy_cores(0.010), _facts(ranks_per_host=2, cores=2))
+    assert cause["cause"] == "data_loading" and cause["share"] == pytest.approx(0.012 / b["step_s"], abs=1e-4)
