@@ -9,8 +9,8 @@ One step, on one rank, from the moment the loop asks for its batch to the moment
 next one:
 
 - ``data_s``: waiting for the batch (the iterator's ``next``); ``data_core_wait_s`` is the part of
-  it the thread spent ready to run without a core (a host running more threads than it has cores,
-  not slow loading);
+  it the thread spent ready to run without a core (where a host's ranks outnumber its cores, the
+  host's cost, not the loading's);
 - ``forward_s``: from the start of ``train_step`` to the end of the model's forward (user code
   before the model call counts here), plus the forwards of further micro-batches;
 - ``backward_s``: the rest of ``train_step`` that is not waiting for communication (the loss,

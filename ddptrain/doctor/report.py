@@ -20,7 +20,7 @@ def doctor_json(facts: JobFacts, breakdown: dict, ranks: list[dict], link: dict,
     return {
         "world_size": facts.world_size,
         "step_s": breakdown["step_s"],
-        # data_core_wait_s: the part of data_s spent without a core (not counted as loading's cost)
+        # data_core_wait_s: the part of data_s without a core (where ranks outnumber cores, not the loading's cost)
         "breakdown": {k: breakdown[k] for k in (*BREAKDOWN, "data_core_wait_s", "steps")},
         "per_rank": ranks,
         "link": link,
