@@ -18,6 +18,7 @@ import difflib
 import os
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,6 +361,49 @@ class Config:
         return dataclasses.asdict(self)
 
 
+# -- unknown keys: what to say instead ----------------------------------------------------------
+LIGHTNING_KEYS = {
+    "devices": "dist.world_size",
+    "accumulate_grad_batches": "trainer.grad_accum_steps",
+    "max_epochs": "trainer.epochs",
+    "max_steps": "trainer.max_steps",
+    "gradient_clip_val": "trainer.grad_clip_norm",
+    "precision": "trainer.precision",
+    "check_val_every_n_epoch": "trainer.eval_every_epochs",
+    "val_check_interval": "trainer.eval_every_steps",
+    "log_every_n_steps": "trainer.log_every_steps",
+    "default_root_dir": "trainer.output_dir",
+    "accelerator": "trainer.device",
+}
+"""Lightning ``Trainer`` flags (as ``trainer.<flag>`` or bare) and the ddptrain key that does their job."""
+_NUM_NODES_ADVICE = (
+    " ddptrain has no num_nodes: across machines, start the ranks with torchrun, mpirun or srun "
+    "(one process per rank; the launcher's world size wins), see the README's launching section."
+)
+_MAX_KEYS_LISTED = 12
+
+
+def suggest_key(dotted: str, close: Sequence[str]) -> str:
+    """The " Did you mean ...?" text for the unknown key ``dotted``: a Lightning flag's ddptrain key
+    first (``trainer.devices`` -> ``dist.world_size``), else the closest of ``close``, else nothing."""
+    flag = dotted.rsplit(".", 1)[-1]
+    if dotted in (flag, f"trainer.{flag}"):
+        if flag == "num_nodes":
+            return _NUM_NODES_ADVICE
+        if flag in LIGHTNING_KEYS:
+            ours = LIGHTNING_KEYS[flag]
+            return f" Did you mean {ours}? (Lightning's Trainer({flag}=...) is {ours} here.)"
+    return f" Did you mean {close[0]}?" if close else ""
+
+
+def keys_hint(section: str, names: Sequence[str]) -> str:
+    """Where to read the keys of ``section``: listed when there are few, else the command that prints them."""
+    where = section or "the top level"
+    if len(names) <= _MAX_KEYS_LISTED:
+        return f"Keys under {where}: {', '.join(sorted(names))}."
+    return f"{where} has {len(names)} keys: `python -m ddptrain recipe=<name> --cfg job` prints them with their values."
+
+
 # -- building and type checks ------------------------------------------------------------------
 def _build(cls, data: Any, prefix: str):
     if not isinstance(data, dict):
@@ -373,11 +417,8 @@ def _build(cls, data: Any, prefix: str):
     if unknown:
         key = unknown[0]
         close = difflib.get_close_matches(str(key), names, n=1)
-        hint = f" Did you mean {prefix}{close[0]}?" if close else ""
-        raise ConfigError(
-            f"unknown config key {prefix}{key}.{hint} Known keys under "
-            f"{prefix.rstrip('.') or 'the root'}: {', '.join(names)}."
-        )
+        hint = suggest_key(f"{prefix}{key}", [prefix + close[0]] if close else [])
+        raise ConfigError(f"unknown config key {prefix}{key}.{hint} {keys_hint(prefix.rstrip('.'), names)}")
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 

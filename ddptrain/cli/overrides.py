@@ -14,7 +14,7 @@ import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from ..config import Config
+from ..config import Config, keys_hint, suggest_key
 
 __all__ = ["GROUPS", "FLAGS_WITH_VALUE", "override_tokens", "config_dirs_of", "group_options", "first_problem"]
 
@@ -87,11 +87,9 @@ def _unknown_key(path: list[str]) -> str | None:
         hints = typing.get_type_hints(cls)
         if part not in hints:
             key = ".".join(path)
-            section = ".".join(path[:depth]) or "the top level"
             close = difflib.get_close_matches(key, _leaf_keys(Config), n=1, cutoff=0.6)
-            hint = f" Did you mean {close[0]}?" if close else ""
-            known = ", ".join(sorted(hints))
-            return f"unknown config key {key}.{hint} Keys under {section}: {known}."
+            section = ".".join(path[:depth])
+            return f"unknown config key {key}.{suggest_key(key, close)} {keys_hint(section, sorted(hints))}"
         hint = hints[part]
         if hint is dict or typing.get_origin(hint) is dict:
             return None  # free-form (model.*): whatever the model's constructor takes

@@ -92,6 +92,8 @@ def test_cfg_job_prints_the_composed_config(tmp_path):
         ("data.global_batch=64", ["Did you mean data.global_batch_size?"]),
         ("optimizer.scheduler.nam=cosine", ["Did you mean optimizer.scheduler.name?"]),
         ("recipe.nme=x", ["Did you mean recipe.name?"]),
+        ("trainer.devices=2", ["Did you mean dist.world_size?", "Lightning's Trainer(devices=...)"]),
+        ("trainer.accumulate_grad_batches=2", ["Did you mean trainer.grad_accum_steps?"]),
         ("trainer.epochs=ten", ["trainer.epochs=ten", "could not be converted to Integer"]),
     ],
 )

@@ -1,6 +1,9 @@
 """Overrides checked against the schema before Hydra: did-you-mean for keys and group options."""
 
+import pytest
+
 from ddptrain.cli.overrides import config_dirs_of, first_problem, group_options, override_tokens
+from ddptrain.config import LIGHTNING_KEYS
 
 OPTIONS = {"recipe": ["fashion_mnist", "mnist", "synthetic"], "trainer": ["default", "smoke"]}
 
@@ -41,7 +44,31 @@ def test_known_keys_free_form_model_hydra_and_sweeps_pass():
 def test_a_typo_in_a_key_suggests_the_closest_key_anywhere():
     assert "Did you mean trainer.epochs?" in first_problem(["epochs=3"], OPTIONS)
     assert "Did you mean dist.bucket_cap_mb?" in first_problem(["dist.bucket_cap=5"], OPTIONS)
-    assert "Keys under trainer:" in first_problem(["trainer.zzz=1"], OPTIONS)
+    assert "Keys under dist: algorithm, backend," in first_problem(["dist.zzz=1"], OPTIONS)
+
+
+def test_a_typo_under_a_large_section_points_at_the_listing_instead_of_printing_every_key():
+    message = first_problem(["trainer.zzz=1"], OPTIONS)
+    assert "--cfg job` prints them" in message
+    assert "grad_accum_steps" not in message and "log_every_steps" not in message, message
+
+
+@pytest.mark.parametrize("flag", sorted(LIGHTNING_KEYS))
+def test_each_lightning_flag_maps_to_a_real_key(flag):
+    ours = LIGHTNING_KEYS[flag]
+    assert first_problem([f"{ours}=1"], OPTIONS) is None, f"{flag} maps to {ours}, which is not a key"
+    for spelling in (f"trainer.{flag}=1", f"{flag}=1"):
+        message = first_problem([spelling], OPTIONS) or ""
+        if ours == spelling.split("=")[0]:
+            continue  # trainer.max_steps is ours too
+        assert f"Did you mean {ours}? (Lightning's Trainer({flag}=...)" in message, (spelling, message)
+
+
+def test_lightning_habits_get_lightnings_advice_not_the_nearest_spelling():
+    assert "Did you mean dist.world_size?" in first_problem(["trainer.devices=2"], OPTIONS)
+    assert "trainer.device?" not in first_problem(["trainer.devices=2"], OPTIONS)
+    assert "Did you mean trainer.grad_accum_steps?" in first_problem(["trainer.accumulate_grad_batches=2"], OPTIONS)
+    assert "torchrun, mpirun or srun" in first_problem(["trainer.num_nodes=2"], OPTIONS)
 
 
 def test_a_value_is_not_a_section():
