@@ -1,5 +1,6 @@
-"""The README is true to the code: every ddptrain command in it is accepted by the CLI's own
-checks and composes into a configuration that validates (world size against the batch...)."""
+"""The README and the guides in docs/ are true to the code: every ddptrain command in them is
+accepted by the CLI's own checks and composes into a configuration that validates (world size
+against the batch...)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ddptrain.cli.app import compose_config, to_config
 from ddptrain.config import validate
 from tests.conftest import REPO
 
-README = (REPO / "README.md").read_text()
+README = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
 
 
 def _shell_blocks(text: str) -> list[str]:
