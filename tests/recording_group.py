@@ -45,7 +45,10 @@ class _WatchedWork:
 
 
 class RecordingGroup(ProcessGroup):
-    """Delegates to ``inner``; ``all_reduces`` lists what went on the wire (see the module doc)."""
+    """Delegates to ``inner``; ``all_reduces`` lists what went on the wire (see the module doc).
+
+    Each hook (``_all_reduce``, ...) calls ``inner``'s public method, so both groups' ledgers
+    record the collective, as for any group used through its public methods."""
 
     def __init__(self, inner: ProcessGroup, watch=()):
         super().__init__(inner.rank(), inner.size(), inner.global_ranks, inner.timeout, inner.name, inner.device)
@@ -65,43 +68,43 @@ class RecordingGroup(ProcessGroup):
                 return i
         return None
 
-    def all_reduce(self, tensor, op=ReduceOp.SUM):
+    def _all_reduce(self, tensor, op=ReduceOp.SUM):
         missing, grad_index = self.grads_missing(), self._grad_index(tensor)
         work = self.inner.all_reduce(tensor, op)
         call = AllReduceCall(tensor.dtype, tensor.numel(), missing, grad_index, work.is_completed())
         self.all_reduces.append(call)
         return _WatchedWork(work, lambda: call.waits_with_grads_missing.append(self.grads_missing()))
 
-    def send(self, tensor, dst, tag=0):
+    def _send(self, tensor, dst, tag=0):
         self.sends += 1
         return self.inner.send(tensor, dst, tag)
 
-    def recv(self, tensor, src, tag=0):
+    def _recv(self, tensor, src, tag=0):
         return self.inner.recv(tensor, src, tag)
 
-    def broadcast(self, tensor, src):
+    def _broadcast(self, tensor, src):
         return self.inner.broadcast(tensor, src)
 
-    def reduce(self, tensor, dst, op=ReduceOp.SUM):
+    def _reduce(self, tensor, dst, op=ReduceOp.SUM):
         return self.inner.reduce(tensor, dst, op)
 
-    def all_gather(self, tensor_list, tensor):
+    def _all_gather(self, tensor_list, tensor):
         return self.inner.all_gather(tensor_list, tensor)
 
-    def gather(self, tensor, gather_list, dst):
+    def _gather(self, tensor, gather_list, dst):
         return self.inner.gather(tensor, gather_list, dst)
 
-    def scatter(self, tensor, scatter_list, src):
+    def _scatter(self, tensor, scatter_list, src):
         return self.inner.scatter(tensor, scatter_list, src)
 
-    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
+    def _reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
         return self.inner.reduce_scatter(output, input_list, op)
 
-    def all_to_all(self, output_list, input_list):
+    def _all_to_all(self, output_list, input_list):
         return self.inner.all_to_all(output_list, input_list)
 
-    def barrier(self):
+    def _barrier(self):
         return self.inner.barrier()
 
-    def new_subgroup(self, ranks, name, timeout):
+    def _new_subgroup(self, ranks, name, timeout):
         return self.inner.new_subgroup(ranks, name, timeout)

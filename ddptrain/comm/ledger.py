@@ -1,7 +1,7 @@
 """The collective ledger: every rank's last collectives, in a ring buffer others can read.
 
 Each rank records, for every collective it starts (from user code, DDP or the Trainer: the record
-is made in :class:`~ddptrain.comm.process_group.ProcessGroup`'s wrapper of each collective), the
+is made by :class:`~ddptrain.comm.process_group.ProcessGroup`'s public collective methods), the
 group's sequence number, the operation, the tensor's shape and dtype, the root or reduce op, and
 the call site: file:line of the first frame outside ddptrain and torch (DDP's buckets add a label,
 ``DDP bucket 3``). Records live in a memory-mapped file, ``<dir>/rank<N>.ledger``, when a ledger

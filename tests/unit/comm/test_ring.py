@@ -59,22 +59,22 @@ class FakeGroup(ProcessGroup):
         super().__init__(rank, size, list(range(size)), timedelta(seconds=10))
         self.net = net
 
-    def send(self, tensor, dst, tag=0):
+    def _send(self, tensor, dst, tag=0):
         self._check_peer(dst, "send", "dst")
         with self.net.lock:
             self.net.sent[self._rank].append(tensor.numel())
         self.net.queues[(self._rank, dst, tag)].put(tensor.clone())
         return CompletedWork("send", [tensor])
 
-    def recv(self, tensor, src, tag=0):
+    def _recv(self, tensor, src, tag=0):
         self._check_peer(src, "recv", "src")
         return _RecvWork(self.net.queues[(src, self._rank, tag)], tensor)
 
     def _unused(self, *args, **kwargs):
         raise NotImplementedError("the ring must only use send/recv")
 
-    broadcast = all_reduce = reduce = all_gather = gather = scatter = _unused
-    reduce_scatter = all_to_all = barrier = new_subgroup = _unused
+    _broadcast = _all_reduce = _reduce = _all_gather = _gather = _scatter = _unused
+    _reduce_scatter = _all_to_all = _barrier = _new_subgroup = _unused
 
 
 def run_ring(inputs, op, net=None):
