@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 
 MB = 1024 * 1024
-DEFAULT_BUCKET_CAP_MB = 25.0
 FIRST_BUCKET_CAP_MB = 1.0
 
 
@@ -244,11 +243,12 @@ class FlatBuffer:
         return self.buffer[run.start : run.stop]
 
 
-def allocate(plan: BucketPlan) -> list[FlatBuffer]:
-    """One zeroed flat buffer per bucket of ``plan``."""
+def allocate(plan: BucketPlan, tail: dict[int, int] | None = None) -> list[FlatBuffer]:
+    """One zeroed flat buffer per bucket of ``plan``; bucket ``b`` gets ``tail[b]`` more elements
+    after its gradients (the reducer's sideband rides there), which no view covers."""
     out = []
     for b in plan.buckets:
-        buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+        buffer = torch.zeros(b.numel + (tail or {}).get(b.index, 0), dtype=b.dtype, device=b.device)
         views = tuple(buffer[off : off + _numel(shape)].view(shape) for off, shape in zip(b.offsets, b.shapes))
         out.append(FlatBuffer(buffer, views))
     return out

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ from ..comm import api as comm_api
 from ..comm.objects import all_gather_object
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
-from .buckets import DEFAULT_BUCKET_CAP_MB, MB
+from ..config import DEFAULT_BUCKET_CAP_MB
+from .buckets import MB
 from .reducer import IterationStats, Reducer
 
 _IGNORED_TORCH_KWARGS = {"check_reduction"}  # deprecated in torch too; accepted for drop-in use
@@ -63,7 +64,8 @@ class DistributedDataParallel(nn.Module):
     Takes ``torch.nn.parallel.DistributedDataParallel``'s keyword names, so swapping the class
     in an existing script works. Keywords: ``device_ids`` (at most one device, the module's),
     ``output_device``, ``dim`` (0), ``broadcast_buffers``, ``init_sync``, ``process_group`` (a
-    ddptrain ProcessGroup or a torch.distributed group), ``bucket_cap_mb`` (default 25),
+    ddptrain ProcessGroup or a torch.distributed group), ``bucket_cap_mb`` (default
+    ``ddptrain.config.DEFAULT_BUCKET_CAP_MB``, torch's 25),
     ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph`` (accepted: the
     graph is treated as dynamic, which is always correct), ``check_reduction`` (ignored, as in
     torch). Any other keyword raises ``TypeError`` naming it.
@@ -273,6 +275,19 @@ class DistributedDataParallel(nn.Module):
             "optimizer step on one rank only, rank-dependent code that writes parameters, a "
             "non-deterministic buffer update). Resume from the last checkpoint and fix that code path."
         )
+
+    def register_sideband(self, size: int, values: Callable[[], Sequence[float]]) -> None:
+        """Sum ``values()`` over ranks in every synchronised backward, riding in a gradient bucket's
+        all-reduce (no collective of its own); read the sums with :meth:`take_sideband`.
+
+        For small non-negative integers such as votes (they are summed in the gradients' dtype).
+        The trainer sends its stop votes this way. See :meth:`.reducer.Reducer.register_sideband`.
+        """
+        self.reducer.register_sideband(size, values)
+
+    def take_sideband(self) -> list[float] | None:
+        """The sideband sums of the latest synchronised backward, once; None if none came since."""
+        return self.reducer.take_sideband()
 
     @property
     def last_iteration_stats(self) -> IterationStats | None:

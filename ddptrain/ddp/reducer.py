@@ -14,9 +14,9 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
 4. **Stage** (:meth:`Reducer._mark_ready`) — a gradient in an in-place slot is averaged where it
    lies (``grad *= 1/world_size``); any other is copied into its slot of the flat buffer, the
    average taken in the same pass. (An in-place slot whose gradient may not be changed — it
-   shares storage with another gradient, or is missing — is staged in the buffer too, and
-   that slot is sent instead: the collectives stay the same on every rank.) Its bucket's
-   pending count goes down.
+   may share storage with another gradient, is not a plain dense tensor, or is missing — is
+   staged in the buffer too, and that slot is sent instead: the collectives stay the same on
+   every rank.) Its bucket's pending count goes down.
 5. **Launch** (:meth:`Reducer._launch_ready_buckets`) — a bucket whose count reached zero
    starts its async all-reduces: one SUM per transfer of the plan, or the registered comm hook
    with the whole flat buffer (then the buffer holds raw sums and the hook divides). Buckets go
@@ -25,6 +25,14 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
    gradients reduced in place already hold the average, the others are copied back from the
    flat buffer (with ``gradient_as_bucket_view`` they *are* views of it); with
    ``find_unused_parameters``, a parameter no rank used keeps ``grad=None``.
+
+**Sideband** (:meth:`Reducer.register_sideband`): a few small numbers a caller wants summed over
+ranks every synchronised step — the trainer's stop votes — ride at the end of a bucket's flat
+buffer, after its gradients, in that bucket's last all-reduce: no collective of their own. The
+bucket is the last one (in launch order) whose last transfer is a flat run, so its values are read
+when that bucket launches, during backward, after the forward and the loss. With a comm hook, or
+when no bucket ends in a flat run, they travel in one small all-reduce of their own, launched
+after the last bucket.
 
 The next forward (:meth:`Reducer.prepare_for_forward`) refuses to go on if a backward left a
 bucket unlaunched (a parameter got no gradient), and after the first iteration rebuilds the
@@ -35,6 +43,15 @@ over memory, which on a CPU-bound rank costs as much as a large part of the all-
 coalescing only pays for small tensors (one collective instead of many). So, without a comm
 hook and without ``gradient_as_bucket_view``, gradients of at least ``DIRECT_MIN_BYTES`` are
 averaged and all-reduced where they lie, while the small ones still travel together.
+
+Which gradients may change in place is learnt, not guessed: autograd can hand two parameters
+gradients that share one buffer (``(p1.view(-1) + p2.view(-1)) * x`` gives both views of the
+sum's gradient), and when the first one's hook fires the second does not exist yet. So the first
+synchronised backward stages every gradient in the flat buffers (the same bits: the average is the
+same multiplication either way) and, once all exist, records which parameters' gradients shared
+a storage (:attr:`Reducer.shares_storage`); those never go in place. Every later backward checks
+again, after the fact, that no in-place gradient shared its storage, and raises if one did (a
+graph whose aliasing changed), rather than return a silently wrong average.
 """
 
 from __future__ import annotations
@@ -116,6 +133,8 @@ class _Iteration:
         self.used = [False] * num_params  # got a gradient on this rank (find_unused_parameters)
         self.in_place: dict[int, torch.Tensor] = {}  # parameter -> its gradient, reduced where it lies
         self.work: list[object] = [None] * n_buckets  # per launched bucket: list of Work, or the hook's Future
+        self.sideband: torch.Tensor | None = None  # this iteration's sideband values, summed once waited for
+        self.sideband_work: object = None  # its own all-reduce, when it does not ride in a bucket
         self.next_bucket = 0
         self.stats = IterationStats(
             index,
@@ -145,9 +164,14 @@ class Reducer:
         self.as_view = gradient_as_bucket_view
         self.find_unused = find_unused_parameters
         self.in_place_min_bytes = DIRECT_MIN_BYTES
+        self.shares_storage: set[int] | None = None  # learnt in the first synchronised backward (module doc)
         self.track_completion = False  # ddptrain doctor: record when each bucket completed
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: object = None
+        self._sideband_size = 0
+        self._sideband_values: Callable[[], Sequence[float]] | None = None
+        self._sideband_bucket: int | None = None  # the bucket it rides in (None: its own all-reduce)
+        self.sideband: list[float] | None = None  # the sums of the latest synchronised backward
         self._specs = [ParamSpec.of(p) for p in self.params]
         self._install(self._assign())
         self.iteration = 0
@@ -171,7 +195,9 @@ class Reducer:
         """Plan ``assignment``, allocate its buffers; a comm hook gets raw sums and the whole buffer."""
         self._scale = 1.0 if self.comm_hook is not None else 1.0 / self.world_size
         self.plan = plan_buckets(self._specs, assignment, self._in_place_min())
-        self.flat = allocate(self.plan)
+        self._sideband_bucket = self._sideband_carrier()
+        tail = {} if self._sideband_bucket is None else {self._sideband_bucket: self._sideband_size}
+        self.flat = allocate(self.plan, tail)
         if self.as_view:  # existing gradients move into the new buffers
             for i, p in enumerate(self.params):
                 if p.grad is not None:
@@ -199,6 +225,30 @@ class Reducer:
     def plan_at(self, bucket_cap_bytes: int) -> BucketPlan:
         """The plan :meth:`rebucket` would install with this cap (``ddptrain doctor``'s what-ifs)."""
         return plan_buckets(self._specs, self.layout_at(bucket_cap_bytes), self._in_place_min())
+
+    def _sideband_carrier(self) -> int | None:
+        """The bucket the sideband rides in: the last whose last all-reduce is a flat run (None: none
+        does, or a comm hook, which may compress its buffer, sends the buckets)."""
+        if not self._sideband_size or self.comm_hook is not None:
+            return None
+        ends_flat = [b.index for b in self.plan.buckets if isinstance(b.transfers[-1], FlatRun)]
+        return ends_flat[-1] if ends_flat else None
+
+    def register_sideband(self, size: int, values: Callable[[], Sequence[float]]) -> None:
+        """Sum ``values()`` (``size`` numbers) over ranks in every synchronised backward, at no extra collective.
+
+        ``values`` is called once per synchronised backward, when the carrying bucket launches (in
+        backward, so after the forward that produced the loss); :attr:`sideband` then holds the
+        sums. They are summed in the gradients' dtype: pass small non-negative integers (votes)
+        and test ``> 0``. Every rank must register the same size; call between iterations.
+        """
+        self._sideband_size, self._sideband_values = int(size), values
+        self._install(self.plan.assignment)
+
+    def take_sideband(self) -> list[float] | None:
+        """The sideband sums of the latest synchronised backward, once (None if none came since)."""
+        sums, self.sideband = self.sideband, None
+        return sums
 
     def _in_place_min(self) -> int | None:
         return None if (self.comm_hook is not None or self.as_view) else self.in_place_min_bytes
@@ -286,7 +336,8 @@ class Reducer:
         slot = self.plan.slots[i]
         view = self.flat[slot.bucket].views[slot.position]
         grad = self.params[i].grad
-        if slot.in_place and used and _may_change_in_place(grad, view):
+        known = self.shares_storage is not None and i not in self.shares_storage  # None: still learning
+        if slot.in_place and used and known and _may_change_in_place(grad, view):
             it.in_place[i] = grad if self._scale == 1.0 else grad.mul_(self._scale)
         else:  # the flat buffer; an in-place slot's view stands in for a gradient we may not change
             self._stage_in_buffer(i, grad, view)
@@ -314,6 +365,8 @@ class Reducer:
         while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
             b = it.next_bucket
             it.stats.launch_times[b] = time.perf_counter()
+            if b == self._sideband_bucket:
+                self._post_sideband(it, b)  # into the buffer's tail, before it travels
             self.pg.label_next_collective(f"DDP bucket {b}")
             if self.comm_hook is not None:
                 it.work[b] = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
@@ -322,12 +375,29 @@ class Reducer:
                     self.pg.all_reduce(self._tensor_of(t, b, it), ReduceOp.SUM) for t in self.plan.buckets[b].transfers
                 ]
             it.next_bucket += 1
+            if b == len(self.plan.buckets) - 1 and self._sideband_size and self._sideband_bucket is None:
+                self._post_sideband(it, None)  # its own small all-reduce, after the last bucket
+
+    def _post_sideband(self, it: _Iteration, bucket: int | None) -> None:
+        """This rank's sideband values (zeros outside a synchronised backward: join's shadow
+        iterations), in ``bucket``'s tail or in an all-reduce of their own."""
+        values = list(self._sideband_values()) if it.sync else [0.0] * self._sideband_size
+        if len(values) != self._sideband_size:
+            raise ValueError(f"the sideband gave {len(values)} values; register_sideband said {self._sideband_size}")
+        if bucket is not None:
+            it.sideband = self.flat[bucket].buffer[self.plan.buckets[bucket].numel :]
+            it.sideband.copy_(torch.tensor(values, dtype=it.sideband.dtype))
+        else:
+            it.sideband = torch.tensor(values, dtype=torch.float64, device=self.pg.device)
+            self.pg.label_next_collective("DDP sideband")
+            it.sideband_work = self.pg.all_reduce(it.sideband, ReduceOp.SUM)
 
     def _tensor_of(self, transfer: Transfer, b: int, it: _Iteration) -> torch.Tensor:
         """The tensor one transfer of bucket ``b`` all-reduces this iteration."""
         flat = self.flat[b]
-        if isinstance(transfer, FlatRun):
-            return flat.buffer[transfer.start : transfer.stop]
+        if isinstance(transfer, FlatRun):  # the run that ends the bucket also carries a sideband tail
+            stop = flat.buffer.numel() if transfer.stop == self.plan.buckets[b].numel else transfer.stop
+            return flat.buffer[transfer.start : stop]
         i = self.plan.buckets[b].params[transfer.position]
         return it.in_place.get(i, flat.views[transfer.position]).view(-1)
 
@@ -346,6 +416,7 @@ class Reducer:
                 _wait(work)
             self._incomplete = [self.names[i] for i, ready in enumerate(it.ready) if not ready]
             return
+        self._check_storage_sharing(it)
         unused = self._unused_everywhere(it)
         if self.track_completion:
             it.stats.done_times = [it.stats.backward_end if _is_done(w) else None for w in it.work]
@@ -354,12 +425,41 @@ class Reducer:
             if self.track_completion and it.stats.done_times[b] is None:
                 it.stats.done_times[b] = time.perf_counter()
             self._write_back(b, it, unused)
+        if it.sideband is not None:
+            _wait(it.sideband_work)
+            self.sideband = it.sideband.tolist()
         it.stats.finalize_wait_s = time.perf_counter() - it.stats.backward_end
         it.stats.rebuilt_buckets = self.rebuilt
         self.last_stats = it.stats
         self.iteration += 1
         self._arrival_order = it.arrival_order
         self._rebuild_due = not self.rebuilt
+
+    def _check_storage_sharing(self, it: _Iteration) -> None:
+        """Learn which gradients share a storage (first backward), or check that none reduced in
+        place did (later ones). Runs when every gradient of this backward exists."""
+        if self.shares_storage is not None and not it.in_place:
+            return  # nothing was changed in place: nothing to check (the common case of small models)
+        owners: dict[int, list[int]] = {}
+        for i, p in enumerate(self.params):
+            if p.grad is not None and p.grad.layout == torch.strided:
+                owners.setdefault(p.grad.untyped_storage().data_ptr(), []).append(i)
+        shared = {i for group in owners.values() if len(group) > 1 for i in group}
+        if self.as_view:  # every gradient is a view of its bucket's buffer, by design
+            shared = set()
+        if self.shares_storage is None:
+            self.shares_storage = shared
+            return
+        clobbered = sorted(i for i in it.in_place if i in shared)
+        if clobbered:
+            names = ", ".join(self.names[i] for i in sorted(shared))
+            raise RuntimeError(
+                f"the gradients of {names} shared one buffer in this backward but not in the first "
+                f"one, and {', '.join(self.names[i] for i in clobbered)} was averaged in place, so "
+                "these gradients are wrong. The graph changed how autograd hands out gradients. "
+                "Construct DistributedDataParallel(..., gradient_as_bucket_view=True) (no in-place "
+                "reduction) for this model."
+            )
 
     def _unused_everywhere(self, it: _Iteration) -> frozenset[int]:
         """Parameters no rank used (only with find_unused_parameters: one small all-reduce)."""
@@ -403,7 +503,7 @@ class Reducer:
             flat.buffer.zero_()  # in-place slots send their (zero) view: the same collectives
         self._launch_ready_buckets(it)
         self._unused_everywhere(it)
-        for work in it.work:
+        for work in (*it.work, it.sideband_work):
             _wait(work)
         self._rebuild_due = not self.rebuilt
 
@@ -414,28 +514,18 @@ class Reducer:
 
 
 def _may_change_in_place(grad: torch.Tensor | None, like: torch.Tensor) -> bool:
-    """Whether ``grad`` may be averaged and reduced in place: a dense, contiguous tensor of the
-    bucket's dtype and device that is the whole of a storage no other gradient of this
-    iteration uses (autograd may hand two parameters views of one tensor as gradients)."""
-    if (
-        grad is None
-        or grad.layout != torch.strided
-        or not grad.is_contiguous()
-        or grad.dtype != like.dtype
-        or grad.device != like.device
-        or grad.storage_offset() != 0
-    ):
-        return False
-    storage = grad.untyped_storage()
-    if storage.nbytes() != grad.numel() * grad.element_size():
-        return False
-    # Autograd can give two parameters gradients that are views of one buffer (e.g. for
-    # ``(p1.view(-1) + p2.view(-1)) * x``); then no gradient of it may change in place. Such
-    # a storage has more than two users here: each gradient plus our ``storage`` handle.
-    try:
-        return torch._C._storage_Use_Count(storage._cdata) <= 2
-    except AttributeError:  # a torch without the private counter: stay on the copying path
-        return False
+    """Whether ``grad`` may be averaged and reduced where it lies: a dense, contiguous tensor of the
+    bucket's dtype and device that is the whole of its storage (that the storage is not another
+    gradient's too is learnt per parameter: the module doc)."""
+    return (
+        grad is not None
+        and grad.layout == torch.strided
+        and grad.is_contiguous()
+        and grad.dtype == like.dtype
+        and grad.device == like.device
+        and grad.storage_offset() == 0
+        and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
+    )
 
 
 def _is_done(work) -> bool:

@@ -87,7 +87,10 @@ def test_in_place_path_matches_the_reference(world_size, threshold, monkeypatch)
     out = run_threaded(_reduce, world_size, template, 25, timeout_s=120)
     assert_matches([r for r, _ in out], train_reference(template, world_size, STEPS), f"in place >= {threshold}")
     for _, wire in out:  # seen on the wire: exactly the large gradients travel as themselves, once each
-        for calls in wire["calls"]:
+        first, *later = wire["calls"]
+        # The first backward learns which gradients share storage: all of it through the buffers.
+        assert [g for g in first if g is not None] == []
+        for calls in later:
             assert sorted(g for g in calls if g is not None) == sorted(large)
             assert threshold > 0 or len(calls) == len(large)
 
@@ -156,3 +159,96 @@ def test_buckets_go_out_during_backward_and_nothing_waits_before_its_end(world_s
     for n_params, at_call, at_wait in run_threaded(_overlap, world_size, timeout_s=120):
         assert len(at_call) >= 2 and 0 < at_call[0] < n_params, at_call
         assert all(waits and max(waits) == 0 for waits in at_wait), at_wait
+
+
+def _with_sideband(rank, ws, template, in_place_min_bytes, hook):
+    """Train with a sideband of ``[rank + step, 1]``: the wire's all-reduces per step, each step's
+    sums, and how often the values were asked for."""
+    from ddptrain.ddp import DistributedDataParallel, allreduce_hook
+
+    reducer_module.DIRECT_MIN_BYTES = in_place_min_bytes  # read when the reducer is built
+    model = copy.deepcopy(template)
+    wire = RecordingGroup(comm_api.get_process_group(), watch=list(model.parameters()))
+    ddp = DistributedDataParallel(model, process_group=wire)
+    if hook:
+        ddp.register_comm_hook(None, allreduce_hook)
+    step, asked, calls, sums = [0], [], [], []
+    ddp.register_sideband(2, lambda: asked.append(step[0]) or [float(rank + step[0]), 1.0])
+
+    def before_step(s):
+        if s:
+            calls.append(len(wire.all_reduces))
+            sums.append(ddp.take_sideband())
+        step[0] = s
+        wire.all_reduces.clear()
+
+    result = train_rank(ddp, rank, STEPS, micro=2, hook=before_step)  # no_sync backward: casts nothing
+    calls.append(len(wire.all_reduces))
+    sums.append(ddp.take_sideband())
+    transfers = [len(b.transfers) for b in ddp.reducer.plan.buckets]
+    return result, {"calls": calls, "sums": sums, "asked": asked, "transfers": transfers}
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize(
+    "case, in_place_min_bytes, hook",
+    [("rides in the flat run", 1 << 20, False), ("every gradient in place", 0, False), ("comm hook", 1 << 20, True)],
+)
+def test_sideband_sums_over_ranks_without_changing_gradients(world_size, case, in_place_min_bytes, hook, monkeypatch):
+    monkeypatch.setattr(reducer_module, "DIRECT_MIN_BYTES", reducer_module.DIRECT_MIN_BYTES)  # restored after
+    template = _template("net")
+    out = run_threaded(_with_sideband, world_size, template, in_place_min_bytes, hook, timeout_s=120)
+    assert_matches([r for r, _ in out], train_reference(template, world_size, STEPS, micro=2), case)
+    ranks = sum(range(world_size))
+    for _, seen in out:
+        assert seen["sums"] == [[float(ranks + world_size * s), float(world_size)] for s in range(STEPS)], seen
+        assert seen["asked"] == list(range(STEPS))  # once per synchronised backward
+        # Riding: exactly the bucket's own all-reduces. Otherwise (no flat run ends a bucket, or
+        # a hook, which may compress) one small all-reduce more.
+        own = len(seen["transfers"]) if hook else sum(seen["transfers"])
+        extra = 0 if case == "rides in the flat run" else 1
+        assert seen["calls"] == [own + extra] * STEPS, seen
+
+
+class _AliasesLater(torch.nn.Module):
+    """Gradients of ``a`` and ``b`` are separate tensors until ``alias`` is set; then autograd hands
+    both out as views of one buffer (as in ``AliasedGradsNet``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.randn(28, 28) / 28)
+        self.b = torch.nn.Parameter(torch.randn(28, 28) / 28)
+        self.alias = False
+
+    def forward(self, x):
+        flat = x.view(len(x), -1)
+        if self.alias:
+            return ((self.a.view(-1) + self.b.view(-1)) * flat).sum(1)
+        return (self.a.view(-1) * flat).sum(1) + (self.b.view(-1) * flat.flip(1)).sum(1)
+
+
+def _aliasing_changes(rank, ws):
+    model = _AliasesLater()
+    reducer = Reducer(list(model.parameters()), ["a", "b"], comm_api.get_process_group(), 25 * MB)
+    driven = Driven(model, reducer)
+    x = torch.randn(4, 1, 28, 28)
+    for step in range(3):
+        model.alias = step == 2
+        for p in model.parameters():
+            p.grad = None
+        try:
+            driven(x).sum().backward()
+        except RuntimeError as exc:
+            return step, sorted(reducer.shares_storage), str(exc)
+    return None
+
+
+def test_gradients_that_start_sharing_storage_after_the_first_backward_fail_loudly(monkeypatch):
+    """The first backward learns that a and b have gradients of their own, so both go in place;
+    when the graph later makes autograd hand them one buffer, the reducer must say so, not
+    return an average it computed on a buffer changed under it."""
+    monkeypatch.setattr(reducer_module, "DIRECT_MIN_BYTES", 0)
+    for step, learnt, message in run_threaded(_aliasing_changes, 2, timeout_s=60):
+        assert step == 2 and learnt == []
+        assert "shared one buffer in this backward but not in the first one" in message
+        assert "gradient_as_bucket_view=True" in message
