@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from ddptrain import Config, Trainer
+from ddptrain.doctor import doctor_callbacks
 
 
 class SleepyDataset(Dataset):
@@ -53,17 +54,21 @@ def build_model(m) -> nn.Module:
 
 
 class DoctorTask(Trainer):
-    """The task ``config.model`` describes (see the module docstring)."""
+    """The task ``config.model`` describes (see the module docstring), with the doctor's callbacks
+    (as the runner adds them: a script that calls ``fit()`` itself passes them)."""
+
+    def __init__(self, config: Config, callbacks=()):
+        super().__init__(config, [*callbacks, *doctor_callbacks(config)])
 
     def configure_model(self) -> nn.Module:
         return build_model(self.config.model)
 
-    def train_dataset(self) -> Dataset:
+    def train_dataloader(self) -> Dataset:
         m = self.config.model
         features = 784 if m.get("kind", "net") == "net" else m.get("width", 64)
         return SleepyDataset(self.config.data.num_train_samples, m.get("sleep_s", 0.0), features, m.get("spin_s", 0.0))
 
-    def val_dataset(self):
+    def val_dataloader(self):
         return None
 
     def training_step(self, model, batch):

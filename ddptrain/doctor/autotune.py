@@ -20,12 +20,13 @@ import time
 import torch
 
 from ..comm.types import ReduceOp
+from ..config import DEFAULT_BUCKET_CAP_MB
 from ..ddp.buckets import MB
 from ..trainer.callbacks.base import Callback
 
 log = logging.getLogger("ddptrain.doctor")
 
-CAPS_MB = (1.0, 5.0, 25.0, 100.0)
+CAPS_MB = (1.0, 5.0, DEFAULT_BUCKET_CAP_MB, 100.0)
 SPLITS = (2, 4, 8)
 STEPS_PER_CAP = 5
 
@@ -51,6 +52,8 @@ def _distinct_layouts(reducer, caps_mb: tuple[float, ...]) -> tuple[float, ...]:
 
 class BucketAutotune(Callback):
     """Try ``caps_mb`` for ``1 + steps_per_cap`` steps each, then keep the fastest (see the module doc)."""
+
+    implements = ("dist.bucket_cap_mb=auto",)
 
     def __init__(self, caps_mb: tuple[float, ...] | None = None, steps_per_cap: int = STEPS_PER_CAP):
         """``caps_mb``: the sizes to try (default: :func:`candidate_caps` of the model)."""

@@ -19,6 +19,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ..config import DEFAULT_BUCKET_CAP_MB
 from .link import LinkModel
 from .predict import StepModel
 
@@ -253,16 +254,16 @@ def _slow_network(b, ranks, facts, link, model) -> dict | None:
 
 def _small_buckets(b, ranks, facts, link, model) -> dict | None:
     latency, bandwidth = model.latency_and_bandwidth_s()
-    if latency <= bandwidth or facts.buckets_at is None or facts.bucket_cap_mb >= 25:
+    if latency <= bandwidth or facts.buckets_at is None or facts.bucket_cap_mb >= DEFAULT_BUCKET_CAP_MB:
         return None
-    layout = facts.buckets_at(25.0)
+    layout = facts.buckets_at(DEFAULT_BUCKET_CAP_MB)
     predicted = model.with_buckets(layout)
     count = sum(len(x) for x in facts.bucket_sizes)
     return _cause(
         "small_buckets",
         (b["step_s"] - predicted) / b["step_s"],
         f"latency-bound: {count} all-reduces per step in {len(facts.bucket_sizes)} buckets of "
-        f"dist.bucket_cap_mb={facts.bucket_cap_mb:g}; dist.bucket_cap_mb=25 makes it "
+        f"dist.bucket_cap_mb={facts.bucket_cap_mb:g}; dist.bucket_cap_mb={DEFAULT_BUCKET_CAP_MB:g} makes it "
         f"{sum(len(x) for x in layout)} all-reduce(s)",
         predicted,
     )

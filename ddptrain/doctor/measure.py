@@ -1,9 +1,11 @@
 """Per-step, per-rank phase timings of a training run, recorded only while ``ddptrain doctor`` is on.
 
-The recorder wraps the trainer's seams on the *instance* (``step_batches``, ``train_step``,
-``optimizer_step``) and the DDP module's ``forward``, and asks the reducer to note when each
-bucket completed. Nothing is wrapped while the doctor is off, so a normal run pays nothing; the
-wrappers are removed when the window is measured.
+The recorder listens to the phases the trainer's loop announces (``trainer.phases``: ``data``,
+``data_end``, ``forward_backward``, ``optimizer_step`` and their ends), times the DDP module's forward
+with torch's module hooks, and asks the reducer to note when each bucket completed
+(``reducer.track_completion``). It replaces no method: while the doctor is off nothing listens,
+so a normal run pays one check per phase; the listener and the hooks are removed when the window
+is measured.
 
 One step, on one rank, from the moment the loop asks for its batch to the moment it asks for the
 next one:
@@ -11,9 +13,10 @@ next one:
 - ``data_s``: waiting for the batch (the iterator's ``next``); ``data_core_wait_s`` is the part of
   it the thread spent ready to run without a core (where a host's ranks outnumber its cores, the
   host's cost, not the loading's);
-- ``forward_s``: from the start of ``train_step`` to the end of the model's forward (user code
-  before the model call counts here), plus the forwards of further micro-batches;
-- ``backward_s``: the rest of ``train_step`` that is not waiting for communication (the loss,
+- ``forward_s``: from the start of ``forward_backward`` to the end of the model's forward (user code
+  before the model call counts here), plus the forwards of further micro-batches (the hooks see
+  calls of the DDP module, ``model(x)``);
+- ``backward_s``: the rest of ``forward_backward`` that is not waiting for communication (the loss,
   backward, ``.item()``);
 - ``comm_s``: the reducer's wait after backward (``finalize_wait_s``), without the all-reduce of
   ``find_unused_parameters``; split later into the link's time and the wait for the slowest rank;
@@ -134,7 +137,14 @@ def ready_curve(ready_times, params, backward_start: float | None, backward_end:
 
 
 class StepRecorder:
-    """Wraps a trainer's seams to time steps ``first < step <= first + count`` (1-based steps)."""
+    """Listens to a trainer's step phases to time steps ``first < step <= first + count`` (1-based steps).
+
+    The loop announces each phase (``trainer.phases``, :class:`~ddptrain.trainer.profiling.StepPhases`)
+    and the DDP module's forward is timed by torch's module hooks: the trainer and the model keep
+    their own methods. A step's record opens when its micro-batches arrive (``data_end``) and closes
+    at the next ``data`` mark (the loop asks for the next step's, or finds the epoch over) or at
+    :meth:`finish`.
+    """
 
     def __init__(self, trainer, first: int, count: int):
         self.trainer, self.first, self.last = trainer, first, first + count
@@ -143,28 +153,33 @@ class StepRecorder:
         self._cpu0 = 0.0
         self._core_wait0 = 0.0
         self._core_wait: CoreWait | None = None  # opened by the training thread, at the window's start
-        self._saved: dict[str, Any] = {}
+        self._asked: tuple[int, float, float] | None = None  # (step, asked at, core wait then): a measured batch
+        self._forward_started = 0.0
+        self._hooks: list[Any] = []  # the forward hooks' handles while attached
+        self._listening = False
         self.last_batch: Any = None  # a micro-batch of the window (the compute probe reruns it)
 
-    # -- wrapping ------------------------------------------------------------------------------
+    # -- listening -----------------------------------------------------------------------------
     def attach(self) -> None:
-        """Install the timing wrappers on the trainer instance and its DDP module."""
-        t, model = self.trainer, self.trainer.model
-        self._saved = {"step_batches": t.step_batches, "train_step": t.train_step, "optimizer_step": t.optimizer_step}
-        self._forward = model.forward
-        t.step_batches = self._wrap_batches(t.step_batches)
-        t.train_step = self._wrap_train_step(t.train_step)
-        t.optimizer_step = self._wrap_optimizer(t.optimizer_step)
-        model.forward = self._wrap_forward(model.forward)
+        """Listen to the trainer's phases and its DDP module's forward; ask the reducer for bucket completions."""
+        model = self.trainer.model
+        self.trainer.phases.add_listener(self._on_phase)
+        self._listening = True
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_forward),
+            model.register_forward_hook(self._after_forward),
+        ]
         model.reducer.track_completion = True
 
     def detach(self) -> None:
-        """Put the trainer back as it was (the wrappers vanish: no cost after the window)."""
-        for name in self._saved:
-            self.trainer.__dict__.pop(name, None)
-        self.trainer.model.__dict__.pop("forward", None)
+        """Stop listening (no cost after the window); safe to call twice."""
+        if self._listening:
+            self.trainer.phases.remove_listener(self._on_phase)
+            self._listening = False
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         self.trainer.model.reducer.track_completion = False
-        self._saved = {}
         if self._core_wait is not None:
             self._core_wait.close()
             self._core_wait = None
@@ -173,78 +188,74 @@ class StepRecorder:
     def recording(self) -> bool:
         return self._open is not None
 
-    def _wrap_batches(self, step_batches):
-        def timed():
-            return self._timed(step_batches())
+    def _on_phase(self, phase: str, now: float, payload: Any) -> None:
+        handler = self._handlers.get(phase)
+        if handler is not None:
+            handler(self, now, payload)
 
-        return timed
+    def _on_data(self, now: float, _payload) -> None:
+        self._close(now)  # asking for the next step's batch ends the previous step
+        step = self.trainer.state.step + 1  # the step this batch is for
+        self._asked = None
+        if self.first < step <= self.last:
+            self._core_wait = self._core_wait or CoreWait()
+            self._asked = (step, now, self._core_wait.seconds())
 
-    def _timed(self, batches):
-        it = iter(batches)
-        while True:
-            started = time.perf_counter()
-            self._close(started)
-            step = self.trainer.state.step + 1  # the step this batch is for
-            measured = self.first < step <= self.last
-            if measured:
-                self._core_wait = self._core_wait or CoreWait()
-                data_wait0 = self._core_wait.seconds()
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-            if measured:
-                self._cpu0 = time.process_time()
-                self._core_wait0 = self._core_wait.seconds()
-                self._open = StepRecord(
-                    step,
-                    started,
-                    data_s=time.perf_counter() - started,
-                    data_core_wait_s=self._core_wait0 - data_wait0,
-                )
-                self._open.marks["data_end"] = time.perf_counter()
-            yield item
+    def _on_data_end(self, now: float, micro_batches) -> None:
+        if self._asked is None:
+            return
+        step, asked, data_wait0 = self._asked
+        self._asked = None
+        self._cpu0 = time.process_time()
+        self._core_wait0 = self._core_wait.seconds()
+        self._open = StepRecord(step, asked, data_s=now - asked, data_core_wait_s=self._core_wait0 - data_wait0)
+        self._open.marks["data_end"] = now
+        self.last_batch = micro_batches[-1]
 
-    def _wrap_train_step(self, train_step):
-        def timed(micro_batches):
-            rec = self._open
-            if rec is None:
-                return train_step(micro_batches)
-            self.last_batch = micro_batches[-1]
-            rec.marks["train_start"] = started = time.perf_counter()
-            loss = train_step(micro_batches)
-            rec.marks["train_end"] = ended = time.perf_counter()
-            self._take_reducer_stats(rec, started, ended)
-            return loss
+    def _on_forward_backward(self, now: float, _payload) -> None:
+        if self._open is not None:
+            self._open.marks["train_start"] = now
 
-        return timed
+    def _on_forward_backward_end(self, now: float, _payload) -> None:
+        rec = self._open
+        if rec is not None and "train_start" in rec.marks:
+            rec.marks["train_end"] = now
+            self._take_reducer_stats(rec, rec.marks["train_start"], now)
 
-    def _wrap_forward(self, forward):
-        def timed(*args, **kwargs):
-            rec = self._open
-            if rec is None:
-                return forward(*args, **kwargs)
-            started = time.perf_counter()
-            if "forward_start" not in rec.marks:
-                rec.marks["forward_start"] = started
-                rec.forward_s += started - rec.marks.get("train_start", started)
-            out = forward(*args, **kwargs)
-            rec.marks["forward_end"] = ended = time.perf_counter()
-            rec.forward_s += ended - started
-            return out
+    def _on_optimizer_step(self, now: float, _payload) -> None:
+        if self._open is not None:
+            self._open.marks["optimizer_start"] = now
 
-        return timed
+    def _on_optimizer_step_end(self, now: float, _payload) -> None:
+        rec = self._open
+        if rec is not None and "optimizer_start" in rec.marks:
+            rec.marks["optimizer_end"] = now
+            rec.optimizer_s = now - rec.marks["optimizer_start"]
 
-    def _wrap_optimizer(self, optimizer_step):
-        def timed():
-            rec = self._open
-            started = time.perf_counter()
-            optimizer_step()
-            if rec is not None:
-                rec.marks["optimizer_start"], rec.marks["optimizer_end"] = started, time.perf_counter()
-                rec.optimizer_s = rec.marks["optimizer_end"] - started
+    _handlers = {
+        "data": _on_data,
+        "data_end": _on_data_end,
+        "forward_backward": _on_forward_backward,
+        "forward_backward_end": _on_forward_backward_end,
+        "optimizer_step": _on_optimizer_step,
+        "optimizer_step_end": _on_optimizer_step_end,
+    }
 
-        return timed
+    def _before_forward(self, _module, _args) -> None:
+        rec = self._open
+        if rec is None:
+            return
+        self._forward_started = started = time.perf_counter()
+        if "forward_start" not in rec.marks:  # user code before the model call counts as forward
+            rec.marks["forward_start"] = started
+            rec.forward_s += started - rec.marks.get("train_start", started)
+
+    def _after_forward(self, _module, _args, _output) -> None:
+        rec = self._open
+        if rec is None:
+            return
+        rec.marks["forward_end"] = ended = time.perf_counter()
+        rec.forward_s += ended - self._forward_started
 
     def _take_reducer_stats(self, rec: StepRecord, started: float, ended: float) -> None:
         stats = self.trainer.model.last_iteration_stats

@@ -140,8 +140,19 @@ class StepModel:
             return model
         if excess > 0 and count >= MANY_COLLECTIVES:
             return dataclasses.replace(model, per_collective_s=excess / count)
-        factor = min(max(measured / now, 1e-3), 1e3)
-        return dataclasses.replace(model, link=_scaled(link, factor))
+
+        # The exposed time is not linear in the link's speed where a bucket starts inside backward
+        # (a faster link hides more of it), so the factor that reproduces the measurement is
+        # searched for; the model grows with the factor, and a measurement it cannot reach (all
+        # of it hidden at 1/1000 of the link's time) keeps the nearest end.
+        def exposed_at(factor: float) -> float:
+            return model.exposed_model_s(self.bucket_sizes, self.backward_s, _scaled(link, factor), self.world_size)
+
+        low, high = math.log(1e-3), math.log(1e3)
+        for _ in range(80):  # bisection in log space: 6e6 span / 2**80, far below float precision
+            mid = (low + high) / 2
+            low, high = (mid, high) if exposed_at(math.exp(mid)) < measured else (low, mid)
+        return dataclasses.replace(model, link=_scaled(link, math.exp(high)))
 
     @property
     def comm_s(self) -> float:

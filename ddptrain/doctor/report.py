@@ -5,7 +5,11 @@ Shape (tools read it; keys beyond these may be added, none removed)::
     {"world_size", "step_s", "breakdown": {...}, "per_rank": [...],
      "link": {"latency_s", "busbw_GBps", ...},
      "causes": [{"cause", "rank"?, "share", "advice", "predicted_step_s"}],
-     "scaling": [{"world_size", "predicted_step_s", "efficiency"}]}
+     "scaling": [{"world_size", "predicted_step_s", "efficiency", "global_batch_size"}],
+     "scaling_mode": {"kind": "weak", "samples_per_rank", "meaning"}}
+
+The scaling prediction is weak scaling: every rank keeps this run's samples per step, so the global
+batch grows with the world size (``global_batch_size`` of each row).
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ from pathlib import Path
 from .diagnose import BREAKDOWN, JobFacts
 
 
-def doctor_json(facts: JobFacts, breakdown: dict, ranks: list[dict], link: dict, causes: list, scaling: list) -> dict:
-    """The report as a JSON-ready dict."""
+def doctor_json(
+    facts: JobFacts, breakdown: dict, ranks: list[dict], link: dict, causes: list, scaling: list, samples_per_rank: int
+) -> dict:
+    """The report as a JSON-ready dict; ``samples_per_rank``: each rank's samples per optimizer step."""
     return {
         "world_size": facts.world_size,
         "step_s": breakdown["step_s"],
@@ -25,7 +31,12 @@ def doctor_json(facts: JobFacts, breakdown: dict, ranks: list[dict], link: dict,
         "per_rank": ranks,
         "link": link,
         "causes": causes,
-        "scaling": scaling,
+        "scaling": [{**s, "global_batch_size": s["world_size"] * samples_per_rank} for s in scaling],
+        "scaling_mode": {
+            "kind": "weak",
+            "samples_per_rank": samples_per_rank,
+            "meaning": "each rank keeps its samples per step: the global batch grows with the world size",
+        },
         "job": {
             "ranks_per_host": facts.ranks_per_host,
             "threads": facts.threads,
@@ -42,8 +53,9 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}"
 
 
-def format_report(report: dict, path: Path | None = None) -> str:
-    """A few lines: the breakdown (median and per rank, ms), the causes, the scaling."""
+def format_report(report: dict, written: list[tuple[Path, str]] = ()) -> str:
+    """A few lines: the breakdown (median and per rank, ms), the causes, the scaling, and each
+    ``(path, what it holds)`` of ``written``."""
     b, phases = report["breakdown"], [k for k in BREAKDOWN]
     names = [p.removesuffix("_s") for p in phases]
     lines = [
@@ -66,7 +78,11 @@ def format_report(report: dict, path: Path | None = None) -> str:
     scaling = ", ".join(
         f"{s['world_size']}: {_ms(s['predicted_step_s'])} ms ({s['efficiency']:.0%})" for s in report["scaling"]
     )
-    lines.append(f"scaling (world size: predicted step, efficiency): {scaling}")
-    if path is not None:
-        lines.append(f"written: {path}")
+    mode = report["scaling_mode"]
+    lines.append(
+        f"scaling ({mode['kind']}: {mode['samples_per_rank']} samples per rank, global batch grows with the world "
+        f"size; world size: predicted step, efficiency): {scaling}"
+    )
+    for i, (path, what) in enumerate(written):
+        lines.append(f"{'written:' if i == 0 else '':<8} {path}{'/' if path.is_dir() else ''} ({what})")
     return "\n".join(lines)

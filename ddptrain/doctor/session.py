@@ -1,8 +1,8 @@
 """The doctor inside a run: a callback that measures a window of steps and writes the diagnosis.
 
 ``trainer.doctor=true`` adds :class:`DoctorCallback` to the trainer's callbacks. At the start of
-fit it wraps the trainer's seams (:class:`~.measure.StepRecorder`); after ``doctor.warmup_steps
-+ doctor.steps`` steps it unwraps them, gathers every rank's records, sweeps the link, and rank 0
+fit it listens to the trainer's step phases (:class:`~.measure.StepRecorder`); after ``doctor.warmup_steps
++ doctor.steps`` steps it stops listening, gathers every rank's records, sweeps the link, and rank 0
 writes ``doctor.json``, ``doctor_trace.json`` and the TensorBoard scalars, and prints the
 report. Training then goes on unmeasured (``python -m ddptrain.doctor`` stops there).
 
@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -35,10 +36,13 @@ from .report import doctor_json, format_report
 from .timeline import chrome_trace
 
 log = logging.getLogger("ddptrain.doctor")
+TRACE_NOTE = "every rank's phases on one time axis: open it in https://ui.perfetto.dev or chrome://tracing"
 
 
 class DoctorCallback(Callback):
     """Measure steps ``warmup_steps < n <= warmup_steps + steps`` of this fit and diagnose them."""
+
+    implements = ("trainer.doctor",)
 
     def __init__(self, doctor_config):
         self.config = doctor_config
@@ -54,6 +58,9 @@ class DoctorCallback(Callback):
         first = trainer.state.step + self.config.warmup_steps
         self.recorder = StepRecorder(trainer, first, self.config.steps)
         self.recorder.attach()
+        window = doctor_window(trainer)  # a fit that is only the window (python -m ddptrain.doctor): say so
+        if window is not None and trainer.is_main:
+            log.info("%s on %d rank(s)", window, trainer.world_size)
 
     def on_train_batch_end(self, trainer, loss: float) -> None:
         if self.recorder is not None and trainer.state.step >= self.recorder.last:
@@ -117,13 +124,18 @@ class DoctorCallback(Callback):
         model = step_model(breakdown, facts, link)
         target = model.link.with_gbps(self.config.link_gbps) if self.config.link_gbps else None
         scaling = model.scaling(self.config.world_sizes, target, self.config.hosts)
-        report = doctor_json(facts, breakdown, ranks, link_summary(link_rows, link), causes, scaling)
+        samples_per_rank = trainer.config.data.global_batch_size // facts.world_size
+        report = doctor_json(facts, breakdown, ranks, link_summary(link_rows, link), causes, scaling, samples_per_rank)
         out = trainer.output_dir
         (out / "doctor.json").write_text(json.dumps(report, indent=2) + "\n")
         trace = chrome_trace(per_rank_records, [e["origin"] for e in everyone])
         (out / "doctor_trace.json").write_text(json.dumps(trace) + "\n")
-        _tensorboard(trainer, breakdown)
-        text = format_report(report, out / "doctor.json")
+        tensorboard = _tensorboard(trainer, breakdown)
+        written = [(out / "doctor.json", "this report"), (out / "doctor_trace.json", TRACE_NOTE)]
+        if tensorboard is not None:
+            written.append((tensorboard, "TensorBoard scalars doctor/*"))
+        # named only once on disk: the report must not point at a file that is not there
+        text = format_report(report, [(path, note) for path, note in written if path.exists()])
         log.info("doctor report:\n%s", text)
         return report
 
@@ -181,16 +193,47 @@ def _time_compute(trainer, batch, threads: int, repeats: int, each_together: boo
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def _tensorboard(trainer, breakdown: dict) -> None:
-    """The breakdown as TensorBoard scalars ``doctor/<phase>`` (when the run writes TensorBoard)."""
+def _tensorboard(trainer, breakdown: dict):
+    """The breakdown as TensorBoard scalars ``doctor/<phase>`` (when the run writes TensorBoard);
+    the directory written to, or ``None``."""
     if not trainer.config.trainer.tensorboard:
-        return
+        return None
     from torch.utils.tensorboard import SummaryWriter
 
-    with SummaryWriter(str(trainer.output_dir / "tensorboard")) as writer:
+    directory = trainer.output_dir / "tensorboard"
+    with SummaryWriter(str(directory)) as writer:
         for key, value in breakdown.items():
             if isinstance(value, float):
                 writer.add_scalar(f"doctor/{key}", value, trainer.state.step)
+    return directory
+
+
+class DoctorWindow(NamedTuple):
+    """A fit that is the doctor's window and nothing more: its steps and the step it ends at."""
+
+    warmup: int
+    measured: int
+    last_step: int
+
+    def __str__(self) -> str:
+        return f"doctor window: {self.warmup + self.measured} steps ({self.warmup} warm-up + {self.measured} measured)"
+
+
+def doctor_window(trainer) -> DoctorWindow | None:
+    """The window when this fit ends within it (``trainer.doctor`` on and the fit's end, by
+    ``trainer.max_steps``, ``trainer.stop_after_steps`` or the epochs, at most ``doctor.warmup_steps
+    + doctor.steps`` steps ahead, as under ``python -m ddptrain.doctor``), else ``None``; the
+    doctor then names the window when the fit starts."""
+    cfg = trainer.config
+    if not cfg.trainer.doctor:
+        return None
+    limits = [n for n in (cfg.trainer.max_steps, cfg.trainer.stop_after_steps) if n is not None]
+    last = min([trainer.steps_per_epoch * cfg.trainer.epochs, *limits])
+    steps = last - trainer.state.step
+    if steps > cfg.doctor.warmup_steps + cfg.doctor.steps:
+        return None
+    warmup = max(0, min(cfg.doctor.warmup_steps, steps))
+    return DoctorWindow(warmup, max(0, steps - warmup), last)
 
 
 def doctor_callbacks(config) -> list[Callback]:

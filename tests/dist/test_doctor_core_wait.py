@@ -29,7 +29,10 @@ def test_waiting_for_a_core_while_the_batch_loads_is_not_counted_as_loading(tmp_
         assert len(records) == 4
         for r in records:  # the kernel's count: a large part of the wait, and the loading's 24 ms of CPU besides
             assert r["data_core_wait_s"] > 0.25 * r["data_s"], r
-            assert r["data_s"] - r["data_core_wait_s"] > 0.020, r
+            # What is left is at least half the loading's CPU, not all of it: the scheduler's wait and
+            # the thread's CPU clock disagree by a few ms on a shared core (22-25 ms left of 50 here,
+            # 19 of 79 on a slower host). Counting the whole wait as core wait leaves about 0.
+            assert r["data_s"] - r["data_core_wait_s"] > 0.012, r
     report = json.loads((tmp_path / "doctor.json").read_text())
     assert report["job"]["cores"] == 1 and report["job"]["ranks_per_host"] == 2
     b = report["breakdown"]

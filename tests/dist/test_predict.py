@@ -27,7 +27,7 @@ class Predictor(Trainer):
         torch.manual_seed(1000 + self.rank)  # different on every rank: predict must use rank 0's weights
         return nn.Sequential(nn.Linear(8, 5), nn.Dropout(0.5), nn.Linear(5, 3))
 
-    def test_dataset(self):
+    def test_dataloader(self):
         return _dataset()
 
     def test_step(self, model, batch):

@@ -1,5 +1,7 @@
 """dist.bucket_cap_mb=auto: every rank tries the same sizes, agrees on the fastest, and keeps it."""
 
+import statistics
+
 import pytest
 
 from ddptrain.config import Config, ConfigError, validate
@@ -27,7 +29,7 @@ def _fit(rank, world_size, out):
     trainer = DoctorTask(config)
     trainer.fit()
     tune = next(c for c in trainer.callbacks if isinstance(c, BucketAutotune))
-    return tune.chosen_mb, [len(t) for t in tune.times], trainer.model.reducer.bucket_cap_bytes, tune.caps_mb
+    return tune.chosen_mb, tune.times, trainer.model.reducer.bucket_cap_bytes, tune.caps_mb
 
 
 @pytest.mark.timeout(120)
@@ -35,11 +37,36 @@ def test_every_rank_tries_every_size_and_keeps_the_same_choice(tmp_path):
     results = run_threaded(_fit, 2, tmp_path, timeout_s=100)
     chosen = {r[0] for r in results}
     assert len(chosen) == 1 and chosen.pop() in CANDIDATES
-    for chosen_mb, counts, cap_bytes, tried in results:
+    for chosen_mb, times, cap_bytes, tried in results:
         # 1 MB gives 0.75's buckets (one layer each), 100 MB 25's single bucket: each tried once
         assert tried == (CANDIDATES[0], *CANDIDATES[2:-1]), tried
-        assert counts == [STEPS_PER_CAP] * len(tried)
+        assert [len(t) for t in times] == [STEPS_PER_CAP] * len(tried)
         assert cap_bytes == int(chosen_mb * MB)  # the reducer runs on with the chosen layout
+    # the size whose slowest rank's median step is the shortest
+    slowest = [max(statistics.median(r[1][i]) for r in results) for i in range(len(results[0][3]))]
+    assert results[0][0] == results[0][3][slowest.index(min(slowest))]
+
+
+def _choose(rank, world_size, out, medians):
+    model = {"kind": "mlp", "layers": 6, "width": 512}
+    config = doctor_config(out, model=model, dist={"bucket_cap_mb": "auto"}, batch=4)
+    config.trainer.doctor, config.trainer.max_steps = False, 1
+    trainer = DoctorTask(config)
+    trainer.fit()
+    tune = next(c for c in trainer.callbacks if isinstance(c, BucketAutotune))
+    tune.caps_mb = (CANDIDATES[0], CANDIDATES[2], CANDIDATES[3])  # three layouts of their own
+    tune.times = [[m] * STEPS_PER_CAP for m in medians[rank]]  # this rank's step times for each size
+    tune._choose(trainer)
+    return tune.chosen_mb, trainer.model.reducer.bucket_cap_bytes
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_timed_different_sizes_fastest_agree_on_the_one_fastest_for_the_slowest_rank(tmp_path):
+    # alone, rank 0 would keep the first size and rank 1 the second; the job goes at its slowest
+    # rank's pace (45, 40, 35 ms): both keep the third (the ranks' mean would pick the second)
+    medians = [[0.010, 0.040, 0.035], [0.045, 0.012, 0.035]]
+    results = run_threaded(_choose, 2, tmp_path, medians, timeout_s=100)
+    assert results == [(CANDIDATES[3], int(CANDIDATES[3] * MB))] * 2
 
 
 def test_bucket_cap_accepts_auto_and_numbers_and_refuses_the_rest():
