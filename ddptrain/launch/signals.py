@@ -17,7 +17,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["SignalForwarder", "STOP_SIGNALS", "die_with_parent", "SECOND_SIGNAL_AFTER_S"]
+__all__ = [
+    "SignalForwarder",
+    "STOP_SIGNALS",
+    "StoppedBySignal",
+    "die_with_parent",
+    "exit_on_stop_signals",
+    "SECOND_SIGNAL_AFTER_S",
+]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SECOND_SIGNAL_AFTER_S = 1.0
@@ -25,6 +32,25 @@ SECOND_SIGNAL_AFTER_S = 1.0
 process twice within milliseconds (from the terminal and from a launcher passing it on)."""
 
 _log = logging.getLogger("ddptrain.launch")
+
+
+class StoppedBySignal(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the job before its ranks could stop cleanly (they were starting)."""
+
+    def __init__(self, signal_name: str):
+        super().__init__("during start-up, before any rank trained: nothing to resume; run the command again")
+        self.signal_name = signal_name
+
+
+def exit_on_stop_signals() -> None:
+    """Until the trainer installs its own handlers: SIGINT or SIGTERM ends this process at once,
+    silently, with status 128 + signal (no ``KeyboardInterrupt`` traceback from a starting rank)."""
+
+    def _exit(signum: int, frame) -> None:
+        os._exit(128 + signum)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _exit)
 
 
 class SignalForwarder:

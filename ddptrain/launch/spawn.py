@@ -6,9 +6,14 @@ worker fails (raises, is killed by a signal, exits non-zero) the others are stop
 :class:`WorkerFailedError` names the rank and carries its traceback; a job that outlives
 ``timeout_s`` is killed with :class:`LaunchTimeoutError`. Nothing is left running either way.
 
-Workers use the ``spawn`` start method, so ``fn`` and its arguments must be picklable (a module
-level function, not a lambda). Most callers want :func:`ddptrain.launch.launch`, which also
-starts ``backend="mpi"`` ranks through ``mpiexec``.
+Workers are forked from a preloaded server (:mod:`ddptrain.launch.forkserver`: torch is imported
+once, before the job, not once per worker), or use the ``spawn`` start method where that cannot
+work (``start_method="spawn"``, or not Linux). Either way ``fn`` and its arguments must be
+picklable (a module level function, not a lambda), and each worker sees this process's
+``os.environ``, ``sys.path`` and working directory as they are when the job starts. A stop
+signal that reaches a worker before its trainer handles signals ends it quietly, and the job
+raises :class:`ddptrain.launch.signals.StoppedBySignal`. Most callers want
+:func:`ddptrain.launch.launch`, which also starts ``backend="mpi"`` ranks through ``mpiexec``.
 """
 
 from __future__ import annotations
@@ -16,15 +21,18 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
+from . import forkserver
 from .failures import (
     LaunchTimeoutError,
     WorkerFailedError,
@@ -35,7 +43,7 @@ from .failures import (
     failure_without_report,
     root_cause,
 )
-from .signals import SignalForwarder, die_with_parent
+from .signals import SignalForwarder, StoppedBySignal, die_with_parent, exit_on_stop_signals
 from .worker import report, run_rank
 
 # The errors and describe_exitcode live in .failures; they stay importable from here too (cli.py,
@@ -67,8 +75,9 @@ def spawn_workers(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     env: dict | None = None,
+    start_method: str = "forkserver",
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned local processes.
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local worker processes.
 
     Args:
         fn: a picklable function; its return value (picklable) is collected per rank.
@@ -79,6 +88,8 @@ def spawn_workers(
         comm_timeout_s: timeout of rendezvous and collectives inside workers (default: 30 min).
         master_port: default: a free port chosen here.
         env: extra environment variables for every worker.
+        start_method: ``"forkserver"`` (fork from the preloaded server, the default; ``spawn``
+            where it cannot work) or ``"spawn"``.
 
     Returns:
         The list of ``fn``'s return values, indexed by rank.
@@ -86,31 +97,91 @@ def spawn_workers(
     Raises:
         WorkerFailedError: the worker whose failure started it, with its traceback.
         LaunchTimeoutError: the job outlived ``timeout_s``.
+        StoppedBySignal: SIGINT or SIGTERM reached the workers before they could stop cleanly.
     """
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(f"start_method={start_method!r}: use 'forkserver' or 'spawn'")
     port = master_port or find_free_port(master_addr)
-    ctx = mp.get_context("spawn")
+    specs = [
+        _WorkerSpec(
+            r,
+            world_size,
+            _worker_env(r, world_size, master_addr, port, threads, env),
+            group_backend,
+            comm_timeout_s,
+            threads,
+        )
+        for r in range(world_size)
+    ]
+    jobs = [(spec, fn, tuple(args), dict(kwargs or {})) for spec in specs]
     procs: list = []
     readers: dict = {}  # the read end of each worker's report pipe -> its rank
     try:
-        for rank in range(world_size):
-            worker_env = _worker_env(rank, world_size, master_addr, port, threads, env)
-            spec = _WorkerSpec(rank, world_size, worker_env, group_backend, comm_timeout_s, threads)
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(spec, fn, tuple(args), dict(kwargs or {}), writer),
-                name=f"ddptrain-rank{rank}",
-            )
-            proc.start()
-            writer.close()
-            procs.append(proc)
-            readers[reader] = rank
-        with SignalForwarder(lambda: [p.pid for p in procs if p.is_alive()]):
-            return _Watcher(procs, readers, timeout_s).collect()
+        # Started now (no caller started one ahead): preload only torch and fn's module, which every
+        # worker imports first anyway; a full preload would delay the job more than it saves.
+        light = ("torch", *([fn.__module__] if fn.__module__ not in ("__main__", "__mp_main__") else []))
+        server = forkserver.take(light) if start_method == "forkserver" else None
+        procs, readers = _fork(server, jobs) if server is not None else ([], {})
+        if not procs:
+            procs, readers = _spawn(jobs)
+        with SignalForwarder(lambda: [p.pid for p in procs if p.is_alive()]) as forwarder:
+            try:
+                return _Watcher(procs, readers, timeout_s).collect()
+            except WorkerFailedError as exc:
+                if forwarder.received and exc.exitcode in (128 + signal.SIGINT, 128 + signal.SIGTERM):
+                    raise StoppedBySignal(forwarder.received) from None  # they were still starting
+                raise
     finally:
         _stop(procs)
         for reader in readers:
             reader.close()
+        for proc in procs:
+            if isinstance(proc, forkserver.ForkedWorker):
+                proc.close()
+
+
+def _fork(server, jobs: Sequence[tuple]) -> tuple[list, dict]:
+    """Fork the workers from the preloaded ``server``; nothing (then spawn them) if it failed."""
+    try:
+        payloads = [pickle.dumps((_worker_main, job)) for job in jobs]  # a lambda fails here, as with spawn
+    except BaseException:
+        server.stop()
+        raise
+    pipes = [os.pipe() for _ in jobs]
+    try:
+        procs = forkserver.fork_workers(server, [(p, w) for p, (_, w) in zip(payloads, pipes)])
+    except BaseException as exc:
+        server.stop()
+        for r, w in pipes:
+            os.close(r)
+            os.close(w)
+        if isinstance(exc, OSError):
+            return [], {}
+        raise
+    for _, w in pipes:
+        os.close(w)  # the worker holds the only write end: its death reads as EOF
+    return procs, {mp.connection.Connection(r, writable=False): rank for rank, (r, _) in enumerate(pipes)}
+
+
+def _spawn(jobs: Sequence[tuple]) -> tuple[list, dict]:
+    """Start the workers with the ``spawn`` start method."""
+    ctx = mp.get_context("spawn")
+    procs, readers = [], {}
+    for spec, fn, args, kwargs in jobs:
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_worker_main, args=(spec, fn, args, kwargs, writer), name=f"ddptrain-rank{spec.rank}")
+        # Blocked across fork and exec: a Ctrl-C cannot interrupt the worker before its handler is in.
+        # (The resource tracker first: starting it unblocks SIGINT again.)
+        resource_tracker.ensure_running()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        writer.close()
+        procs.append(proc)
+        readers[reader] = spec.rank
+    return procs, readers
 
 
 def _worker_env(rank: int, world_size: int, master_addr: str, port: int, threads: int, extra: dict | None) -> dict:
@@ -141,7 +212,12 @@ class _WorkerSpec:
 def _worker_main(spec: _WorkerSpec, fn: Callable, args: Sequence, kwargs: dict, conn) -> None:
     # A group of its own: a terminal's Ctrl-C reaches the launcher only, which passes it on once.
     os.setpgid(0, 0)
+    exit_on_stop_signals()  # until the trainer takes SIGINT/SIGTERM over
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    parent = os.getppid()
     die_with_parent()  # a launcher killed outright leaves no worker behind
+    if os.getppid() != parent:
+        os._exit(1)  # it died before the line above took effect
     os.environ.update(spec.env)
     body = partial(
         run_rank,

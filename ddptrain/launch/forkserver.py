@@ -1,0 +1,272 @@
+"""A preloaded fork server: local workers start from a process that has imported torch already.
+
+``import torch`` takes seconds; with the ``spawn`` start method every worker pays it again, after
+the launcher paid it too. Instead the command line calls :func:`start` early (while Hydra checks
+and composes the config), which spawns one server process; it imports torch and ddptrain's
+trainer modules (:data:`PRELOAD`) and waits. When the job starts, :func:`fork_workers` hands it the
+job: it forks one worker per rank and exits. Workers are then children of the launcher itself:
+the launcher is a Linux *child subreaper* (``PR_SET_CHILD_SUBREAPER``) from the server's start
+until its exit, so orphans of the exiting server are re-parented to it. The launcher waits for
+them, reads their exit status and kills them exactly as it does spawned workers, and the process
+tree looks the same (``launcher -> rank 0, rank 1``).
+
+What a worker gets from the launcher at fork time, not from the server's start: the launcher's
+whole ``os.environ`` (then its per-rank variables), ``sys.path``, ``sys.argv`` and working
+directory. The server ignores Ctrl-C (SIGINT) and sits in a process group of its own, so a
+terminal's Ctrl-C reaches the launcher only; it dies with the launcher (``PR_SET_PDEATHSIG``).
+
+One server serves one job (the launcher starts another, lazily, for a restart or the next job of
+a sweep). Where it cannot work (not Linux, no ``pidfd_open``) :func:`available` is False and the
+local launcher uses ``spawn``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from multiprocessing import reduction, resource_tracker
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+__all__ = ["PRELOAD", "available", "start", "take", "discard", "fork_workers", "ForkedWorker"]
+
+PRELOAD = (
+    "torch",
+    "torch._dynamo",  # imported by the first optimizer step: 1.5 s of its own
+    "torch.utils.tensorboard",
+    "ddptrain.trainer.trainer",
+    "ddptrain.runner",
+    "ddptrain.recipes",
+    "ddptrain.doctor",
+    "yaml",
+    "logging.handlers",
+)
+"""Modules the server imports before it forks: what a local worker imports on its way to the first step."""
+_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
+_REPARENT_WAIT_S = 30.0  # how long a new worker waits for the exiting server to hand it over
+
+_server: _Server | None = None  # the one started ahead of the job, not yet used
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def available() -> bool:
+    """Whether workers can be forked from a server here (Linux with ``pidfd_open``)."""
+    return sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+
+
+class _Server:
+    """The server process and the launcher's end of its connection."""
+
+    def __init__(self, preload: Sequence[str]):
+        if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
+            raise OSError("prctl(PR_SET_CHILD_SUBREAPER) failed")
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe(duplex=True)
+        self.process = ctx.Process(target=_serve, args=(child_conn, tuple(preload)), name="ddptrain-forkserver")
+        # Blocked across fork and exec, SIGINT cannot interrupt the server before it ignores it. The
+        # resource tracker first: starting it unblocks SIGINT again, whatever the caller's mask was.
+        resource_tracker.ensure_running()
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        child_conn.close()
+
+    def stop(self) -> None:
+        """End the server now (it holds nothing worth a graceful exit)."""
+        self.conn.close()
+        if self.process.is_alive():  # reaps it if it has exited
+            self.process.kill()
+            self.process.join(5)
+
+
+def start(preload: Sequence[str] = PRELOAD) -> None:
+    """Start the server for the next local job, if none is waiting and forking can work here."""
+    global _server
+    if _server is None and available():
+        try:
+            _server = _Server(preload)
+        except OSError:
+            _server = None
+
+
+def take(preload: Sequence[str] = PRELOAD) -> _Server | None:
+    """The waiting server, else one started now preloading ``preload``; None where only ``spawn`` works."""
+    global _server
+    start(preload)
+    server, _server = _server, None
+    if server is not None and not server.process.is_alive():
+        server.stop()
+        return None
+    return server
+
+
+def discard() -> None:
+    """Stop a server no job used (a refused config, an ``mpiexec`` job)."""
+    global _server
+    if _server is not None:
+        _server.stop()
+        _server = None
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+
+
+def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[ForkedWorker]:
+    """Fork one worker per ``(payload, report_fd)`` from the server, which then exits. ``payload``
+    is ``pickle.dumps((target, args))``: the worker calls ``target(*args, report_connection)``,
+    the write end of its report pipe ``report_fd`` as a ``multiprocessing`` connection.
+
+    Raises:
+        OSError: the server died or refused (the caller falls back to ``spawn``).
+    """
+    context = {"environ": dict(os.environ), "path": list(sys.path), "argv": list(sys.argv), "cwd": os.getcwd()}
+    try:
+        server.conn.send((context, os.getpid(), [payload for payload, _ in jobs]))
+        for _, fd in jobs:
+            reduction.send_handle(server.conn, fd, server.process.pid)
+        if not server.conn.poll(60):
+            raise OSError("the fork server did not answer within 60 s")
+        pids = server.conn.recv()
+    except (EOFError, BrokenPipeError, ConnectionError) as exc:
+        server.stop()
+        raise OSError(f"the fork server is gone: {exc}") from exc
+    # Once it has exited, its workers are this process's children. Not process.join(): that waits
+    # for a pipe the workers inherited too, i.e. for the whole job.
+    exited = os.pidfd_open(server.process.pid)
+    try:
+        wait_any([exited], 10)
+    finally:
+        os.close(exited)
+    server.stop()
+    if _server is None:  # the workers are ours now; later orphans go where they would without us
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+    if isinstance(pids, BaseException):
+        raise OSError(f"the fork server could not fork the workers: {pids}")
+    return [ForkedWorker(pid) for pid in pids]
+
+
+class ForkedWorker:
+    """A worker forked by the server, re-parented to this process: the parts of
+    ``multiprocessing.Process`` the local launcher uses."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.sentinel = os.pidfd_open(pid)  # readable once the process has ended
+        self.exitcode: int | None = None
+
+    def _reap(self, block: bool) -> None:
+        if self.exitcode is not None:
+            return
+        try:
+            pid, status = os.waitpid(self.pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere: it has ended, how is unknown
+            self.exitcode = 255
+            return
+        if pid:
+            self.exitcode = os.waitstatus_to_exitcode(status)
+
+    def is_alive(self) -> bool:
+        self._reap(block=False)
+        return self.exitcode is None
+
+    def join(self, timeout: float | None = None) -> None:
+        if self.exitcode is None and wait_any([self.sentinel], timeout):
+            self._reap(block=True)
+
+    def close(self) -> None:
+        """Release the pidfd (after the worker has ended and the watcher is done with it)."""
+        with contextlib.suppress(OSError):
+            os.close(self.sentinel)
+
+    def terminate(self) -> None:
+        self._signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self._signal(signal.SIGKILL)
+
+    def _signal(self, signum: int) -> None:
+        if self.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+
+# -- inside the server -------------------------------------------------------------------------
+def _serve(conn, preload: Sequence[str]) -> None:
+    """The server's life: ignore Ctrl-C, preload, fork the one job it is given, exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # also discards a Ctrl-C that arrived while blocked
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    os.setpgid(0, 0)
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:
+        os._exit(0)  # the launcher died already
+    for name in preload:
+        with contextlib.suppress(Exception):  # a worker importing it for real reports the error
+            importlib.import_module(name)
+    # The preloaded objects out of the collector's reach: a worker's first collection would
+    # otherwise touch (and so copy) every page the fork shares with the server.
+    gc.freeze()
+    try:
+        context, launcher_pid, payloads = conn.recv()
+        fds = [reduction.recv_handle(conn) for _ in payloads]
+    except (EOFError, OSError):
+        os._exit(0)  # no job: the launcher stopped us or died
+    pids = []
+    # A worker must not inherit the server's SIG_IGN for Ctrl-C: an ignored signal is discarded, so
+    # one the launcher passes on before the worker installs its handler would be lost (the job would
+    # run on). Blocked instead, it waits until the worker's handler is in place (spawn._worker_main).
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for rank, payload in enumerate(payloads):
+            pid = os.fork()
+            if pid == 0:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)  # still blocked: pending, not acted on
+                _become_worker(conn, context, launcher_pid, payload, fds, rank)
+            pids.append(pid)
+        conn.send(pids)
+    except BaseException as exc:  # noqa: BLE001 - the launcher must hear why, then kills what started
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        conn.send(OSError(f"{type(exc).__name__}: {exc}"))
+    os._exit(0)
+
+
+def _become_worker(conn, context: dict, launcher_pid: int, payload: Any, fds: list[int], rank: int) -> None:
+    """In the forked child: drop the server's state, wait to be the launcher's child, run, exit."""
+    code = 1
+    try:
+        conn.close()
+        for i, fd in enumerate(fds):
+            if i != rank:
+                os.close(fd)
+        deadline = time.monotonic() + _REPARENT_WAIT_S
+        while os.getppid() != launcher_pid:  # the server is still exiting
+            if time.monotonic() > deadline:
+                os._exit(1)
+            time.sleep(0.001)
+        os.environ.clear()
+        os.environ.update(context["environ"])
+        sys.path[:] = context["path"]
+        sys.argv[:] = context["argv"]
+        os.chdir(context["cwd"])
+        target, args = pickle.loads(payload)  # here: the user's modules import from the job's sys.path
+        target(*args, Connection(fds[rank], readable=False))
+        code = 0
+    finally:
+        os._exit(code)

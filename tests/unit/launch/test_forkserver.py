@@ -1,0 +1,92 @@
+"""The local launcher's preloaded fork server, through the Python API (real processes): workers
+see the launcher's environment and ``sys.path`` as they are when the job starts, are the
+launcher's own children, and nothing outlives the job."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ddptrain.launch import WorkerFailedError, forkserver
+from ddptrain.launch.spawn import spawn_workers
+from tests.conftest import children
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _where_am_i(rank: int, world_size: int) -> dict:
+    import late_module  # only importable through a sys.path entry added after the server started
+
+    return {
+        "rank": os.environ["RANK"],
+        "late": os.environ.get("DDPTRAIN_TEST_LATE"),
+        "parent": os.getppid(),
+        "module": late_module.VALUE,
+        "cwd": os.getcwd(),
+    }
+
+
+def _fail(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    time.sleep(30)
+
+
+def _live_children() -> list[str]:
+    """This process's live children, but multiprocessing's resource tracker (it lives as long as we do)."""
+    deadline = time.monotonic() + 5
+    while True:
+        alive = []
+        for pid in children(os.getpid()):
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue  # ended meanwhile
+            if state != "Z" and "resource_tracker" not in cmdline:
+                alive.append(f"{pid} {cmdline[:100]}")
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_forked_workers_get_the_launchers_environment_at_job_start(tmp_path, monkeypatch):
+    forkserver.start()  # as the CLI does, before anything below is set
+    (tmp_path / "late_module.py").write_text("VALUE = 42\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("DDPTRAIN_TEST_LATE", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    results = spawn_workers(_where_am_i, 2, threads=1)
+    assert [r["rank"] for r in results] == ["0", "1"]
+    assert {r["late"] for r in results} == {"set after the server started"}
+    assert {r["parent"] for r in results} == {os.getpid()}  # children of the launcher, not of the server
+    assert {r["module"] for r in results} == {42}
+    assert {r["cwd"] for r in results} == {str(tmp_path)}
+    assert _live_children() == [], "the server or a worker outlived the job"
+
+
+def test_a_failing_worker_is_reported_and_nothing_is_left(tmp_path):
+    for method in ("forkserver", "spawn"):
+        with pytest.raises(WorkerFailedError) as err:
+            spawn_workers(_fail, 2, threads=1, start_method=method)
+        assert err.value.rank == 1 and "rank 1 fails on purpose" in str(err.value), method
+        assert _live_children() == [], method
+
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(ValueError, match="start_method='fork'.*'forkserver' or 'spawn'"):
+        spawn_workers(_fail, 2, threads=1, start_method="fork")
+
+
+def test_a_server_no_job_used_is_stopped():
+    forkserver.start()
+    server = forkserver._server
+    assert server is not None and server.process.is_alive()
+    forkserver.discard()
+    assert not server.process.is_alive()
+    assert sys.modules["ddptrain.launch.forkserver"]._server is None
