@@ -271,13 +271,13 @@ class ThreadedProcessGroup(ProcessGroup):
         return work
 
     # -- point to point ---------------------------------------------------------------------
-    def send(self, tensor, dst, tag=0):
+    def _send(self, tensor, dst, tag=0):
         self._check_peer(dst, "send", "dst")
         self.check_alive("send")
         self.world.post_send(self._rank, dst, tag, tensor)
         return CompletedWork("send", [tensor])  # buffered, as gloo's small sends
 
-    def recv(self, tensor, src, tag=0):
+    def _recv(self, tensor, src, tag=0):
         self._check_peer(src, "recv", "src")
         self.check_alive("recv")
         future: torch.futures.Future = torch.futures.Future()
@@ -285,7 +285,7 @@ class ThreadedProcessGroup(ProcessGroup):
         return FutureWork("recv", [tensor], future, self.timeout, describe=f"from rank {self.global_ranks[src]} ")
 
     # -- collectives ------------------------------------------------------------------------
-    def broadcast(self, tensor, src):
+    def _broadcast(self, tensor, src):
         self._check_peer(src, "broadcast", "src")
 
         def combine(calls):
@@ -294,7 +294,7 @@ class ThreadedProcessGroup(ProcessGroup):
 
         return self._collective(_signature("broadcast", f"src={src}", tensors=[tensor]), [tensor], [tensor], combine)
 
-    def all_reduce(self, tensor, op=ReduceOp.SUM):
+    def _all_reduce(self, tensor, op=ReduceOp.SUM):
         op = to_reduce_op(op)
         check_avg_dtype(op, tensor, "all_reduce")
 
@@ -305,7 +305,7 @@ class ThreadedProcessGroup(ProcessGroup):
 
         return self._collective(_signature("all_reduce", op.name, tensors=[tensor]), [tensor], [tensor], combine)
 
-    def reduce(self, tensor, dst, op=ReduceOp.SUM):
+    def _reduce(self, tensor, dst, op=ReduceOp.SUM):
         self._check_peer(dst, "reduce", "dst")
         op = to_reduce_op(op)
         check_avg_dtype(op, tensor, "reduce")
@@ -318,7 +318,7 @@ class ThreadedProcessGroup(ProcessGroup):
             _signature("reduce", op.name, f"dst={dst}", tensors=[tensor]), [tensor], outputs, combine
         )
 
-    def all_gather(self, tensor_list, tensor):
+    def _all_gather(self, tensor_list, tensor):
         check_list_len("all_gather", "tensor_list", tensor_list, self._size)
         check_same_shape("all_gather", "tensor_list", tensor, tensor_list)
 
@@ -329,7 +329,7 @@ class ThreadedProcessGroup(ProcessGroup):
 
         return self._collective(_signature("all_gather", tensors=[tensor]), [tensor], tensor_list, combine)
 
-    def gather(self, tensor, gather_list, dst):
+    def _gather(self, tensor, gather_list, dst):
         self._check_peer(dst, "gather", "dst")
         if self._rank == dst:
             check_list_len("gather", "gather_list", gather_list, self._size)
@@ -342,7 +342,7 @@ class ThreadedProcessGroup(ProcessGroup):
         outputs = list(gather_list) if self._rank == dst else []
         return self._collective(_signature("gather", f"dst={dst}", tensors=[tensor]), [tensor], outputs, combine)
 
-    def scatter(self, tensor, scatter_list, src):
+    def _scatter(self, tensor, scatter_list, src):
         self._check_peer(src, "scatter", "src")
         if self._rank == src:
             check_list_len("scatter", "scatter_list", scatter_list, self._size)
@@ -355,7 +355,7 @@ class ThreadedProcessGroup(ProcessGroup):
         inputs = list(scatter_list) if self._rank == src else []
         return self._collective(_signature("scatter", f"src={src}", tensors=[tensor]), inputs, [tensor], combine)
 
-    def reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
+    def _reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
         check_list_len("reduce_scatter", "input_list", input_list, self._size)
         check_same_shape("reduce_scatter", "input_list", output, input_list)
         op = to_reduce_op(op)
@@ -368,7 +368,7 @@ class ThreadedProcessGroup(ProcessGroup):
         signature = _signature("reduce_scatter", op.name, tensors=[output])
         return self._collective(signature, input_list, [output], combine)
 
-    def all_to_all(self, output_list, input_list):
+    def _all_to_all(self, output_list, input_list):
         check_list_len("all_to_all", "output_list", output_list, self._size)
         check_list_len("all_to_all", "input_list", input_list, self._size)
         dtype = input_list[0].dtype
@@ -389,11 +389,11 @@ class ThreadedProcessGroup(ProcessGroup):
         signature = _signature("all_to_all", str(dtype).replace("torch.", ""))
         return self._collective(signature, input_list, output_list, combine)
 
-    def barrier(self):
+    def _barrier(self):
         return self._collective(("barrier",), [], [], lambda calls: None)
 
     # -- groups -----------------------------------------------------------------------------
-    def new_subgroup(self, ranks, name, timeout):
+    def _new_subgroup(self, ranks, name, timeout):
         if self._rank not in ranks:
             return None
         sub = self.world.subworld(ranks, name, timeout)
