@@ -54,7 +54,9 @@ _BACKENDS = ("auto", "gloo", "nccl", "mpi")
 MONITOR_MODES = ("min", "max")
 
 
-AUTOTUNE_START_MB = 25.0  # dist.bucket_cap_mb=auto starts here and tunes from it
+# DDP's gradient bucket size when none is given (torch's too); dist.bucket_cap_mb=auto starts
+# here and tunes from it. Owned here because the config must be read before torch is imported.
+DEFAULT_BUCKET_CAP_MB = 25.0
 
 
 class ConfigError(ValueError):
@@ -94,7 +96,7 @@ class DistConfig:
     """Local launcher only: kill the whole job after this many seconds (``None``: no limit)."""
     threads_per_worker: int = 0
     """torch intra-op threads per rank; 0 means ``cores // ranks on this machine`` (at least 1)."""
-    bucket_cap_mb: Any = 25.0
+    bucket_cap_mb: Any = DEFAULT_BUCKET_CAP_MB
     """DDP gradient bucket size in MiB, or ``auto``: time a few sizes during the first steps
     (every rank the same), keep the fastest and log the choice (``ddptrain.doctor.autotune``)."""
     find_unused_parameters: bool = False
@@ -107,7 +109,7 @@ class DistConfig:
     def ddp_options(self) -> dict[str, Any]:
         """The keyword arguments of ``DistributedDataParallel`` that these settings choose."""
         return {
-            "bucket_cap_mb": AUTOTUNE_START_MB if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb),
+            "bucket_cap_mb": DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb),
             "broadcast_buffers": self.broadcast_buffers,
             "find_unused_parameters": self.find_unused_parameters,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
@@ -134,7 +136,7 @@ class DataConfig:
     """Datasets and batches."""
 
     name: str = "mnist"
-    """Dataset for the default ``Trainer.train_dataset``: ``mnist``, ``fashion_mnist`` or ``synthetic``."""
+    """Dataset for the default ``Trainer.train_dataloader``: ``mnist``, ``fashion_mnist`` or ``synthetic``."""
     root: str | None = None
     """Data root (a writable cache); ``None`` means ``$DDPTRAIN_DATA``, else ``./data``."""
     download: bool = True
@@ -238,7 +240,9 @@ class TrainerConfig:
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     """Stop when ``early_stopping.monitor`` stops improving; every rank stops at the same step."""
     log_every_steps: int = 10
-    """Reduce and log training scalars every this many optimizer steps."""
+    """Reduce and log training scalars (a step line on the console, every logger) every this many
+    optimizer steps; ``0``: none during training, only the epoch lines and scalars (quiet CI logs,
+    one collective fewer per window)."""
     checkpoint_every_epochs: int = 1
     """Write a checkpoint every this many epochs (0: never at epoch ends)."""
     checkpoint_every_steps: int = 0
@@ -266,8 +270,10 @@ class TrainerConfig:
     checkpoint_save_top_k: int = 1
     """How many best checkpoints ``checkpoint_monitor`` keeps (exactly these; ties keep the earlier step)."""
     resume: str | None = None
-    """Resume from a checkpoint file, a directory (its newest valid checkpoint), or ``latest``
-    (this run's checkpoint directory; starts fresh with a warning when it holds none)."""
+    """Resume from a checkpoint file, a directory (its newest valid checkpoint), ``latest`` (this
+    run's newest checkpoint; when its directory has none and is one of ``outputs/<recipe>/``, the
+    newest run of that recipe there; refused, rc 2, when there is none anywhere), ``auto`` (this
+    run's newest checkpoint, else start from scratch: for requeued jobs) or ``best``."""
     init_from: str | None = None
     """Fine-tuning: start from the model weights only of a checkpoint file, a run directory (its
     newest checkpoint) or a run's ``checkpoints/best`` directory (its best); the optimizer, schedule
@@ -277,7 +283,8 @@ class TrainerConfig:
     global sample position)."""
     output_dir: str | None = None
     """Directory for checkpoints, TensorBoard logs and metrics; the CLI sets Hydra's run dir.
-    ``None`` means the working directory. Rank 0's value is used on every rank."""
+    ``None``: ``outputs/<recipe.name>/<YYYY-MM-DD_HH-MM-SS>`` under the working directory, the
+    CLI's default too (:func:`default_output_dir`). Rank 0's value is used on every rank."""
     tensorboard: bool = True
     """Write TensorBoard event files under ``<output_dir>/tensorboard`` (rank 0)."""
     csv: bool = True
@@ -383,6 +390,14 @@ _NUM_NODES_ADVICE = (
 _MAX_KEYS_LISTED = 12
 
 
+def default_output_dir(config: Config) -> str:
+    """The run directory of a run that names none: ``outputs/<recipe.name>/<YYYY-MM-DD_HH-MM-SS>``
+    (relative to the working directory; ``conf/config.yaml``'s ``hydra.run.dir`` is the same)."""
+    import time
+
+    return os.path.join("outputs", config.recipe.name, time.strftime("%Y-%m-%d_%H-%M-%S"))
+
+
 def suggest_key(dotted: str, close: Sequence[str]) -> str:
     """The " Did you mean ...?" text for the unknown key ``dotted``: a Lightning flag's ddptrain key
     first (``trainer.devices`` -> ``dist.world_size``), else the closest of ``close``, else nothing."""
@@ -394,6 +409,24 @@ def suggest_key(dotted: str, close: Sequence[str]) -> str:
             ours = LIGHTNING_KEYS[flag]
             return f" Did you mean {ours}? (Lightning's Trainer({flag}=...) is {ours} here.)"
     return f" Did you mean {close[0]}?" if close else ""
+
+
+def leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every dotted key of the dataclass schema ``cls`` (sections expanded), e.g. ``trainer.epochs``."""
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = prefix + f.name
+        keys += leaf_keys(hints[f.name], name + ".") if dataclasses.is_dataclass(hints[f.name]) else [name]
+    return keys
+
+
+def unknown_key_message(key: str, section: str, names: Sequence[str]) -> str:
+    """The error text for the dotted ``key`` that ``section`` (its keys: ``names``) does not have:
+    the nearest key anywhere in the schema (one put in the wrong section too) or the Lightning
+    flag's key, then where to read the section's keys. The CLI's overrides and ``from_dict`` say it."""
+    close = difflib.get_close_matches(key, leaf_keys(Config), n=1, cutoff=0.6)
+    return f"unknown config key {key}.{suggest_key(key, close)} {keys_hint(section, sorted(names))}"
 
 
 def keys_hint(section: str, names: Sequence[str]) -> str:
@@ -415,10 +448,7 @@ def _build(cls, data: Any, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), names, n=1)
-        hint = suggest_key(f"{prefix}{key}", [prefix + close[0]] if close else [])
-        raise ConfigError(f"unknown config key {prefix}{key}.{hint} {keys_hint(prefix.rstrip('.'), names)}")
+        raise ConfigError(unknown_key_message(f"{prefix}{unknown[0]}", prefix.rstrip("."), names))
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
     return cls(**kwargs)
 
@@ -526,7 +556,6 @@ def validate(config: Config, world_size: int) -> None:
     t, d, o = config.trainer, config.data, config.optimizer
     _positive("trainer.epochs", t.epochs)
     _positive("trainer.grad_accum_steps", t.grad_accum_steps)
-    _positive("trainer.log_every_steps", t.log_every_steps)
     _positive("doctor.steps", config.doctor.steps)
     _positive("data.global_batch_size", d.global_batch_size)
     _positive("data.eval_batch_size", d.eval_batch_size)
@@ -543,6 +572,7 @@ def validate(config: Config, world_size: int) -> None:
     for key, value in (
         ("trainer.eval_every_epochs", t.eval_every_epochs),
         ("trainer.eval_every_steps", t.eval_every_steps),
+        ("trainer.log_every_steps", t.log_every_steps),
         ("trainer.early_stopping.patience", t.early_stopping.patience),
         ("trainer.checkpoint_every_epochs", t.checkpoint_every_epochs),
         ("trainer.checkpoint_every_steps", t.checkpoint_every_steps),

@@ -10,9 +10,22 @@ into a :class:`ddptrain.Config` and hands it to :func:`ddptrain.trainer.run`.
   (run directory, ``--cfg``...), the other ranks compose the same config and receive rank 0's
   directory once the process group is up.
 * ``--cfg job`` prints the composed config, ``-m`` sweeps (one job after the other),
-  ``--help`` lists the groups, ``--config-dir DIR`` adds your own recipes (``DIR/recipe/x.yaml``),
-  ``--version`` prints ddptrain's and torch's versions. Modules named in the config
-  (``recipe.trainer_class=mypkg.task.MyTrainer``) are imported from the working directory too.
+  ``--help`` lists the groups, ``--help KEY`` documents a key, a section or a group (``--help
+  trainer.max_steps``, ``--help data``: name, type, default, meaning), ``--config-dir DIR`` adds
+  your own recipes (``DIR/recipe/x.yaml``), ``--version`` prints ddptrain's and torch's versions.
+  Modules named in the config (``recipe.trainer_class=mypkg.task.MyTrainer``) are imported from
+  the working directory too.
+* Start-up: ``--version``, ``--help``, ``--cfg`` and every configuration error answer without
+  importing torch (about a second). A job that will start local workers starts a preloaded fork
+  server (:mod:`ddptrain.launch.forkserver`) right after the overrides pass the schema check, so
+  torch is imported there while this process composes the config, and the workers fork ready.
+* A refused run leaves nothing behind: the run directory is resolved once before Hydra runs (and
+  passed to it as ``hydra.run.dir``), so this process knows whether it creates it. If the run is
+  then refused before any rank starts (exit 2, or a missing or corrupt checkpoint or dataset) and
+  the directory holds only what the refusal wrote (``.hydra/``, ``train.log``), it is removed with
+  the parents this run created (``outputs/<recipe>/``). A directory that existed before is never
+  removed (``hydra.run.dir=<old run> trainer.resume=latest``).
+* Ctrl-C while the job starts (before the ranks handle it) prints one line and exits 130.
 
 Exit status: 0 done; 1 the run failed (a rank raised or died, data or checkpoint missing, smoke
 check failed); 2 bad configuration (nothing ran); 130 stopped by Ctrl-C (SIGINT), 143 by SIGTERM,
@@ -23,9 +36,12 @@ on stderr; a failed rank's full traceback goes to ``<run dir>/error.log``
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
+import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +50,7 @@ from .. import envvars
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_CONFIG", "EXIT_SIGINT", "EXIT_SIGTERM"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+_STOPS = (signal.SIGINT, signal.SIGTERM)
 # Flags that make Hydra print something and exit (or sweep): every rank lets Hydra handle them.
 _HYDRA_FLAGS = (
     "--cfg",
@@ -57,9 +74,54 @@ _INFO_FLAGS = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completi
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddptrain`` and of the ``ddptrain`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    code = EXIT_FAILED
+    try:
+        code = _main(argv)
+    except KeyboardInterrupt as exc:  # Ctrl-C while starting, or a second one: one line, no traceback
+        _ignore_stop_signals()  # stopping already: a late signal must not cut the cleanup short
+        code = _interrupted(exc)
+    finally:
+        try:
+            server = sys.modules.get("ddptrain.launch.forkserver")
+            if server is not None:
+                server.discard()  # started for a job that never came (refused config, mpiexec job)
+        except KeyboardInterrupt as exc:
+            _ignore_stop_signals()
+            code = _interrupted(exc)
+    sys.exit(code)
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred() -> Iterator[None]:
+    """SIGINT/SIGTERM inside the block are noted, then raised after it as ``StoppedBySignal``: raised
+    inside torch's import, a ``KeyboardInterrupt`` crosses C++ code and aborts the process."""
+    from ..launch.signals import StoppedBySignal
+
+    noted: list[str] = []
+    previous = {sig: signal.signal(sig, lambda n, _f: noted.append(signal.Signals(n).name)) for sig in _STOPS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if noted:
+        raise StoppedBySignal(noted[0])
+
+
+def _ignore_stop_signals() -> None:
+    """From here to the exit, SIGINT and SIGTERM change nothing: the exit status is decided, and an
+    uncaught ``KeyboardInterrupt`` at shutdown would make Python end by SIGINT instead of 130."""
+    for sig in _STOPS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _main(argv: list[str]) -> int:
     if any(a in ("--version", "-V") for a in argv):
         print(version_line())
-        sys.exit(EXIT_OK)
+        return EXIT_OK
+    topic = _help_topic(argv)
+    if topic is not None:
+        return _print_topic(topic, argv)
     for name in envvars.unknown_variables():
         print(
             f"ddptrain: warning: {name} is set but ddptrain knows no such variable; see ddptrain.envvars",
@@ -69,23 +131,65 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, os.getcwd())  # the console script, like python -m, imports the user's modules
     from ..launch.env import detect_environment
 
+    if any(a in ("--help", "-h") for a in argv) and not any(a in ("--hydra-help", "--cfg", "-c") for a in argv):
+        return _print_help(argv)
+
     try:
         env = detect_environment()
     except ValueError as exc:
-        sys.exit(_error(f"the launcher environment is inconsistent: {exc}", EXIT_BAD_CONFIG))
-    if not any(a in _INFO_FLAGS for a in argv):
-        problem = _check_command_line(argv)
-        if problem:
-            sys.exit(_error(problem, EXIT_BAD_CONFIG))
+        return _error(f"the launcher environment is inconsistent: {exc}", EXIT_BAD_CONFIG)
+    hydra_argv, fresh = list(argv), None
+    with _stop_signals_deferred():  # Hydra and OmegaConf code cannot take a KeyboardInterrupt mid-way
+        if not any(a in _INFO_FLAGS for a in argv):
+            problem = _check_overrides(argv)
+            if problem:
+                return _error(problem, EXIT_BAD_CONFIG)
+            if _launches_local_workers(argv, env):
+                from ..launch import forkserver
+
+                forkserver.start()  # imports torch in its own process while this one composes the config
+            problem, run_dir = _check_composition(argv)
+            if problem:
+                return _error(problem, EXIT_BAD_CONFIG)
+            if not any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):  # a job will run (no --cfg, no -m)
+                hydra_argv, fresh = _fix_run_dir(argv, run_dir)
     if env.is_launched_externally() and env.rank != 0 and not any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
-        sys.exit(_run_other_rank(argv))  # ranks > 0: the same config, without a run directory of their own
+        return _run_other_rank(argv)  # ranks > 0: the same config, without a run directory of their own
     if any(a in ("--help", "-h") for a in argv) and not any(a.startswith("recipe=") for a in argv):
-        argv.append("recipe=mnist")  # --help shows a composed config, and recipe has no default
+        hydra_argv.append("recipe=mnist")  # --help shows a composed config, and recipe has no default
     codes: list[int] = []
     from .app import run_hydra_main
 
-    run_hydra_main(argv, lambda cfg, run_dir, sweep: codes.append(_run_job(cfg, run_dir, sweep, argv)))
-    sys.exit(max(codes, default=EXIT_OK))
+    def task(cfg: Any, run_dir: str, sweep: bool) -> None:
+        code, refused = _run_job(cfg, run_dir, sweep, argv)
+        if refused and fresh is not None and not sweep:
+            _remove_refused_run_dir(Path(run_dir), fresh)
+        codes.append(code)
+
+    run_hydra_main(hydra_argv, task)
+    return max(codes, default=EXIT_OK)
+
+
+def _print_help(argv: list[str]) -> int:
+    """Plain ``--help`` (with any overrides): the help template, the groups, the composed config."""
+    from .app import config_dirs, help_text
+    from .overrides import group_options
+
+    shown = argv if any(a.startswith("recipe=") for a in argv) else [*argv, "recipe=mnist"]  # recipe has no default
+    try:
+        print(help_text([a for a in shown if a not in ("--help", "-h")], group_options(config_dirs(argv))))
+    except Exception as exc:  # noqa: BLE001 - Hydra's composition errors: a value of the wrong type...
+        return _error(_hydra_message(exc), EXIT_BAD_CONFIG)
+    return EXIT_OK
+
+
+def _interrupted(exc: KeyboardInterrupt) -> int:
+    """One line for a stop that came too early (or too hard) for a checkpoint; the exit status."""
+    name = getattr(exc, "signal_name", "SIGINT")
+    detail = str(exc) or "during start-up, before any rank trained: nothing to resume; run the command again"
+    label = f"{name} (Ctrl-C)" if name == "SIGINT" else name
+    print(f"ddptrain: stopped by {label}: {detail}", file=sys.stderr, flush=True)
+    return EXIT_SIGTERM if name == "SIGTERM" else EXIT_SIGINT
 
 
 def version_line() -> str:
@@ -102,12 +206,35 @@ def version_line() -> str:
     return f"ddptrain {ddptrain.__version__} (torch {torch_version}, Python {python})"
 
 
-def _check_command_line(argv: list[str]) -> str | None:
-    """A bad override, unknown option or missing recipe, as a message; checked before Hydra runs."""
-    from .app import compose_config, config_dirs
-    from .overrides import first_problem, group_options, override_tokens
+def _help_topic(argv: list[str]) -> str | None:
+    """``KEY`` of ``--help KEY`` (a key, a section or a group: ``trainer.max_steps``, ``data``)."""
+    for flag, value in zip(argv, argv[1:]):
+        if flag in ("--help", "-h") and not value.startswith("-") and "=" not in value:
+            return value
+    return None
 
-    tokens, options = override_tokens(argv), group_options(config_dirs(argv))
+
+def _print_topic(topic: str, argv: list[str]) -> int:
+    import ddptrain.conf
+
+    from .overrides import config_dirs_of, describe_topic, group_options
+
+    options = group_options(config_dirs_of(argv, Path(ddptrain.conf.__file__).resolve().parent))
+    text, problem = describe_topic(topic, options)
+    if problem:
+        return _error(f"{problem} (`python -m ddptrain --help` lists the groups)", EXIT_BAD_CONFIG)
+    print(text)
+    return EXIT_OK
+
+
+def _check_overrides(argv: list[str]) -> str | None:
+    """A bad override, unknown option or missing recipe, as a message: the schema's check, no Hydra."""
+    import ddptrain.conf
+
+    from .overrides import config_dirs_of, first_problem, group_options, override_tokens
+
+    tokens = override_tokens(argv)
+    options = group_options(config_dirs_of(argv, Path(ddptrain.conf.__file__).resolve().parent))
     problem = first_problem(tokens, options)
     if problem:
         return problem
@@ -117,13 +244,70 @@ def _check_command_line(argv: list[str]) -> str | None:
             f"choose a recipe: recipe=<name>, one of {', '.join(options.get('recipe', []))} "
             "(or your own with --config-dir DIR holding recipe/<name>.yaml)"
         )
-    if any(a in ("-m", "--multirun") for a in argv):
-        return None  # sweep values (a,b,c) are Hydra's to expand
-    try:
-        compose_config(argv)
-    except Exception as exc:  # noqa: BLE001 - Hydra's composition errors: a value of the wrong type...
-        return _hydra_message(exc)
     return None
+
+
+def _check_command_line(argv: list[str]) -> str | None:
+    """A bad override, unknown option, missing recipe or a value Hydra refuses, as a message."""
+    return _check_overrides(argv) or _check_composition(argv)[0]
+
+
+def _launches_local_workers(argv: list[str], env: Any) -> bool:
+    """Whether this command will most likely start local workers (then a fork server pays off)."""
+    if env.is_launched_externally() or any(
+        a.split("=")[0] in _HYDRA_FLAGS and a not in ("-m", "--multirun") for a in argv
+    ):
+        return False
+    external = ("launcher=torchrun", "launcher=mpirun")  # refused here: no launcher of that name around
+    return not any(t in ("backend=mpi", "dist.backend=mpi", *external) for t in argv)
+
+
+def _check_composition(argv: list[str]) -> tuple[str | None, str | None]:
+    """``(problem, run_dir)``: what Hydra refuses when composing (a value of the wrong type...), and
+    the run directory the job will get, resolved now (None for sweeps)."""
+    if any(a in ("-m", "--multirun") for a in argv):
+        return None, None  # sweep values (a,b,c) are Hydra's to expand
+    from .app import compose_config
+
+    try:
+        cfg = compose_config(argv, with_hydra=True)
+        return None, str(cfg.hydra.run.dir)
+    except Exception as exc:  # noqa: BLE001 - Hydra's composition errors: a value of the wrong type...
+        return _hydra_message(exc), None
+
+
+def _fix_run_dir(argv: list[str], run_dir: str | None) -> tuple[list[str], list[Path] | None]:
+    """The arguments for Hydra with the run directory fixed to ``run_dir`` (resolved once, so this
+    invocation knows whether it creates it); if it does not exist yet, it and its missing parents."""
+    given = [t.split("=", 1)[1].strip("'\"") for t in argv if t.startswith("hydra.run.dir=")]
+    if run_dir is None:
+        return list(argv), None
+    path = Path(given[-1] if given else run_dir).absolute()
+    missing = [path, *(p for p in path.parents if not p.exists())]
+    if path.exists():
+        return list(argv), None
+    quoted = run_dir.replace("\\", "\\\\").replace("'", "\\'")
+    return (list(argv) if given else [f"hydra.run.dir='{quoted}'", *argv]), missing  # first: before any flag
+
+
+def _remove_refused_run_dir(run_dir: Path, fresh: list[Path]) -> None:
+    """Remove the run directory a refused run made, and its parents it made (``outputs/x/``),
+    if it holds nothing but what the refusal wrote (Hydra's ``.hydra/``, ``train.log``)."""
+    run_dir = run_dir.absolute()
+    if run_dir != fresh[0] or not run_dir.is_dir():
+        return
+    for path in run_dir.rglob("*"):
+        relative = path.relative_to(run_dir)
+        if path.is_file() and relative.parts[0] != ".hydra" and relative != Path("train.log"):
+            return  # something a user may need: leave it all
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in fresh[1:]:
+        try:
+            parent.rmdir()  # only if empty: another run may have started there meanwhile
+        except OSError:
+            break
 
 
 def _hydra_message(exc: BaseException) -> str:
@@ -141,52 +325,60 @@ def _run_other_rank(argv: list[str]) -> int:
         cfg = compose_config(argv)
     except Exception as exc:  # noqa: BLE001 - rank 0 reports the same problem in full
         return _error(_hydra_message(exc), EXIT_BAD_CONFIG)
-    return _run_job(cfg, None, False, argv)
+    return _run_job(cfg, None, False, argv)[0]
 
 
-def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> int:
-    """Run one composed config; the exit status (see the module docstring)."""
+def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tuple[int, bool]:
+    """Run one composed config: the exit status (see the module docstring), and whether the run was
+    refused before any rank started (bad config, missing checkpoint or data)."""
     from ..launch.env import detect_environment
 
     if sweep and detect_environment().is_launched_externally():
-        return _error(
+        message = (
             "sweeps (-m) start their jobs one after the other on the local launcher; run them "
-            "without torchrun/mpirun/srun, or launch one job per sweep point",
-            EXIT_BAD_CONFIG,
+            "without torchrun/mpirun/srun, or launch one job per sweep point"
         )
+        return _error(message, EXIT_BAD_CONFIG), True
     # Imported here: --help, --cfg and configuration errors then answer without importing torch.
-    from ..config import ConfigError
-    from ..data import DatasetCorruptError, DatasetNotFoundError
-    from ..launch import LaunchTimeoutError, WorkerFailedError
-    from ..trainer import CheckpointError, SmokeCheckError, run
-    from .app import to_config
+    with _stop_signals_deferred():  # torch's C++ import code cannot take a KeyboardInterrupt
+        from ..config import ConfigError
+        from ..data import DatasetCorruptError, DatasetNotFoundError
+        from ..launch import LaunchTimeoutError, WorkerFailedError
+        from ..runner import run
+        from ..trainer import CheckpointError, SmokeCheckError
+        from .app import to_config
 
     full_error = envvars.get_flag("DDPTRAIN_FULL_ERROR") or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    # Raised by run() itself, not by a rank, these refuse the run before any rank starts (local launcher).
+    before_start = not detect_environment().is_launched_externally()
     try:
         config = to_config(cfg, run_dir)
         metrics = run(config)
     except ConfigError as exc:
         if full_error:
             raise
-        return _error(str(exc), EXIT_BAD_CONFIG)
+        return _error(str(exc), EXIT_BAD_CONFIG), True
     except DatasetNotFoundError as exc:
         if full_error:
             raise
-        return _error(exc.explain("data.root=<dir>", "data.download=true", "data.download=false"), EXIT_FAILED)
+        explained = exc.explain("data.root=<dir>", "data.download=true", "data.download=false")
+        return _error(explained, EXIT_FAILED), before_start
     except WorkerFailedError as exc:
         if full_error:
             raise
         message, _, tb = str(exc).partition("\n--- traceback")
         where = _save_traceback(run_dir, exc.worker_traceback or tb)
-        return _error(message + (f"\n(full traceback of rank {exc.rank}: {where})" if where else ""), EXIT_FAILED)
+        where_text = f"\n(full traceback of rank {exc.rank}: {where})" if where else ""
+        return _error(message + where_text, EXIT_FAILED), False
     except (DatasetCorruptError, CheckpointError, SmokeCheckError, LaunchTimeoutError) as exc:
         if full_error:
             raise
-        return _error(f"{type(exc).__name__}: {exc}", EXIT_FAILED)
+        refused = before_start and isinstance(exc, (DatasetCorruptError, CheckpointError))
+        return _error(f"{type(exc).__name__}: {exc}", EXIT_FAILED), refused
     if detect_environment().rank != 0:
-        return _exit_status(metrics)
+        return _exit_status(metrics), False
     _print_summary(config, metrics, argv)
-    return _exit_status(metrics)
+    return _exit_status(metrics), False
 
 
 def _exit_status(metrics: dict[str, Any]) -> int:
@@ -207,10 +399,13 @@ def _print_summary(config: Any, metrics: dict[str, Any], argv: list[str]) -> Non
         return
     keys = ("eval/accuracy", "eval/loss", "train/loss_last", "time/train_s", "time/fit_s")
     shown = " ".join(f"{k}={metrics[k]:.4g}" for k in keys if isinstance(metrics.get(k), float))
+    # what is on disk, not what a run may write: a doctor-only run writes no checkpoints
+    found = sorted(Path(run_dir).iterdir()) if run_dir and Path(run_dir).is_dir() else []
+    outputs = ", ".join(p.name + "/" * p.is_dir() for p in found if not p.name.startswith(".")) or "nothing"
     print(
         f"ddptrain: recipe {config.recipe.name} finished on {metrics.get('world_size')} rank(s) at step "
         f"{metrics.get('step')} ({metrics.get('epoch')} epoch(s) complete): {shown}\n"
-        f"ddptrain: outputs (checkpoints, metrics.json, train.log, tensorboard/) in {run_dir}",
+        f"ddptrain: outputs in {run_dir}: {outputs}",
         flush=True,
     )
 

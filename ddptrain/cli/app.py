@@ -16,7 +16,7 @@ from typing import Any
 import hydra
 from hydra import compose, initialize_config_module
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import Config
 from .overrides import config_dirs_of, override_tokens
@@ -42,19 +42,37 @@ def register_schema() -> None:
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
 
 
-def compose_config(argv: Sequence[str]) -> DictConfig:
-    """Compose the config the command line asks for, without running anything.
+def compose_config(argv: Sequence[str], with_hydra: bool = False) -> DictConfig:
+    """Compose the config the command line asks for, without running anything; ``with_hydra``
+    keeps Hydra's own node (``hydra.run.dir``...), as ``hydra.main`` would see it.
 
     Raises:
         hydra.errors.HydraException: an override Hydra refuses (a value of the wrong type...).
     """
     register_schema()
-    overrides = [t for t in override_tokens(argv) if not t.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    tokens = override_tokens(argv)
+    overrides = [t for t in tokens if with_hydra or not t.lstrip("+~").startswith(("hydra.", "hydra/"))]
     extra = [d.resolve().as_uri() for d in config_dirs(argv)[1:]]
     if extra:
         overrides.append(f"hydra.searchpath=[{','.join(extra)}]")
     with initialize_config_module(CONFIG_MODULE, version_base="1.3", job_name="ddptrain"):
-        return compose(config_name=_config_name(argv), overrides=overrides)
+        return compose(config_name=_config_name(argv), overrides=overrides, return_hydra_config=with_hydra)
+
+
+def help_text(argv: Sequence[str], options: dict[str, list[str]]) -> str:
+    """``--help``: ``hydra.help.template`` of ``conf/config.yaml`` with its config groups
+    (``options``) and the config composed from ``argv``, as Hydra prints it, without starting
+    Hydra's application (a tenth of the time).
+
+    Raises:
+        hydra.errors.HydraException: the arguments do not compose.
+    """
+    cfg = compose_config(argv, with_hydra=True)
+    template = str(cfg.hydra.help.template)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    groups = "".join(f"{group}: {', '.join(names)}\n" for group, names in sorted(options.items()))
+    return template.replace("$APP_CONFIG_GROUPS", groups).replace("$CONFIG", OmegaConf.to_yaml(cfg))
 
 
 def _config_name(argv: Sequence[str]) -> str:

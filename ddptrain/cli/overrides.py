@@ -3,20 +3,33 @@
 Hydra's own answer to a typo is to suggest appending the key (``+trainer.epoch=3``), which the
 schema then refuses too. Here every key is checked against the config dataclasses and every
 group option against the config directories, and a mistake gets "did you mean ...?" straight
-away. Pure: no Hydra, no torch.
+away. :func:`describe_topic` prints a key's or a section's documentation (``--help KEY``) from
+the attribute docstrings of those dataclasses. Pure: no Hydra, no torch.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
+import inspect
+import json
+import textwrap
 import typing
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from ..config import Config, keys_hint, suggest_key
+from ..config import Config, keys_hint, suggest_key, unknown_key_message
 
-__all__ = ["GROUPS", "FLAGS_WITH_VALUE", "override_tokens", "config_dirs_of", "group_options", "first_problem"]
+__all__ = [
+    "GROUPS",
+    "FLAGS_WITH_VALUE",
+    "override_tokens",
+    "config_dirs_of",
+    "group_options",
+    "first_problem",
+    "describe_topic",
+]
 
 GROUPS = ("recipe", "backend", "launcher", "model", "data", "optimizer", "trainer")
 """The config groups of ddptrain's ``conf/`` (a group option is chosen with ``group=option``)."""
@@ -71,25 +84,13 @@ def group_options(dirs: Iterable[Path]) -> dict[str, list[str]]:
     return {group: sorted(names) for group, names in options.items()}
 
 
-def _leaf_keys(cls: type, prefix: str = "") -> list[str]:
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        name = prefix + f.name
-        keys += _leaf_keys(hints[f.name], name + ".") if dataclasses.is_dataclass(hints[f.name]) else [name]
-    return keys
-
-
 def _unknown_key(path: list[str]) -> str | None:
     """Why the dotted key ``path`` is not in the schema, or None if it is (or is free-form)."""
     cls: type = Config
     for depth, part in enumerate(path):
         hints = typing.get_type_hints(cls)
         if part not in hints:
-            key = ".".join(path)
-            close = difflib.get_close_matches(key, _leaf_keys(Config), n=1, cutoff=0.6)
-            section = ".".join(path[:depth])
-            return f"unknown config key {key}.{suggest_key(key, close)} {keys_hint(section, sorted(hints))}"
+            return unknown_key_message(".".join(path), ".".join(path[:depth]), list(hints))
         hint = hints[part]
         if hint is dict or typing.get_origin(hint) is dict:
             return None  # free-form (model.*): whatever the model's constructor takes
@@ -129,3 +130,110 @@ def first_problem(tokens: Sequence[str], options: dict[str, list[str]]) -> str |
         if problem:
             return problem
     return None
+
+
+# -- the schema's documentation: python -m ddptrain --help KEY ----------------------------------
+def _attribute_docs(cls: type) -> dict[str, str]:
+    """The string literal right after each field of the dataclass ``cls``, read from its source."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        is_doc = isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
+            docs[node.target.id] = inspect.cleandoc(str(after.value.value))
+    return docs
+
+
+def _value_text(value: object) -> str:
+    """A default as it is written on the command line (``null``, ``true``, ``[0.9, 0.999]``)."""
+    if value is None or isinstance(value, (bool, list, dict)):
+        return json.dumps(value)
+    return str(value)
+
+
+def schema_entries(cls: type, prefix: str = "") -> Iterator[tuple[str, str | None, str | None, str]]:
+    """Every key under the dataclass ``cls``, depth first: ``(dotted name, type, default as written on
+    the command line, docstring)``; a nested section comes as ``(name, None, None, its docstring)``
+    before its keys."""
+    hints, docs = typing.get_type_hints(cls), _attribute_docs(cls)
+    for f in dataclasses.fields(cls):
+        name, doc = prefix + f.name, docs.get(f.name, "(undocumented)")
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield name, None, None, doc
+            yield from schema_entries(hints[f.name], name + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        yield name, str(f.type), _value_text(default), doc
+
+
+def _describe_fields(cls: type, prefix: str) -> list[str]:
+    """Every key under the dataclass ``cls``: name, type, default and docstring; sections nested."""
+    lines: list[str] = []
+    for name, type_, default, doc in schema_entries(cls, prefix):
+        if type_ is None:
+            lines += ["", f"{name}: {doc}"]
+        else:
+            lines += [f"{name} ({type_}, default: {default})", *("    " + ln for ln in doc.splitlines())]
+    return lines
+
+
+def configuration_markdown() -> str:
+    """``docs/configuration.md``: every key of the schema, by section (``scripts/gen_config_docs.py``)."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from the schema (`ddptrain/config.py`) by `.venv/bin/python scripts/gen_config_docs.py`;",
+        "a test fails when it is out of date. The same text, for one key or section, comes from",
+        "`python -m ddptrain --help trainer.max_steps` or `python -m ddptrain --help trainer`. Defaults are",
+        "the schema's; a recipe (`recipe=mnist`) may change them: `python -m ddptrain recipe=mnist --cfg job`",
+        "prints the composed values.",
+    ]
+    docs = _attribute_docs(Config)
+    for section in dataclasses.fields(Config):
+        out += ["", f"## `{section.name}`", "", " ".join(docs.get(section.name, "").split()), ""]
+        cls = typing.get_type_hints(Config)[section.name]
+        if not dataclasses.is_dataclass(cls):
+            continue
+        for name, type_, default, doc in schema_entries(cls, section.name + "."):
+            text = " ".join(doc.split())
+            if type_ is None:
+                out += ["", f"### `{name}`", "", text, ""]
+            else:
+                out.append(f"- **`{name}`** (`{type_}`, default `{default}`): {text}")
+    return "\n".join(out) + "\n"
+
+
+def describe_topic(topic: str, options: dict[str, list[str]]) -> tuple[str | None, str | None]:
+    """``(text, None)``: the documentation of a key, a section or a config group; ``(None, problem)``
+    for a name the schema does not have (with the same "did you mean" as a typo)."""
+    path, cls, lines = topic.split("."), Config, []
+    for depth, part in enumerate(path):
+        hints, docs = typing.get_type_hints(cls), _attribute_docs(cls)
+        if part not in hints:
+            if depth == 0 and part in options:  # a group without a section of its own (backend)
+                return f"{part}: config group; choose one with {part}=<name>: {', '.join(options[part])}.", None
+            if depth == 0:  # a section or group misspelt: suggest those, not a key deep inside one
+                close = difflib.get_close_matches(part, sorted(set(hints) | set(options)), n=1)
+                return None, f"unknown config key or group {part}.{suggest_key(part, close)} {keys_hint('', hints)}"
+            return None, _unknown_key(path)
+        hint, name = hints[part], ".".join(path[: depth + 1])
+        if not dataclasses.is_dataclass(hint):
+            if depth < len(path) - 1 and not (hint is dict or typing.get_origin(hint) is dict):
+                return None, _unknown_key(path)
+            default = next(f for f in dataclasses.fields(cls) if f.name == part)
+            value = default.default if default.default is not dataclasses.MISSING else default.default_factory()  # type: ignore[misc]
+            lines = [
+                f"{name} ({default.type}, default: {_value_text(value)})",
+                *("    " + ln for ln in docs[part].splitlines()),
+            ]
+            break
+        lines = [f"{name}: {docs.get(part, '')}", *_describe_fields(hint, name + ".")]
+        cls = hint
+    if len(path) == 1 and path[0] in options:
+        lines.append(f"Options ({path[0]}=<name>, each sets several keys): {', '.join(options[path[0]])}.")
+    lines += [
+        "",
+        "Defaults are the schema's; a recipe or option may change them (`python -m ddptrain recipe=<name> "
+        "--cfg job` prints the composed values). Set a key with key=value, e.g. trainer.max_steps=100.",
+    ]
+    return "\n".join(lines), None
