@@ -27,7 +27,7 @@ _EXPORTS = {
     "ConfigError": "ddptrain.trainer",
     "CheckpointError": "ddptrain.trainer",
     "SmokeCheckError": "ddptrain.trainer",
-    "run": "ddptrain.trainer",
+    "run": "ddptrain.runner",
     "load_model": "ddptrain.loading",
     "BestCheckpoints": "ddptrain.trainer",
 }

@@ -70,10 +70,10 @@ class MnistTrainer(ddptrain.Trainer):
         for train in (True, False):
             cls.load(config.data.root, train=train, download=config.data.download)
 
-    def train_dataset(self) -> Dataset:
+    def train_dataloader(self) -> Dataset:
         return as_normalized_tensors(self.load(self.config.data.root, train=True), self.mean, self.std)
 
-    def val_dataset(self) -> Dataset:
+    def val_dataloader(self) -> Dataset:
         return as_normalized_tensors(self.load(self.config.data.root, train=False), self.mean, self.std)
 
     def training_step(self, model: nn.Module, batch) -> torch.Tensor:

@@ -27,7 +27,6 @@ from .callbacks import (
 from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from .checkpointing import TrainState
 from .metrics import SmokeCheckError
-from .runner import run
 from .trainer import Trainer
 
 __all__ = [
@@ -58,5 +57,4 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "TrainerConfig",
-    "run",
 ]

@@ -1,15 +1,13 @@
 """What ``Trainer.fit`` builds before its first step: its place in the job, the run directory,
-the model inside our DDP, and the end of a fit (final metrics, ``metrics.json``, smoke check).
+the model inside our DDP.
 
 Functions here take the trainer (or its parts) and return what it stores; they hold no state.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
-from typing import Any
 
 from torch import nn
 
@@ -20,9 +18,8 @@ from ..config import Config, ConfigError, check_device, resolve_backend
 from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..launch.env import detect_environment
 from ..launch.join import Membership, RendezvousError, join_process_group
-from .stopping import checkpoint_now
 
-__all__ = ["join_job", "agree_on_directory", "wrap_model", "finish_fit"]
+__all__ = ["join_job", "agree_on_directory", "wrap_model"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -58,32 +55,3 @@ def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -
     if config.dist.algorithm == "ring":
         model.register_comm_hook(RingAllReducer(process_group), ring_allreduce_hook)
     return model
-
-
-def finish_fit(trainer: Any, fit_s: float) -> dict[str, Any]:
-    """The end of a fit (collective): the last logging window, the final evaluation, the final
-    metrics (written to ``metrics.json`` on rank 0), ``on_fit_end`` and the smoke check.
-
-    After a signal (``trainer.stopped_by``) there is no final evaluation and a checkpoint of the
-    current step is written.
-    """
-    trainer._stop.finish()  # the last stop request, posted after the last step (collective)
-    if trainer.metrics.window.steps:
-        trainer._call("on_log", trainer._reduce_window())
-    stopped = trainer.stopped_by is not None  # by a signal: no evaluation, a checkpoint now
-    if not stopped and trainer.val_set is not None:
-        trainer._evaluate_once()
-    step, epoch, module = trainer.state.step, trainer.state.epoch, trainer.model.module
-    trainer.model.sync_buffers()  # the digest is of the model rank 0 checkpoints, on every rank
-    final = trainer.metrics.final(module, step=step, epoch=epoch, fit_s=fit_s)  # collective
-    if stopped:
-        final.update(stopped_by=trainer.stopped_by, checkpoint=str(checkpoint_now(trainer, trainer.callbacks)))
-    final["stopped_early"] = trainer.stopped_early
-    if trainer.is_main:
-        (trainer.output_dir / "metrics.json").write_text(json.dumps(final, indent=2) + "\n")
-    trainer._call("on_fit_end", final)
-    if trainer.smoke_probe is not None and not stopped:
-        passed = trainer.smoke_probe.check(trainer.metrics, module, final)
-        if trainer.is_main:
-            log.info(passed)
-    return final

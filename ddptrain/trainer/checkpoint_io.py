@@ -21,6 +21,8 @@ from typing import Any, Union
 
 import torch
 
+from ..config import ConfigError
+
 __all__ = [
     "CheckpointError",
     "CheckpointWarning",
@@ -50,6 +52,10 @@ PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on P
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated, corrupt, or does not fit this run."""
+
+
+class NothingToResumeError(ConfigError, CheckpointError):
+    """``trainer.resume=latest`` found no checkpoint to continue from (a configuration problem: rc 2)."""
 
 
 class CheckpointWarning(UserWarning):
@@ -207,25 +213,46 @@ def latest_valid_checkpoint(directory: PathLike) -> Path | None:
     return None
 
 
-def resolve_resume_path(resume: str, checkpoint_dir: PathLike, key: str = "trainer.resume") -> Path | None:
+def resolve_resume_path(
+    resume: str, checkpoint_dir: PathLike, key: str = "trainer.resume", recipe: str | None = None
+) -> Path | None:
     """Turn ``trainer.resume`` (or ``trainer.init_from``: ``key``) into a checkpoint file.
 
     Args:
-        resume: ``latest`` or ``last`` (newest valid in ``checkpoint_dir``), ``best`` (the best in
-            ``checkpoint_dir/best`` by its stored monitored value), a directory (newest valid in it
-            or in its ``checkpoints/``; a ``best`` directory: its best), or a file.
-        checkpoint_dir: this run's checkpoint directory.
+        resume: ``latest`` or ``last``: the newest valid checkpoint in ``checkpoint_dir``; when it
+            holds none and the run directory is one of ``outputs/<recipe>/`` (the default place,
+            fresh for every run), the newest run of that recipe there that has one. ``auto``: the
+            newest valid in ``checkpoint_dir``, or ``None`` (start from scratch: a requeued job's
+            first start). ``best``: the best in ``checkpoint_dir/best`` by its stored monitored
+            value. A directory: its newest valid (or its ``checkpoints/``'s; a ``best``
+            directory: its best). A file.
+        checkpoint_dir: this run's checkpoint directory (``<run dir>/checkpoints``).
         key: the config key, for messages.
+        recipe: the run's ``recipe.name`` (where ``latest`` may look for earlier runs).
 
     Returns:
-        The file, or ``None`` for ``latest`` when ``checkpoint_dir`` holds no checkpoint at all.
+        The file, or ``None`` for ``auto`` when ``checkpoint_dir`` holds no checkpoint at all.
 
     Raises:
+        NothingToResumeError: ``latest`` found no checkpoint anywhere it may look, or the path does not exist.
         CheckpointError: a path that does not exist, a directory without a valid checkpoint, or
             ``best`` without a best checkpoint.
     """
-    if resume in ("latest", "last"):
+    if resume == "auto":
         return latest_valid_checkpoint(checkpoint_dir)
+    if resume in ("latest", "last"):
+        found = latest_valid_checkpoint(checkpoint_dir)
+        runs = _runs_of_recipe(Path(checkpoint_dir).parent, recipe)
+        if found is None and runs is not None:
+            found = newest_run_checkpoint(runs, exclude=Path(checkpoint_dir).parent)
+        if found is None:
+            where = f"{checkpoint_dir}" + ("" if runs is None else f" nor in any run of recipe {recipe} under {runs}")
+            raise NothingToResumeError(
+                f"{key}={resume}: no checkpoint in {where}. Pass {key}=<run dir or checkpoint file>; "
+                f"{key}=auto to resume when this run's directory has a checkpoint and start from scratch "
+                "otherwise (requeued jobs); or leave it out to start from scratch."
+            )
+        return found
     if resume == "best":
         return best_checkpoint(Path(checkpoint_dir) / BEST_DIR, f"{key}=best")
     path = Path(resume).expanduser()
@@ -238,11 +265,36 @@ def resolve_resume_path(resume: str, checkpoint_dir: PathLike, key: str = "train
         raise CheckpointError(
             f"{key}={resume}: the directory holds no checkpoint (step_*.pt), nor does its checkpoints/ folder"
         )
-    if not path.is_file():
-        raise CheckpointError(
+    if not path.is_file():  # a wrong path is the user's input, like an unknown key: a config error (rc 2)
+        raise NothingToResumeError(
             f"{key}={resume}: no such file or directory. Pass a checkpoint file, a run directory, 'latest' or 'best'"
         )
     return path
+
+
+def _runs_of_recipe(run_dir: Path, recipe: str | None) -> Path | None:
+    """``outputs/<recipe>/`` when ``run_dir`` is one of its runs (the default place), else None."""
+    parent = Path(run_dir).resolve().parent
+    return parent if recipe and parent.name == recipe and parent.parent.name == "outputs" else None
+
+
+def newest_run_checkpoint(runs: PathLike, exclude: PathLike | None = None) -> Path | None:
+    """The newest valid checkpoint of the run directories in ``runs`` (by the time it was written),
+    ``exclude`` left out; None if none has one."""
+    skip = None if exclude is None else Path(exclude).resolve()
+    newest = []
+    for run in Path(runs).iterdir():
+        found = list_checkpoints(run / "checkpoints") if run.is_dir() and run.resolve() != skip else []
+        if found:
+            newest.append((found[-1].stat().st_mtime, run / "checkpoints"))
+    for _, directory in sorted(newest, reverse=True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # another run's corrupt files: skipped here, named when chosen
+            try:
+                return latest_valid_checkpoint(directory)
+            except CheckpointError:
+                continue
+    return None
 
 
 def monitor_entry(path: PathLike) -> dict[str, Any] | None:

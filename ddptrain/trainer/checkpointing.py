@@ -11,6 +11,8 @@ A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load
   lists, in ``configure_optimizers``' order, with several: :meth:`.optimizers.OptimizerSet.state_dict`);
 - ``callbacks``: ``{"<class name>[#n]": state}`` of the callbacks that have a ``state_dict``;
 - ``grad_scaler``: the ``GradScaler``'s state under ``trainer.precision=16-mixed``, else ``None``;
+- ``strategy``: the step strategy's own state (:meth:`.steps.StepStrategy.state_dict`; ``{}`` for
+  plain DDP and invariant mode);
 - ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
 - ``rng``: every rank's generator states, in rank order;
 - ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`.metrics.TrainingMetrics.state_dict`;
@@ -35,7 +37,14 @@ from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.process_group import ProcessGroup
 from ..config import Config
 from ..data import DistributedSampler
-from .checkpoint_io import FORMAT_VERSION, CheckpointError, load_checkpoint, resolve_resume_path, save_checkpoint
+from .checkpoint_io import (
+    FORMAT_VERSION,
+    CheckpointError,
+    NothingToResumeError,
+    load_checkpoint,
+    resolve_resume_path,
+    save_checkpoint,
+)
 from .metrics import TrainingMetrics
 from .optimizers import OptimizerSet
 from .precision import Precision
@@ -92,28 +101,32 @@ def elastic_restart_resume() -> str | None:
 
     torchrun restarts every worker with the same arguments and counts restarts in
     ``TORCHELASTIC_RESTART_COUNT``; a fixed ``hydra.run.dir`` makes the restart find the
-    checkpoints of the attempt that failed. Returns ``"latest"`` then, else ``None``.
+    checkpoints of the attempt that failed. Returns ``"auto"`` then (that attempt may have failed
+    before its first checkpoint: then the restart starts from scratch too), else ``None``.
     """
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         log.info("torchrun restart %s: resuming from the latest checkpoint", os.environ["TORCHELASTIC_RESTART_COUNT"])
-        return "latest"
+        return "auto"
     return None
 
 
-def agree_on_checkpoint(process_group: ProcessGroup, value: str, directory: Path, key: str) -> str | None:
-    """Rank 0 resolves ``value`` (``key``'s: a file, a directory, ``latest``, ``best``; see
+def agree_on_checkpoint(
+    process_group: ProcessGroup, value: str, directory: Path, key: str, recipe: str | None = None
+) -> str | None:
+    """Rank 0 resolves ``value`` (``key``'s: a file, a directory, ``latest``, ``auto``, ``best``; see
     :func:`.checkpoint_io.resolve_resume_path`) and every rank gets its answer, or its error (collective)."""
     if process_group.rank() == 0:
         try:
-            found, error = resolve_resume_path(value, directory, key), None
+            found, error = resolve_resume_path(value, directory, key, recipe), None
         except CheckpointError as exc:
-            found, error = None, str(exc)
+            found, error = None, (type(exc) is NothingToResumeError, str(exc))
         choice = (None if found is None else str(found), error)
     else:
         choice = None
     path, error = broadcast_object(process_group, choice, 0)
     if error:
-        raise CheckpointError(error)
+        nothing_to_resume, message = error
+        raise (NothingToResumeError if nothing_to_resume else CheckpointError)(message)
     return path
 
 
@@ -124,6 +137,7 @@ class Checkpointer:
         model: the bare module (not the DDP wrapper).
         optimizers: the fit's optimizers and schedulers (:class:`.optimizers.OptimizerSet`).
         precision: the fit's :class:`.precision.Precision` (its gradient scaler's state, under 16-mixed).
+        strategy: the fit's :class:`.steps.StepStrategy` (its own state, if it keeps any).
         callbacks: the fit's callbacks; those with ``state_dict``/``load_state_dict`` (e.g.
             ``EarlyStopping``) travel in the checkpoint's ``callbacks`` entry.
         sampler: the training sampler (the epoch and the position in it).
@@ -142,6 +156,7 @@ class Checkpointer:
         model: nn.Module,
         optimizers: OptimizerSet,
         precision: Precision | None = None,
+        strategy: Any = None,  # a .steps.StepStrategy (not imported: steps -> stopping -> callbacks -> here)
         callbacks: Sequence[Any] = (),
         sampler: DistributedSampler,
         state: TrainState,
@@ -152,7 +167,7 @@ class Checkpointer:
         directory: Path,
         trainer_class: str,
     ):
-        self.model, self.optimizers, self.precision = model, optimizers, precision
+        self.model, self.optimizers, self.precision, self.strategy = model, optimizers, precision, strategy
         self.callbacks = list(callbacks)
         self.sampler, self.state, self.metrics = sampler, state, metrics
         self.process_group, self.device, self.config = process_group, device, config
@@ -165,6 +180,7 @@ class Checkpointer:
             model=trainer.model.module,
             optimizers=trainer.optimizer_set,
             precision=trainer.precision,
+            strategy=trainer.strategy,
             callbacks=trainer.callbacks,
             sampler=trainer.train_sampler,
             state=trainer.state,
@@ -192,6 +208,7 @@ class Checkpointer:
             "model": self.model.state_dict(),
             **self.optimizers.state_dict(),  # optimizer, scheduler
             "grad_scaler": None if self.precision is None else self.precision.state_dict(),
+            "strategy": {} if self.strategy is None else self.strategy.state_dict(),
             "callbacks": {key: cb.state_dict() for key, cb in _stateful(self.callbacks).items()},
             "sampler": self.sampler.state_dict(),
             "rng": rng_states,
@@ -218,6 +235,8 @@ class Checkpointer:
         self.optimizers.load_state_dict(checkpoint)
         if self.precision is not None:
             self.precision.load_state_dict(checkpoint.get("grad_scaler"))
+        if self.strategy is not None:
+            self.strategy.load_state_dict(checkpoint.get("strategy") or {})
         saved = checkpoint.get("callbacks") or {}
         for key, callback in _stateful(self.callbacks).items():
             if key in saved:
@@ -240,7 +259,7 @@ class Checkpointer:
         return self.init_weights(init_from) if init_from else False
 
     def _agree_on_path(self, value: str, key: str) -> str | None:
-        return agree_on_checkpoint(self.process_group, value, self.directory, key)
+        return agree_on_checkpoint(self.process_group, value, self.directory, key, self.config.recipe.name)
 
     def init_weights(self, source: str) -> bool:
         """Fine-tuning: load only the model weights of ``source`` (``trainer.init_from``: a file, a run
@@ -270,7 +289,7 @@ class Checkpointer:
         path = self._agree_on_path(resume, "trainer.resume")
         if path is None:
             if self.is_main:
-                log.warning("trainer.resume=latest: no checkpoint in %s yet; starting from scratch", self.directory)
+                log.info("trainer.resume=auto: no checkpoint in %s yet; starting from scratch", self.directory)
             return False
         self.load_state_dict(load_checkpoint(path), path)
         if self.is_main:

@@ -1,10 +1,10 @@
-"""The data hooks ``train_dataloader()`` / ``val_dataloader()`` (Lightning's names), and the rule
-for what they may return.
+"""What the data hooks ``train_dataloader()`` / ``val_dataloader()`` / ``test_dataloader()``
+(Lightning's names) may return, and how ddptrain takes it apart.
 
 - A **Dataset**: ddptrain splits it over the ranks with its ``DistributedSampler`` (training:
   shuffled with ``trainer.seed + epoch``, resumable mid-epoch; validation: in order, padding
   left out of the metrics) and batches it with ``data.global_batch_size`` / ``data.eval_batch_size``.
-  The default hooks return ``train_dataset()`` / ``val_dataset()``.
+  The default hooks return the splits of ``config.data`` (``ddptrain.data.build_dataset``).
 - A **DataLoader**: its dataset, ``collate_fn``, ``num_workers``, ``pin_memory``,
   ``worker_init_fn``, ``persistent_workers``, ``prefetch_factor`` and ``timeout`` are kept; its
   sampler is **replaced** by ddptrain's ``DistributedSampler`` (as Lightning does), so ``shuffle``
@@ -19,40 +19,38 @@ for what they may return.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
-from ..config import ConfigError, per_rank_batch_size
+from ..config import Config, ConfigError, per_rank_batch_size
 from ..data import DistributedSampler
 
-__all__ = ["DataHooks", "split_loader", "resolve_data_hooks"]
+__all__ = ["LoaderParts", "split_loader", "resolve_data_hooks"]
 
 _REPLACEABLE = (SequentialSampler, RandomSampler, TorchDistributedSampler, DistributedSampler)
 _KEPT = ("collate_fn", "num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "timeout")
 
 
-class DataHooks:
-    """The data hooks of :class:`ddptrain.Trainer` (mixed into it); see this module for the rule."""
+class LoaderParts(NamedTuple):
+    """What ddptrain keeps of a data hook's result."""
 
-    def train_dataloader(self) -> Dataset | DataLoader:
-        """The training data: a Dataset (default: ``train_dataset()``) or a DataLoader (its sampler replaced)."""
-        return self.train_dataset()
-
-    def val_dataloader(self) -> Dataset | DataLoader | None:
-        """The validation data (``None``: no evaluation). Default: ``val_dataset()``."""
-        return self.val_dataset()
+    dataset: Dataset | None
+    options: dict[str, Any] | None
+    """The DataLoader's options that are kept (``collate_fn``, workers...), or None for a Dataset."""
+    batch_size: int | None
+    """The DataLoader's ``batch_size``, or None for a Dataset."""
 
 
-def split_loader(result: Any, hook: str) -> tuple[Dataset | None, dict[str, Any] | None, int | None]:
-    """``(dataset, DataLoader options to keep or None, the loader's batch_size or None)`` of what a hook returned.
+def split_loader(result: Any, hook: str) -> LoaderParts:
+    """The parts of what a data hook returned (a Dataset, a DataLoader or None).
 
     Raises:
         TypeError: neither a Dataset nor a DataLoader; ValueError: a DataLoader ddptrain cannot distribute.
     """
     if result is None or (isinstance(result, Dataset) and not isinstance(result, IterableDataset)):
-        return result, None, None
+        return LoaderParts(result, None, None)
     if not isinstance(result, DataLoader):
         raise TypeError(
             f"{hook}() returned a {type(result).__name__}: return a torch Dataset (ddptrain applies its "
@@ -68,7 +66,7 @@ def split_loader(result: Any, hook: str) -> tuple[Dataset | None, dict[str, Any]
     options = {k: getattr(result, k) for k in _KEPT}
     if result.num_workers > 0:
         options["prefetch_factor"] = result.prefetch_factor
-    return result.dataset, options, result.batch_size
+    return LoaderParts(result.dataset, options, result.batch_size)
 
 
 def _refusal(loader: DataLoader) -> str | None:
@@ -83,25 +81,25 @@ def _refusal(loader: DataLoader) -> str | None:
     return None
 
 
-def resolve_data_hooks(trainer) -> tuple[Dataset, Dataset | None]:
-    """Call the data hooks; set ``trainer.train_loader_options`` / ``val_loader_options`` and
-    ``val_batch_size``; return the two datasets.
+def resolve_data_hooks(train: Any, val: Any, config: Config, world_size: int) -> tuple[LoaderParts, LoaderParts]:
+    """The parts of what ``train_dataloader()`` and ``val_dataloader()`` returned.
 
     Raises:
-        ConfigError: a training DataLoader whose ``batch_size`` is not the config's per-rank batch.
+        TypeError: nothing to train on, or not a Dataset/DataLoader; ValueError: a DataLoader
+            ddptrain cannot distribute; ConfigError: a training DataLoader whose ``batch_size``
+            is not the config's per-rank batch.
     """
-    train_set, trainer.train_loader_options, batch_size = split_loader(trainer.train_dataloader(), "train_dataloader")
-    if train_set is None:
+    train_parts = split_loader(train, "train_dataloader")
+    if train_parts.dataset is None:
         raise TypeError("train_dataloader() returned None: there is nothing to train on")
-    expected = per_rank_batch_size(trainer.config, trainer.world_size)
+    expected, batch_size = per_rank_batch_size(config, world_size), train_parts.batch_size
     if batch_size is not None and batch_size != expected:
+        accum = config.trainer.grad_accum_steps
         raise ConfigError(
             f"train_dataloader() returned a DataLoader with batch_size={batch_size}, but the config gives "
-            f"{expected} per rank (data.global_batch_size={trainer.config.data.global_batch_size} over "
-            f"{trainer.world_size} rank(s) x trainer.grad_accum_steps={trainer.config.trainer.grad_accum_steps}). "
-            f"Set data.global_batch_size={batch_size * trainer.world_size * trainer.config.trainer.grad_accum_steps}, "
+            f"{expected} per rank (data.global_batch_size={config.data.global_batch_size} over "
+            f"{world_size} rank(s) x trainer.grad_accum_steps={accum}). "
+            f"Set data.global_batch_size={batch_size * world_size * accum}, "
             f"or build the DataLoader with batch_size={expected}."
         )
-    val_set, trainer.val_loader_options, val_batch = split_loader(trainer.val_dataloader(), "val_dataloader")
-    trainer.val_batch_size = val_batch or trainer.config.data.eval_batch_size
-    return train_set, val_set
+    return train_parts, split_loader(val, "val_dataloader")

@@ -31,72 +31,55 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
 
 from ..comm.objects import all_gather_object
 from ..data import DistributedSampler
 from .checkpoint_io import CheckpointError, load_checkpoint
 from .checkpointing import agree_on_checkpoint
 from .data import batch_size_of, make_batches, move_to
-from .dataloaders import split_loader
+from .dataloaders import LoaderParts, split_loader
 from .metrics import ExactMean
 
-__all__ = ["InferenceHooks", "gather_in_dataset_order"]
+__all__ = ["run_test", "run_predict", "gather_in_dataset_order"]
 
 log = logging.getLogger("ddptrain.trainer")
 
 
-class InferenceHooks:
-    """The test and predict hooks and entry points of :class:`ddptrain.Trainer` (mixed into it)."""
-
-    def test_dataset(self) -> Dataset | None:
-        """The test set for ``test()`` without an argument. Default: ``val_dataset()`` (for MNIST its test split)."""
-        return self.val_dataset()
-
-    def test_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        """Per-sample metrics of one test batch, ``{name: tensor of shape [batch]}``. Default: ``validation_step``."""
-        return self.validation_step(model, batch)
-
-    def predict_step(self, model: nn.Module, batch: Any) -> Any:
-        """The outputs of one batch, one row per sample (a tensor, or a tuple/list/dict of tensors).
-
-        Default: ``model(inputs)``, the inputs being the batch's first entry when it is a tuple or list.
-        """
-        return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
-
-    def test(self, dataset: Dataset | None = None, checkpoint: str | None = None) -> dict[str, float]:
-        """``test_step``'s metrics averaged over exactly ``dataset`` (default ``test_dataset()``), on every rank.
-
-        ``dataset`` may be a DataLoader: its sampler is replaced (see :mod:`.dataloaders`)."""
-        with _session(self, checkpoint) as module:
-            loader = split_loader(self.test_dataset() if dataset is None else dataset, "test")
-            sampler = DistributedSampler(loader[0], self.world_size, self.rank, shuffle=False)
-            mean = ExactMean(sampler.padding_mask())
-            for batch in _batches(self, loader, sampler):
-                mean.add(self.test_step(module, batch), batch_size_of(batch))
-            metrics = mean.reduce(self.process_group, prefix="test/")
-        if self.is_main:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
-            log.info("test: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
-        return metrics
-
-    def predict(self, dataset: Dataset, checkpoint: str | None = None) -> Any:
-        """``predict_step``'s outputs for every sample of ``dataset`` (or a DataLoader's), in order, on every rank."""
-        loader = split_loader(dataset, "predict")
-        with _session(self, checkpoint) as module:
-            sampler = DistributedSampler(loader[0], self.world_size, self.rank, shuffle=False)
-            outputs = []
-            for batch in _batches(self, loader, sampler):
-                out = _to_cpu(self.predict_step(module, batch))
-                _check_rows(out, batch_size_of(batch))
-                outputs.append(out)
-            mine = _concat(outputs)
-            gathered = all_gather_object(self.process_group, mine)  # collective
-        return gather_in_dataset_order(gathered, len(loader[0]))
+def run_test(trainer: Any, data: Any, checkpoint: str | None) -> dict[str, float]:
+    """``Trainer.test``: ``trainer.test_step``'s metrics averaged over exactly ``data`` (a Dataset
+    or a DataLoader, its sampler replaced: see :mod:`.dataloaders`; None: ``test_dataloader()``,
+    called once this rank is in the group), on every rank."""
+    with _session(trainer, checkpoint) as module:
+        loader = split_loader(trainer.test_dataloader() if data is None else data, "test")
+        sampler = DistributedSampler(loader.dataset, trainer.world_size, trainer.rank, shuffle=False)
+        mean = ExactMean(sampler.padding_mask())
+        for batch in _batches(trainer, loader, sampler):
+            mean.add(trainer.test_step(module, batch), batch_size_of(batch))
+        metrics = mean.reduce(trainer.process_group, prefix="test/")
+    if trainer.is_main:
+        trainer.output_dir.mkdir(parents=True, exist_ok=True)
+        (trainer.output_dir / "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        log.info("test: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+    return metrics
 
 
-def _batches(trainer, loader: tuple, sampler: DistributedSampler) -> Iterator[Any]:
+def run_predict(trainer: Any, data: Any, checkpoint: str | None) -> Any:
+    """``Trainer.predict``: ``trainer.predict_step``'s outputs for every sample of ``data``, in
+    dataset order, on every rank."""
+    loader = split_loader(data, "predict")
+    with _session(trainer, checkpoint) as module:
+        sampler = DistributedSampler(loader.dataset, trainer.world_size, trainer.rank, shuffle=False)
+        outputs = []
+        for batch in _batches(trainer, loader, sampler):
+            out = _to_cpu(trainer.predict_step(module, batch))
+            _check_rows(out, batch_size_of(batch))
+            outputs.append(out)
+        mine = _concat(outputs)
+        gathered = all_gather_object(trainer.process_group, mine)  # collective
+    return gather_in_dataset_order(gathered, len(loader.dataset))
+
+
+def _batches(trainer: Any, loader: LoaderParts, sampler: DistributedSampler) -> Iterator[Any]:
     (dataset, options, batch_size), d = loader, trainer.config.data
     pin = trainer.device.type == "cuda"
     with torch.no_grad():
@@ -105,11 +88,9 @@ def _batches(trainer, loader: tuple, sampler: DistributedSampler) -> Iterator[An
 
 
 @contextlib.contextmanager
-def _session(trainer, checkpoint: str | None) -> Iterator[nn.Module]:
+def _session(trainer: Any, checkpoint: str | None) -> Iterator[nn.Module]:
     """This rank in the job's group, and the module to run (eval mode, restored afterwards)."""
-    saved = getattr(trainer, "_membership", None)  # inside fit: its membership stays the one fit leaves
-    owns = trainer.setup_distributed()
-    try:
+    with trainer.joined():
         module = _module(trainer, checkpoint)
         was_training = module.training
         module.eval()
@@ -117,14 +98,9 @@ def _session(trainer, checkpoint: str | None) -> Iterator[nn.Module]:
             yield module
         finally:
             module.train(was_training)
-    finally:
-        if owns:
-            trainer._membership.leave()
-        if saved is not None:
-            trainer._membership = saved
 
 
-def _module(trainer, checkpoint: str | None) -> nn.Module:
+def _module(trainer: Any, checkpoint: str | None) -> nn.Module:
     if checkpoint is None and trainer.model is not None:
         return trainer.model.module
     module = trainer.configure_model().to(trainer.device)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +41,7 @@ from ..config import check_world_size_invariant
 from ..data.global_batches import StepShards, epoch_order, step_shards, virtual_ranks_of
 from ..ddp.exact import ExactAllReducer
 from .data import move_to
+from .steps import StepStrategy
 
 __all__ = ["InvariantSteps", "InvariantStep", "shard_seed"]
 
@@ -68,17 +69,15 @@ class InvariantStep:
     rank_samples: int
 
 
-class InvariantSteps:
-    """The step strategy of world-size-invariant mode (see the module docstring).
+class InvariantSteps(StepStrategy):
+    """The step strategy of world-size-invariant mode (see the module docstring). The stop votes
+    ride in the step's exact sum; :meth:`take_votes` gives their sums."""
 
-    Args:
-        trainer: the Trainer, after its model, data and process group are set up.
-    """
-
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+        super().__init__(trainer, votes)
         cfg = trainer.config
+        self._vote_sums: list[float] | None = None
         check_world_size_invariant(cfg, trainer.world_size)
-        self.trainer = trainer
         self.virtual_ranks = cfg.trainer.virtual_ranks
         self.micro_batches = cfg.trainer.grad_accum_steps
         self.global_batch = cfg.data.global_batch_size
@@ -118,7 +117,7 @@ class InvariantSteps:
             )
 
     # == data =====================================================================================
-    def step_batches(self) -> Iterator[InvariantStep]:
+    def batches(self) -> Iterator[InvariantStep]:
         """The rest of this epoch, one :class:`InvariantStep` per optimizer step."""
         sampler, world_size = self.trainer.train_sampler, self.trainer.world_size
         dataset_len = sampler.dataset_len
@@ -141,7 +140,7 @@ class InvariantSteps:
         return collate([dataset[i] for i in indices.tolist()])
 
     # == one step =================================================================================
-    def train_step(self, step: InvariantStep) -> float:
+    def forward_backward(self, step: InvariantStep) -> float:
         """Forward and backward of this rank's shards, the exact sum of the gradients over all ranks
         in each parameter's ``.grad``; the step's loss (the same on every rank and world size).
 
@@ -176,14 +175,24 @@ class InvariantSteps:
         ran = torch.tensor([1 if shards else 0], dtype=torch.int64)
         ints = [b.detach().reshape(-1).to("cpu", torch.int64) * ran for b in self.int_buffers]  # last shard's
         self._restore(snapshot)
-        extra = torch.cat([losses.view(torch.int64), counts, *ints, ran])
+        votes = torch.tensor(self.votes(), dtype=torch.float64).to(torch.int64)
+        extra = torch.cat([losses.view(torch.int64), counts, *ints, ran, votes])
         values, extra = self.reducer.all_reduce(t.process_group, contributions, work.num_shards, extra)
+        extra, self._vote_sums = extra[: -len(votes)], [float(v) for v in extra[-len(votes) :].tolist()]
         self._set_grads(values, extra[work.num_shards : work.num_shards + len(self.params)].tolist())
         changed = extra[work.num_shards + len(self.params) : work.num_shards + len(counts)]
         int_values = extra[work.num_shards + len(counts) : -1] // extra[-1]  # all shards agree: their mean
         self._set_buffers(values, changed, int_values, work)
         loss = sum(extra[: work.num_shards].view(torch.float64).tolist()) / work.num_samples  # shard order: fixed
         return float(torch.tensor(loss, dtype=torch.float32))
+
+    def samples(self, step: InvariantStep) -> int:
+        return step.rank_samples
+
+    def take_votes(self) -> list[float] | None:
+        """The stop votes summed over ranks in the latest step, once (None if no step ran since)."""
+        sums, self._vote_sums = self._vote_sums, None
+        return sums
 
     def _mark_used(self, index: int):
         def hook(param: torch.Tensor) -> None:

@@ -46,11 +46,18 @@ class Precision:
 
     def backward(self, loss: torch.Tensor, scale: float | None = None) -> None:
         """Backward of ``loss`` (times ``scale``, when given: as ``(loss * scale).backward()``,
-        without the extra multiplication in the graph)."""
-        if scale is not None and loss.numel() != 1:  # backward() alone refuses it: so do we
+        without the extra multiplication in the graph).
+
+        Raises:
+            RuntimeError: ``loss`` is not one number (a per-sample loss, say), with the fix.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            tensor = isinstance(loss, torch.Tensor)
+            got = f"a tensor of shape {tuple(loss.shape)}" if tensor else f"a {type(loss).__name__}"
             raise RuntimeError(
-                f"training_step must return the loss as one number, got a tensor of shape {tuple(loss.shape)}: "
-                "reduce it (loss.mean() or loss.sum())"
+                f"training_step must return the loss as one number (a tensor with a graph), got {got}: "
+                "reduce it over the batch, e.g. loss.mean() (or F.cross_entropy(..., reduction='mean'), "
+                "the default); ddptrain averages it over ranks and micro-batches itself"
             )
         loss = loss if self.scaler is None else self.scaler.scale(loss)
         loss.backward(None if scale is None else torch.full_like(loss, scale))

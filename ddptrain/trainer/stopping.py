@@ -2,15 +2,16 @@
 a callback or hook sets ``trainer.should_stop`` (e.g. :class:`~ddptrain.trainer.EarlyStopping`).
 
 While :class:`GracefulStop` is installed, the first such signal does not interrupt the rank: it
-asks to stop. Ranks receive signals at different moments, so they agree on *when*: after every
-optimizer step each rank posts an asynchronous all-reduce (MAX) of its request and, one step
-later, reads the answer — every rank reads the same answer after the same step, so they all stop
-there, write a checkpoint together and end. The price is one 16-byte all-reduce per step that
-nobody waits for until the next step. ``trainer.should_stop`` travels in the same all-reduce: one
-rank setting it is enough, and all ranks stop at the same step. At evaluations and epoch ends the
-trainer asks with ``wait=True`` instead, so a decision taken there stops before the next step.
-A second signal, a moment after the first, raises ``KeyboardInterrupt`` as Python's default
-handler would.
+asks to stop. Ranks receive signals at different moments, so they agree on *when*, by votes
+summed over ranks: ``(SIGINT, SIGTERM, should_stop)``, each 0 or 1 per rank. Every step's votes
+ride in that step's gradient all-reduce (:meth:`ddptrain.ddp.DistributedDataParallel.register_sideband`:
+no collective of their own); they are cast when the bucket that carries them launches, during
+backward. So a flag set in ``training_step`` (or before it) stops the run after that very step,
+on every rank; one set after the backward (``on_train_batch_end``) after the next step. At
+evaluations and epoch ends the trainer asks with a blocking all-reduce of the same votes
+(:meth:`GracefulStop.agreed`), so a decision taken there stops before the next step. One rank
+voting is enough. SIGINT (the user at a terminal) wins over SIGTERM. A second signal, a moment
+after the first, raises ``KeyboardInterrupt`` as Python's default handler would.
 """
 
 from __future__ import annotations
@@ -32,21 +33,19 @@ from .checkpoint_io import checkpoint_name
 __all__ = ["GracefulStop", "checkpoint_now"]
 
 _log = logging.getLogger("ddptrain.trainer")
-# MAX over ranks: SIGINT (the user at a terminal) wins over SIGTERM.
-_CODES = {"SIGTERM": 1, "SIGINT": 2}
-_NAMES = {code: name for name, code in _CODES.items()}
+# The votes' order; a signal listed first wins when ranks got different ones.
+_SIGNALS = ("SIGINT", "SIGTERM")
+NUM_VOTES = len(_SIGNALS) + 1  # the signals, then should_stop
 
 
 class GracefulStop:
-    """The signal handlers of one fit and the agreement on the step to stop at."""
+    """The signal handlers of one fit and the votes on the step to stop at."""
 
     def __init__(self) -> None:
         self.requested: str | None = None
         """The first signal this rank received (``"SIGINT"``/``"SIGTERM"``), or None."""
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
-        self._flag: torch.Tensor | None = None
-        self._work = None
 
     def install(self) -> None:
         """Take over SIGINT and SIGTERM (main thread only; elsewhere signals keep their handlers)."""
@@ -66,40 +65,24 @@ class GracefulStop:
         elif time.monotonic() - self._first_at >= SECOND_SIGNAL_AFTER_S:
             raise KeyboardInterrupt(f"second {name}")
 
-    def agreed(
-        self, process_group: ProcessGroup, should_stop: bool = False, wait: bool = False
-    ) -> tuple[str | None, bool]:
-        """Call after every optimizer step, on every rank: ``(signal, should_stop)`` agreed by all ranks.
+    def votes(self, should_stop: bool) -> list[float]:
+        """This rank's votes: 1.0 for the signal it received and for ``should_stop``, else 0.0."""
+        return [float(self.requested == name) for name in _SIGNALS] + [float(bool(should_stop))]
 
-        ``signal`` is the signal every rank now stops for (or None); ``should_stop`` is True when
-        any rank had set its flag. Reads the answer to the request posted after the previous step
-        and posts this step's; with ``wait=True`` also waits for this step's answer (a blocking
-        collective, for points where every rank already waits: evaluations, epoch ends).
-        """
-        signal_code, flag = self._read()
-        code = _CODES.get(self.requested, 0)
-        self._flag = torch.tensor([code, int(bool(should_stop))], dtype=torch.int64, device=process_group.device)
-        self._work = process_group.all_reduce(self._flag, ReduceOp.MAX)
-        if wait:
-            now_code, now_flag = self._read()
-            signal_code, flag = max(signal_code, now_code), flag or now_flag
-        return _NAMES.get(signal_code), flag
+    @staticmethod
+    def decide(sums: list[float]) -> tuple[str | None, bool]:
+        """``(signal, should_stop)`` from the votes summed over ranks: any vote counts."""
+        signal_name = next((name for name, n in zip(_SIGNALS, sums) if n > 0), None)
+        return signal_name, sums[-1] > 0
 
-    def _read(self) -> tuple[int, bool]:
-        """The posted request's answer (waits for it), or ``(0, False)`` when none is pending."""
-        if self._work is None:
-            return 0, False
-        self._work.wait()
-        self._work = None
-        signal_code, flag = (int(v) for v in self._flag.tolist())
-        return signal_code, bool(flag)
-
-    def finish(self) -> None:
-        """Wait for the last posted request (every rank, at the same point) and give back the signals."""
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        self.uninstall()
+    def agreed(self, process_group: ProcessGroup, should_stop: bool) -> tuple[str | None, bool]:
+        """The votes summed now, in a blocking all-reduce of their own (collective: every rank,
+        at the same point). For evaluations and epoch ends, and for steps whose votes did not
+        ride in a gradient all-reduce."""
+        votes = torch.tensor(self.votes(should_stop), dtype=torch.float64, device=process_group.device)
+        process_group.label_next_collective("stop votes")
+        process_group.all_reduce(votes, ReduceOp.SUM).wait()
+        return self.decide(votes.tolist())
 
 
 def checkpoint_now(trainer: TrainerView, callbacks: list) -> Path:

@@ -5,8 +5,9 @@ rank, build the model inside our ``DistributedDataParallel``, data and optimizer
 asked, then epochs of optimizer steps, evaluation reduced exactly across ranks, and file I/O on
 rank 0 only. Like torchtitan's trainer it runs over seams that a subclass overrides one at a time:
 
-- ``train_step(micro_batches)``: forward and backward of one optimizer step's micro-batches
-  (all but the last under ``no_sync()``), returning the step's loss;
+- ``forward_backward(micro_batches)``: forward and backward of one optimizer step's
+  micro-batches, the gradients reduced across ranks, returning the step's loss (not to be
+  confused with the user hook ``training_step``, the loss of one micro-batch);
 - ``optimizer_step()``: clip, step every optimizer, per-step schedules, zero the gradients;
 - ``evaluate()``: the validation metrics, exact over the whole set (every epoch and/or every
   ``trainer.eval_every_steps`` steps);
@@ -14,18 +15,20 @@ rank 0 only. Like torchtitan's trainer it runs over seams that a subclass overri
 and the flag ``should_stop``, which any hook or callback may set (e.g. ``EarlyStopping``): the
 ranks agree on it, so every rank stops at the same step;
 
-and the user hooks ``configure_model``, ``configure_optimizers``, ``train_dataset``,
-``val_dataset``, ``training_step``, ``validation_step``, ``configure_callbacks`` and the class
+and the user hooks (Lightning's names) ``configure_model``, ``configure_optimizers``,
+``train_dataloader``, ``val_dataloader``, ``training_step``, ``validation_step``,
+``configure_callbacks``, ``test_dataloader`` / ``test_step`` / ``predict_step`` and the class
 method ``prepare_data`` (runs once, before workers start). The rest lives in objects of its own:
-joining in :mod:`ddptrain.launch.join`, checkpoint state in :mod:`.checkpointing`, logging, final
-metrics and the smoke check in :mod:`.metrics`. The epoch and the position in it belong to the
+joining in :mod:`ddptrain.launch.join`, how a step becomes an update in :mod:`.steps`, checkpoint
+state in :mod:`.checkpointing`, logging, final metrics and the smoke check in :mod:`.metrics`,
+``test`` / ``predict`` in :mod:`.inference`. The epoch and the position in it belong to the
 training sampler; the loop reports each step's samples to it (``advance``).
 
 Synchronisation points (every rank must reach them together, which the loop guarantees because
 all ranks run the same number of steps): DDP's construction and every synchronised backward;
 the logging all-reduce every ``trainer.log_every_steps`` steps and at the end of each epoch; one
-all-reduce per evaluation; one all-gather per checkpoint (RNG states); the stop agreement (an
-asynchronous all-reduce after every step, a blocking one at evaluations and epoch ends); a few
+all-reduce per evaluation; one all-gather per checkpoint (RNG states); the stop votes (in every
+step's gradient all-reduce; a blocking all-reduce at evaluations and epoch ends); a few
 small broadcasts at start-up (output directory, resume path) and one all-gather at the end
 (parameter checksums).
 """
@@ -33,39 +36,39 @@ small broadcasts at start-up (output directory, resume path) and one all-gather 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-import os
 import time
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from ..config import Config, instantiate
+from ..config import Config, ConfigError, default_output_dir, instantiate
 from ..data import DistributedSampler, build_dataset
 from ..ddp import DistributedDataParallel
 from ..launch.join import Membership
-from .building import agree_on_directory, finish_fit, join_job, wrap_model
+from .building import agree_on_directory, join_job, wrap_model
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpointing import Checkpointer, TrainState, check_world_size
-from .data import batch_size_of, default_dataset, group_micro_batches, make_batches, move_to, num_batches, plan_epochs
-from .dataloaders import DataHooks, resolve_data_hooks
+from .data import default_dataset, make_batches, num_batches, plan_epochs
+from .dataloaders import resolve_data_hooks
 from .evaluation import validation_pass
-from .inference import InferenceHooks
+from .inference import run_predict, run_test
 from .invariant import InvariantSteps
-from .logged import LoggedMetrics, LogHook
-from .metrics import SmokeCheckError, SmokeProbe, TrainingMetrics
-from .optim import build_optimizer, build_scheduler
-from .optimizers import OptimizerSet
+from .metrics import LoggedMetrics, SmokeCheckError, SmokeProbe, TrainingMetrics
+from .optimizers import OptimizerSet, build_optimizer, build_scheduler
 from .precision import Precision
-from .profiling import profiled
+from .profiling import StepPhases
 from .rng import seed_everything
-from .stopping import GracefulStop
+from .steps import DataParallelSteps, StepStrategy
+from .stopping import GracefulStop, checkpoint_now
 
 # check_world_size: runner.preflight_resume imports it from here.
 __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
@@ -73,10 +76,10 @@ __all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer(DataHooks, InferenceHooks, LogHook):
+class Trainer:
     """Distributed data-parallel training of one model; subclass it for your task.
 
-    The defaults build the model from ``config.model['_target_']``, the datasets from
+    The defaults build the model from ``config.model['_target_']``, the data from
     ``config.data`` (``ddptrain.data.build_dataset``), SGD/Adam/AdamW from ``config.optimizer``,
     and train with cross-entropy. Run it on every rank (``python -m ddptrain`` does that), or
     call ``fit()`` in a process whose ranks come from torchrun/mpirun/srun, or inside an
@@ -95,7 +98,8 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
     (:class:`TrainState`), ``output_dir``, ``callbacks``, ``metrics`` (:class:`.metrics.TrainingMetrics`),
     ``checkpointer`` (:class:`.checkpointing.Checkpointer`), ``callback_metrics`` (the latest value
     of every reduced metric), ``should_stop`` (set it to stop; see :meth:`fit`), ``stopped_early``
-    (True once the ranks agreed to stop for ``should_stop``).
+    (True once the ranks agreed to stop for ``should_stop``), ``phases``
+    (:class:`.profiling.StepPhases`: every step's phases, announced to listeners such as the doctor).
     """
 
     def __init__(self, config: Config | None = None, callbacks: Sequence[Callback] = ()):
@@ -105,7 +109,7 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self.rank, self.world_size, self.local_rank = 0, 1, 0
         self.device = torch.device("cpu")
         self.process_group = None
-        self.invariant: InvariantSteps | None = None  # trainer.world_size_invariant's step strategy
+        self.strategy: StepStrategy | None = None  # how a step's micro-batches become an update (.steps)
         self._membership: Membership | None = None
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
@@ -121,8 +125,9 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self.train_loader_options = self.val_loader_options = None  # kept from a data hook's DataLoader
         self.val_batch_size = self.config.data.eval_batch_size  # or val_dataloader()'s batch_size
         # Progress, reports, files.
-        self.output_dir = Path(self.config.trainer.output_dir or os.getcwd())
+        self.output_dir = Path(self.config.trainer.output_dir or default_output_dir(self.config))
         self.checkpointer: Checkpointer | None = None
+        self.phases = StepPhases()  # each step's phases, announced to listeners (ddptrain doctor)
         self._reset()
 
     # == hooks for subclasses =====================================================================
@@ -131,10 +136,14 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         """Make the data available once, before any worker starts (locate, decompress, fail early).
 
         Runs in the launching process (or on every rank under an external launcher, so it must be
-        safe to run concurrently). The default builds both splits of ``config.data.name``.
+        safe to run concurrently). The default builds the splits of ``config.data.name`` that the
+        default data hooks would read: a subclass that overrides ``train_dataloader`` (or
+        ``val_dataloader``) brings its own data, and nothing is looked for.
         """
-        if config.data.name in ("mnist", "fashion_mnist"):
-            for train in (True, False):
+        if config.data.name not in ("mnist", "fashion_mnist"):
+            return
+        for train, hooks in ((True, ("train_dataloader", "train_dataset")), (False, ("val_dataloader", "val_dataset"))):
+            if not any(_overrides(cls, hook) for hook in hooks):
                 build_dataset(config.data.name, config.data.root, train=train, download=config.data.download)
 
     def configure_model(self) -> nn.Module:
@@ -152,12 +161,19 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         optimizer = build_optimizer(self.config.optimizer, model.parameters())
         return optimizer, build_scheduler(self.config.optimizer, optimizer, self.total_steps)
 
-    def train_dataset(self) -> Dataset:
-        """The training set (every rank builds all of it; the sampler picks this rank's share)."""
+    def train_dataloader(self) -> Dataset | DataLoader:
+        """The training data: a Dataset, which every rank builds whole (ddptrain's
+        ``DistributedSampler`` picks this rank's share), or a DataLoader, whose sampler is replaced;
+        the rule is in :mod:`.dataloaders`. Default: ``config.data``'s training split."""
+        if _overrides(type(self), "train_dataset"):
+            return self.train_dataset()  # the name this hook had before 0.2
         return default_dataset(self.config.data, train=True)
 
-    def val_dataset(self) -> Dataset | None:
-        """The evaluation set, or ``None`` for no evaluation."""
+    def val_dataloader(self) -> Dataset | DataLoader | None:
+        """The validation data, as ``train_dataloader`` (``None``: no evaluation). Default:
+        ``config.data``'s evaluation split (for MNIST its test split)."""
+        if _overrides(type(self), "val_dataset"):
+            return self.val_dataset()
         return default_dataset(self.config.data, train=False)
 
     def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
@@ -182,6 +198,31 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
             "accuracy": (logits.argmax(dim=1) == targets).float(),
         }
 
+    def test_dataloader(self) -> Dataset | DataLoader | None:
+        """The data of ``test()`` without an argument. Default: ``val_dataloader()``."""
+        if _overrides(type(self), "test_dataset"):
+            return self.test_dataset()
+        return self.val_dataloader()
+
+    def test_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
+        """Per-sample metrics of one test batch, ``{name: tensor of shape [batch]}``. Default: ``validation_step``."""
+        return self.validation_step(model, batch)
+
+    def predict_step(self, model: nn.Module, batch: Any) -> Any:
+        """The outputs of one batch, one row per sample (a tensor, or a tuple/list/dict of tensors).
+
+        Default: ``model(inputs)``, the inputs being the batch's first entry when it is a tuple or list.
+        """
+        return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
+
+    def configure_step_strategy(self, votes: Callable[[], list[float]]) -> StepStrategy:
+        """How a step's micro-batches become a parameter update (:mod:`.steps`), given this rank's
+        stop votes to carry in the step's reduction. Default: invariant mode's shards and exact sums
+        under ``trainer.world_size_invariant``, else plain DDP. Called once per fit, after the
+        model, data and optimizers are built."""
+        strategy = InvariantSteps if self.config.trainer.world_size_invariant else DataParallelSteps
+        return strategy(self, votes)
+
     def configure_callbacks(self) -> list[Callback]:
         """The built-in callbacks the config asks for: progress, TensorBoard, checkpoints."""
         return callbacks_from_config(self.config.trainer)
@@ -191,10 +232,11 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         """Train to the end; the final metrics on every rank.
 
         The end: ``trainer.epochs``, ``max_steps`` or ``stop_after_steps``, a signal, or
-        ``should_stop`` set by any hook or callback on any rank. The ranks agree on the flag in
-        the stop all-reduce, so all stop at the same step: set during a step, after the next
-        step (the agreement is asynchronous there); set at an evaluation, an epoch end or in
-        ``on_fit_start``, before the next step.
+        ``should_stop`` set by any hook or callback on any rank. The ranks vote on the flag, so
+        all stop at the same step: set in ``training_step`` (or before), after that step (the
+        votes ride in its gradient all-reduce); set after the backward (``on_train_batch_end``),
+        after the next step; set at an evaluation, an epoch end or in ``on_fit_start``, before
+        the next step.
         """
         fit_start = time.perf_counter()
         self._reset()  # a Trainer may fit more than once
@@ -207,7 +249,7 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
             while self.state.epoch < self.config.trainer.epochs and not self._stopping():
                 if not self.train_epoch():
                     break  # stopped mid-epoch (max_steps / stop_after_steps)
-            return finish_fit(self, time.perf_counter() - fit_start)
+            return self._finish(time.perf_counter() - fit_start)
         except BaseException as exc:
             for callback in self.callbacks:
                 with contextlib.suppress(Exception):  # never hide the original error
@@ -225,12 +267,12 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         metrics: dict[str, Any] = {"epoch": epoch + 1}
         started, loss_sum, steps = time.perf_counter(), 0.0, 0
         self.model.train()
-        for micro_batches in self.step_batches():
-            with profiled("ddptrain/train_step"):  # a label in trainer.profile's traces, else nothing
-                loss = self.train_step(micro_batches)
-            with profiled("ddptrain/optimizer_step"):
+        for micro_batches in self.phases.batches(self.strategy.batches()):  # phases: profiler labels, the doctor
+            with self.phases.span("forward_backward"):
+                loss = self.forward_backward(micro_batches)
+            with self.phases.span("optimizer_step"):
                 self.optimizer_step()
-            samples = micro_batches.rank_samples if self.invariant else sum(batch_size_of(b) for b in micro_batches)
+            samples = self.strategy.samples(micro_batches)
             self.train_sampler.advance(samples)  # trained on: the sampler owns the position
             self.state.step += 1
             loss_sum, steps = loss_sum + loss, steps + 1
@@ -252,47 +294,21 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self._agree_to_stop(wait=True)  # a decision taken at this epoch's end stops before the next step
         return True
 
-    def step_batches(self) -> Iterator[list[Any]]:
-        """The rest of this epoch as one list of micro-batches per optimizer step.
-
-        ``trainer.grad_accum_steps`` micro-batches per step; the last step of an epoch may get fewer.
-        World-size-invariant mode: one :class:`.invariant.InvariantStep` (this rank's shards) per step.
-        """
-        if self.invariant:
-            return self.invariant.step_batches()
-        return group_micro_batches(self.train_batches(), self.config.trainer.grad_accum_steps)
-
-    def train_step(self, micro_batches: Sequence[Any]) -> float:
-        """Forward and backward of one optimizer step; this rank's mean loss over its micro-batches.
-
-        Gradients accumulate locally under ``no_sync()`` and are averaged over ranks in the last
-        micro-batch's backward. Each loss is divided by the number of micro-batches, so the
-        gradient is that of their mean. World-size-invariant mode: :meth:`.invariant.InvariantSteps.train_step`.
-        """
-        if self.invariant:
-            return self.invariant.train_step(micro_batches)
-        count, step_loss = len(micro_batches), 0.0
-        for i, batch in enumerate(micro_batches):
-            sync = i == count - 1
-            with contextlib.nullcontext() if sync else self.model.no_sync():
-                self.logged.batch_size = batch_size_of(batch)  # the weight of this micro-batch's self.log values
-                with self.precision.autocast():  # trainer.precision: bf16/fp16 autocast, or nothing
-                    loss = self.training_step(self.model, move_to(batch, self.device, non_blocking=True))
-                self.precision.backward(loss / count)  # scaled under 16-mixed
-            step_loss += loss.item() / count
-        return step_loss
+    def forward_backward(self, micro_batches: Any) -> float:
+        """Forward and backward of one optimizer step, the gradients reduced across ranks; this
+        rank's loss of the step. ``micro_batches`` is one item of the strategy's ``batches()``
+        (plain DDP: a list of ``trainer.grad_accum_steps`` micro-batches, fewer at an epoch's end;
+        invariant mode: this rank's shards). The strategy's
+        (:meth:`.steps.StepStrategy.forward_backward`): plain DDP averages the micro-batches'
+        gradients in the last one's backward."""
+        if self._old_train_step:
+            return self.train_step(micro_batches)  # the name this seam had before 0.2
+        return self.strategy.forward_backward(micro_batches)
 
     def optimizer_step(self) -> None:
-        """Apply the averaged gradients: clip (``trainer.grad_clip_norm``), step every optimizer, the
-        per-step schedules, zero every optimizer's gradients."""
-        clip = self.config.trainer.grad_clip_norm
-        self.precision.unscale(self.optimizers)  # 16-mixed: true gradients before clipping
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
-        self.optimizer_set.step(self.precision.scaler)
-        self.precision.update()
-        self.optimizer_set.step_schedules("step", self.state.step + 1, self.callback_metrics, self.state.step + 1)
-        self.optimizer_set.zero_grad()
+        """Apply the reduced gradients: unscale (16-mixed), clip (``trainer.grad_clip_norm``), step
+        every optimizer, the per-step schedules, zero the gradients (:meth:`.steps.StepStrategy.optimizer_step`)."""
+        self.strategy.optimizer_step()
 
     def evaluate(self) -> dict[str, float]:
         """Metrics of ``validation_step`` averaged over exactly the validation set, on every rank.
@@ -312,6 +328,51 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self._call("on_validation_end", metrics)
         return metrics
 
+    def test(self, dataset: Dataset | DataLoader | None = None, checkpoint: str | None = None) -> dict[str, float]:
+        """``test_step``'s metrics (``test/<name>``) averaged over exactly ``dataset`` (default
+        ``test_dataloader()``), the same on every rank; rank 0 writes ``test_metrics.json``.
+        The weights: the fitted model, else ``checkpoint`` (a file, a run directory, ``latest``,
+        ``best``), else ``configure_model()`` with rank 0's weights (:mod:`.inference`)."""
+        return run_test(self, dataset, checkpoint)
+
+    def predict(self, dataset: Dataset | DataLoader, checkpoint: str | None = None) -> Any:
+        """``predict_step``'s outputs for every sample of ``dataset``, in dataset order, on every
+        rank; the weights as for :meth:`test` (:mod:`.inference`)."""
+        return run_predict(self, dataset, checkpoint)
+
+    # == reports from user code ===================================================================
+    def log(
+        self,
+        name: str,
+        value: Any,
+        reduce: str = "mean",
+        on_step: bool | None = None,
+        on_epoch: bool | None = None,
+        prog_bar: bool = False,
+        batch_size: int | None = None,
+    ) -> None:
+        """Report a number (or a ``torchmetrics`` metric) from ``training_step``, ``validation_step``
+        or a callback, reduced over every rank and written to every logger.
+
+        Args:
+            name: the metric's name (``on_log`` scalars, evaluation metrics, ``callback_metrics``).
+            value: a number, a one-element tensor, or a torchmetrics ``Metric`` (epoch level;
+                synchronised through ddptrain's process group).
+            reduce: over ranks and steps: ``mean`` (weighted by ``batch_size``), ``sum``, ``max``, ``min``.
+            on_step: reduce over each logging window (default in training).
+            on_epoch: reduce over the epoch, or the whole validation set (default in validation).
+            prog_bar: also show it on the progress bar.
+            batch_size: the weight of this value in a mean (default: the current batch's size).
+
+        See :mod:`ddptrain.trainer.metrics` for where each value goes.
+        """
+        self.logged.log(name, value, reduce, on_step, on_epoch, prog_bar, batch_size)
+
+    @property
+    def progress_bar_metrics(self) -> dict[str, float]:
+        """The latest reduced values of what was logged with ``prog_bar=True``."""
+        return {k: v for k, v in self.callback_metrics.items() if k in self.logged.prog_bar}
+
     # == building =================================================================================
     def setup_distributed(self) -> bool:
         """Join the job's process group (unless one exists); pick the device and thread count.
@@ -325,21 +386,36 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self.metrics.process_group = self.process_group
         return m.created
 
+    @contextlib.contextmanager
+    def joined(self) -> Iterator[None]:
+        """This rank in the job's process group for the block, as ``fit`` joins it (``test`` and
+        ``predict`` use it): a group made here is left at the end; inside ``fit``, fit's stays."""
+        outer = self._membership
+        created = self.setup_distributed()
+        try:
+            yield
+        finally:
+            if created:
+                self._membership.leave()
+            if outer is not None:
+                self._membership = outer
+
     def setup(self) -> None:
         """Build what a fit needs, then resume if asked: model in DDP, data, optimizer, callbacks."""
         cfg = self.config
         seed_everything(cfg.trainer.seed + self.rank)  # per-rank seed (dropout); DDP syncs weights
         self.precision = Precision(cfg.trainer.precision, self.device)  # autocast, gradient scaler
-        self.output_dir = agree_on_directory(self.process_group, cfg.trainer.output_dir or os.getcwd())
+        self.output_dir = agree_on_directory(self.process_group, str(self.output_dir))  # rank 0's choice
         self._build_model()
         self._setup_data()  # datasets, samplers, batch sizes, step counts
-        self.invariant = InvariantSteps(self) if cfg.trainer.world_size_invariant else None  # shards, exact sums
         self.optimizer_set = OptimizerSet.from_hook(self.configure_optimizers(self.model.module))
         self.optimizers, self.optimizer = self.optimizer_set.optimizers, self.optimizer_set.optimizer
         self.scheduler = self.optimizer_set.scheduler
-        from ..doctor.session import doctor_callbacks  # here: the doctor package imports the trainer's callbacks
-
-        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks, *doctor_callbacks(cfg)]
+        self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
+        _check_implemented(cfg, self.callbacks, type(self).__name__)
+        _warn_renamed_hooks(type(self))
+        self._old_train_step = _overrides(type(self), "train_step")  # looked up once, not every step
+        self.strategy = self.configure_step_strategy(self._stop_votes)  # picked once; the loop never asks which
         self.checkpointer = Checkpointer.of(self)
         self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
         if cfg.trainer.smoke_check:
@@ -351,8 +427,14 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
     def _build_model(self) -> None:
         self.model = wrap_model(self.configure_model().to(self.device), self.config, self.process_group)
 
+    def _stop_votes(self) -> list[float]:
+        return self._stop.votes(self.should_stop)
+
     def _setup_data(self) -> None:
-        self.train_set, self.val_set = resolve_data_hooks(self)  # train_dataloader(), val_dataloader()
+        train, val = resolve_data_hooks(self.train_dataloader(), self.val_dataloader(), self.config, self.world_size)
+        self.train_set, self.train_loader_options = train.dataset, train.options
+        self.val_set, self.val_loader_options = val.dataset, val.options
+        self.val_batch_size = val.batch_size or self.config.data.eval_batch_size
         plan = plan_epochs(self.config, self.train_set, self.val_set, self.world_size, self.rank)
         self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
@@ -417,7 +499,7 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         self.metrics.window.add(loss, samples, 0.0 if stats is None else stats.finalize_wait_s)
         t, step = self.config.trainer, self.state.step
         # Reduced (and evaluated) before the callbacks run: a checkpoint written at this step holds them.
-        scalars = self._reduce_window() if step % t.log_every_steps == 0 else None
+        scalars = self._reduce_window() if t.log_every_steps and step % t.log_every_steps == 0 else None
         evaluated = bool(t.eval_every_steps) and step % t.eval_every_steps == 0
         if evaluated:
             self.evaluate()
@@ -428,6 +510,35 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
             self.model.check_parameters_in_sync()  # collective: every rank reaches this step
         self._agree_to_stop(wait=evaluated)  # collective; asynchronous except after an evaluation
 
+    def _finish(self, fit_s: float) -> dict[str, Any]:
+        """The end of a fit (collective): the last logging window, the final evaluation, the final
+        metrics (written to ``metrics.json`` on rank 0), ``on_fit_end`` and the smoke check.
+
+        After a signal (``stopped_by``) there is no final evaluation and a checkpoint of the
+        current step is written.
+        """
+        if self.metrics.window.steps:  # the steps since the last logging point (collective)
+            scalars = self._reduce_window()
+            if self.config.trainer.log_every_steps:  # 0: no step-level logging at all
+                self._call("on_log", scalars)
+        stopped = self.stopped_by is not None  # by a signal: no evaluation, a checkpoint now
+        if not stopped and self.val_set is not None:
+            self._evaluate_once()
+        step, epoch, module = self.state.step, self.state.epoch, self.model.module
+        self.model.sync_buffers()  # the digest is of the model rank 0 checkpoints, on every rank
+        final = self.metrics.final(module, step=step, epoch=epoch, fit_s=fit_s)  # collective
+        if stopped:
+            final.update(stopped_by=self.stopped_by, checkpoint=str(checkpoint_now(self, self.callbacks)))
+        final["stopped_early"] = self.stopped_early
+        if self.is_main:
+            (self.output_dir / "metrics.json").write_text(json.dumps(final, indent=2) + "\n")
+        self._call("on_fit_end", final)
+        if self.smoke_probe is not None and not stopped:
+            passed = self.smoke_probe.check(self.metrics, module, final)
+            if self.is_main:
+                log.info(passed)
+        return final
+
     def _stopping(self) -> bool:
         """Whether to stop now: a step limit is reached, or the ranks agreed to stop (signal or ``should_stop``)."""
         t = self.config.trainer
@@ -436,7 +547,11 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         return stopped or any(n is not None and self.state.step >= n for n in limits)
 
     def _agree_to_stop(self, wait: bool) -> None:
-        signal, flag = self._stop.agreed(self.process_group, self.should_stop, wait=wait)  # collective
+        votes = self.strategy.take_votes()  # summed in this step's reduction, or None
+        if wait or votes is None:  # also what a hook decided since the backward (evaluation, epoch end)
+            signal, flag = self._stop.agreed(self.process_group, self.should_stop)  # collective
+        else:
+            signal, flag = self._stop.decide(votes)
         self.stopped_by = self.stopped_by or signal
         if flag:
             self.should_stop = self.stopped_early = True
@@ -453,3 +568,68 @@ class Trainer(DataHooks, InferenceHooks, LogHook):
         scalars = self.metrics.reduce_window(self.state.step, lr, self.logged.take("step"))  # with self.log's
         self.callback_metrics.update(scalars)
         return scalars
+
+    # == the hooks' names before 0.2 (see _RENAMED_HOOKS): the defaults, for super() calls ======
+    def train_dataset(self) -> Dataset:
+        """Old name of :meth:`train_dataloader`; its default (``config.data``'s training split)."""
+        return default_dataset(self.config.data, train=True)
+
+    def val_dataset(self) -> Dataset | None:
+        """Old name of :meth:`val_dataloader`; its default."""
+        return default_dataset(self.config.data, train=False)
+
+    def test_dataset(self) -> Dataset | DataLoader | None:
+        """Old name of :meth:`test_dataloader`; its default (``val_dataloader()``)."""
+        return self.val_dataloader()
+
+    def train_step(self, micro_batches: Any) -> float:
+        """Old name of :meth:`forward_backward`; its default (the strategy's)."""
+        return self.strategy.forward_backward(micro_batches)
+
+
+# Config keys whose work a plug-in callback does (``Callback.implements``); the runner adds them.
+_PLUGGED_KEYS = {
+    "trainer.doctor": lambda cfg: cfg.trainer.doctor,
+    "dist.bucket_cap_mb=auto": lambda cfg: cfg.dist.bucket_cap_mb == "auto",
+}
+
+
+def _check_implemented(config: Config, callbacks: Sequence[Callback], trainer_name: str) -> None:
+    """Refuse a config that asks for a plug-in (``trainer.doctor``...) none of ``callbacks`` implements."""
+    served = {key for callback in callbacks for key in getattr(callback, "implements", ())}
+    missing = [key for key, asked in _PLUGGED_KEYS.items() if asked(config) and key not in served]
+    if missing:
+        raise ConfigError(
+            f"{' and '.join(missing)}: the doctor's callbacks do that; ddptrain.run and the command line add "
+            f"them. Calling fit() yourself, pass them: {trainer_name}(config, "
+            "callbacks=ddptrain.doctor.doctor_callbacks(config))"
+        )
+
+
+# == the names hooks had before 0.2 ================================================================
+# A subclass that still overrides an old name keeps working (the new hook calls it) and is told
+# the new name once; the old names on Trainer serve ``super().<old name>()`` calls.
+_RENAMED_HOOKS = {
+    "train_dataset": "train_dataloader",
+    "val_dataset": "val_dataloader",
+    "test_dataset": "test_dataloader",
+    "train_step": "forward_backward",
+}
+_warned_classes: set[type] = set()
+
+
+def _overrides(cls: type, hook: str) -> bool:
+    return getattr(cls, hook) is not getattr(Trainer, hook)
+
+
+def _warn_renamed_hooks(cls: type) -> None:
+    old = [name for name in _RENAMED_HOOKS if _overrides(cls, name)]
+    if old and cls not in _warned_classes:
+        _warned_classes.add(cls)
+        renames = ", ".join(f"{name}() is now {_RENAMED_HOOKS[name]}()" for name in old)
+        warnings.warn(
+            f"{cls.__name__} overrides the old hook name(s): {renames} (a data hook may return a Dataset "
+            "or a DataLoader). It still works; rename the method(s).",
+            FutureWarning,
+            stacklevel=3,
+        )

@@ -15,6 +15,7 @@ callbacks). Any ``ddptrain.Trainer`` is one; a test may pass any object that has
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -35,6 +36,8 @@ class TrainerView(Protocol):
         device: this rank's device.
         output_dir: the run's directory (the same on every rank).
         steps_per_epoch: optimizer steps in a full epoch.
+        total_steps: the step the run ends at, unless stopped earlier (epochs, capped by
+            ``trainer.max_steps``).
         callback_metrics: the latest value of every metric, reduced over all ranks (the same on
             every rank): ``train/*`` at each logging point, ``eval/*`` after each evaluation,
             ``train/epoch_loss`` at epoch ends, and what ``self.log`` reported.
@@ -51,6 +54,7 @@ class TrainerView(Protocol):
     device: torch.device
     output_dir: Path
     steps_per_epoch: int
+    total_steps: int
     callback_metrics: dict[str, float]
     should_stop: bool
     process_group: Any
@@ -73,6 +77,10 @@ class TrainerView(Protocol):
 
 class Callback:
     """Base class: override the hooks you need; each default does nothing."""
+
+    implements: tuple[str, ...] = ()
+    """Config keys whose work this callback does (e.g. the doctor's ``trainer.doctor``): the
+    Trainer refuses a config that turns such a key on when no callback of the fit implements it."""
 
     def on_fit_start(self, trainer: TrainerView) -> None:
         """Everything is built (and resumed); no step has run yet in this fit."""
@@ -98,3 +106,32 @@ class Callback:
 
     def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         """Training failed with ``exc`` (it is re-raised after the callbacks ran)."""
+
+
+def at_epoch_end(trainer: TrainerView) -> bool:
+    """Whether the latest step closed an epoch (the sampler has already moved to the next one)."""
+    return trainer.state.step > 0 and trainer.steps_done_in_epoch == 0
+
+
+class EpochOrderedLines:
+    """A callback's log lines in the order a reader follows: one about a decision taken at an
+    epoch's end (its evaluation) waits for that epoch's summary line, which the progress callback
+    (the first callback) prints in ``on_epoch_end``; call :meth:`flush` from your ``on_epoch_end``.
+    Lines of any other moment (a mid-epoch evaluation) are logged at once. Rank 0 only."""
+
+    def __init__(self, logger: logging.Logger):
+        self.logger = logger
+        self.pending: list[tuple[str, tuple]] = []
+
+    def info(self, trainer: TrainerView, message: str, *args: Any) -> None:
+        if not trainer.is_main:
+            return
+        if at_epoch_end(trainer):
+            self.pending.append((message, args))
+        else:
+            self.logger.info(message, *args)
+
+    def flush(self) -> None:
+        for message, args in self.pending:
+            self.logger.info(message, *args)
+        self.pending.clear()

@@ -34,7 +34,7 @@ from ..checkpoint_io import (
     remove_checkpoint,
 )
 from ..topk import Ranked, TopK
-from .base import Callback, TrainerView
+from .base import Callback, EpochOrderedLines, TrainerView
 
 __all__ = ["BestCheckpoints"]
 
@@ -56,6 +56,7 @@ class BestCheckpoints(Callback):
         self.monitor, self.mode, self.save_top_k = monitor, mode, save_top_k
         self.directory = None if directory is None else Path(directory)
         self.ranking = TopK(save_top_k, mode)  # validates mode and k now, not at the first evaluation
+        self.lines = EpochOrderedLines(log)
         self._reset()
 
     def _reset(self) -> None:
@@ -95,6 +96,7 @@ class BestCheckpoints(Callback):
 
     def on_epoch_end(self, trainer: TrainerView, epoch: int, metrics: dict[str, Any]) -> None:
         self._offer(trainer, metrics)
+        self.lines.flush()  # after the epoch's line
         if self.logged and any(k.startswith("eval/") for k in metrics):
             self._check_produced()
 
@@ -124,7 +126,7 @@ class BestCheckpoints(Callback):
         load_checkpoint(path)  # verify what reached the disk before deleting anything
         self._evict(self.ranking.add(Ranked(value, step, path)))
         kept = ", ".join(f"step {r.step}: {r.value:.6g}" for r in self.ranking.kept)
-        log.info("best checkpoints by %s (%s): %s", self.monitor, self.mode, kept)
+        self.lines.info(trainer, "best checkpoints by %s (%s): %s", self.monitor, self.mode, kept)
 
     def _evict(self, evicted: list[Ranked]) -> None:
         for old in evicted:

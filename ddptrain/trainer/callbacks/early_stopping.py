@@ -14,7 +14,7 @@ from typing import Any
 
 from ...config import MONITOR_MODES, ConfigError
 from ..monitoring import missing_metric_error
-from .base import Callback, TrainerView
+from .base import Callback, EpochOrderedLines, TrainerView
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -50,6 +50,7 @@ class EarlyStopping(Callback):
         self.stopped_step: int | None = None
         """The step at which this callback asked to stop (None if it did not)."""
         self._checked_step = -1
+        self.lines = EpochOrderedLines(log)
 
     def on_fit_start(self, trainer: TrainerView) -> None:
         self._checked_step = -1
@@ -68,6 +69,7 @@ class EarlyStopping(Callback):
     def on_epoch_end(self, trainer: TrainerView, epoch: int, metrics: dict[str, Any]) -> None:
         if not _evaluates(trainer):
             self._check(trainer)
+        self.lines.flush()  # after the epoch's line
 
     def improved(self, value: float) -> bool:
         """Whether ``value`` beats the best so far by more than ``min_delta``."""
@@ -91,16 +93,16 @@ class EarlyStopping(Callback):
         if not math.isfinite(value) or self.wait >= self.patience:
             self.stopped_step = step
             trainer.should_stop = True
-            if trainer.is_main:
-                log.info(
-                    "early stopping at step %d: %s=%.6g, no improvement for %d check(s) (best %s at step %d)",
-                    step,
-                    self.monitor,
-                    value,
-                    self.wait,
-                    "none" if self.best is None else f"{self.best:.6g}",
-                    self.best_step,
-                )
+            self.lines.info(
+                trainer,
+                "early stopping at step %d: %s=%.6g, no improvement for %d check(s) (best %s at step %d)",
+                step,
+                self.monitor,
+                value,
+                self.wait,
+                "none" if self.best is None else f"{self.best:.6g}",
+                self.best_step,
+            )
 
 
 def _evaluates(trainer: TrainerView) -> bool:

@@ -5,7 +5,7 @@ record ``active`` steps, once. Each rank writes ``<output_dir>/profile/rank<r>.<
 (``torch.profiler.tensorboard_trace_handler``), Chrome-trace JSON that TensorBoard's profiler plugin
 (``tensorboard --logdir <output_dir>/profile``, with ``torch-tb-profiler``) and Perfetto
 (https://ui.perfetto.dev, "Open trace file") both open. Each step is a ``ProfilerStep#<n>`` span,
-with the Trainer's phases inside it as ``ddptrain/train_step`` and ``ddptrain/optimizer_step``
+with the Trainer's phases inside it as ``ddptrain/forward_backward`` and ``ddptrain/optimizer_step``
 (:func:`ddptrain.trainer.profiling.profiled`); CUDA kernels are recorded too on a GPU.
 
 One profiler per process: ranks that are threads of one process (``ddptrain.testing.run_threaded``)

@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any
 
-from .base import Callback, TrainerView
+from .base import Callback, TrainerView, at_epoch_end
 
 log = logging.getLogger("ddptrain.progress")
 
@@ -23,7 +23,12 @@ def _fmt(metrics: dict[str, Any]) -> str:
 
 
 class ProgressCallback(Callback):
-    """tqdm bars when stdout is a terminal (quiet in CI logs); epoch summaries through logging.
+    """tqdm bars when stdout is a terminal (quiet in CI logs); step and epoch lines through logging.
+
+    A step line every ``trainer.log_every_steps`` steps (none with ``0``) names the epoch the step
+    belongs to and shows what was logged with ``self.log(..., prog_bar=True)``; the line of an
+    epoch comes before the lines of the decisions taken at its end (best checkpoints, early
+    stopping). Totals count to ``trainer.total_steps`` (``trainer.max_steps`` included).
 
     Args:
         bar: ``None`` decides by ``sys.stdout.isatty()``; ``True``/``False`` forces it.
@@ -42,19 +47,23 @@ class ProgressCallback(Callback):
             return False
 
     def on_fit_start(self, trainer: TrainerView) -> None:
-        if trainer.is_main:
-            state = trainer.state
-            where = f" (resumed at step {state.step}, epoch {state.epoch + 1})" if state.step else ""
-            log.info(
-                "training %s on %d rank(s), %s per rank, %d step(s) per epoch, %d epoch(s)%s; output: %s",
-                type(trainer).__name__,
-                trainer.world_size,
-                trainer.device,
-                trainer.steps_per_epoch,
-                trainer.config.trainer.epochs,
-                where,
-                trainer.output_dir,
-            )
+        if not trainer.is_main:
+            return
+        state, epochs = trainer.state, trainer.config.trainer.epochs
+        where = f" (resumed at step {state.step}, epoch {state.epoch + 1})" if state.step else ""
+        if trainer.total_steps < trainer.steps_per_epoch * epochs:  # trainer.max_steps ends it first
+            plan = f"until step {trainer.total_steps} (trainer.max_steps; {trainer.steps_per_epoch} step(s) per epoch)"
+        else:
+            plan = f"{trainer.steps_per_epoch} step(s) per epoch, {epochs} epoch(s)"
+        log.info(
+            "training %s on %d rank(s), %s per rank, %s%s; output: %s",
+            type(trainer).__name__,
+            trainer.world_size,
+            trainer.device,
+            plan,
+            where,
+            trainer.output_dir,
+        )
 
     def on_epoch_start(self, trainer: TrainerView, epoch: int) -> None:
         if not trainer.is_main or not self._use_bar():
@@ -62,7 +71,7 @@ class ProgressCallback(Callback):
         from tqdm import tqdm
 
         self.bar = tqdm(
-            total=trainer.steps_per_epoch,
+            total=min(trainer.steps_per_epoch, trainer.total_steps - epoch * trainer.steps_per_epoch),
             initial=trainer.steps_done_in_epoch,
             desc=f"epoch {epoch + 1}/{trainer.config.trainer.epochs}",
             unit="step",
@@ -76,19 +85,22 @@ class ProgressCallback(Callback):
             self.bar.update(1)
 
     def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
+        shown = dict(getattr(trainer, "progress_bar_metrics", {}))  # self.log(..., prog_bar=True)
         if self.bar is not None:
-            shown = {k: f"{v:.4g}" for k, v in getattr(trainer, "progress_bar_metrics", {}).items()}
-            self.bar.set_postfix(loss=f"{scalars['train/loss']:.4f}", **shown, refresh=False)
+            self.bar.set_postfix(
+                loss=f"{scalars['train/loss']:.4f}", **{k: f"{v:.4g}" for k, v in shown.items()}, refresh=False
+            )
         if trainer.is_main:  # the log file always; the console only when no bar shows the same
-            total = trainer.steps_per_epoch * trainer.config.trainer.epochs
+            extra = "".join(f", {k}={v:.4g}" for k, v in shown.items())
             log.info(
-                "step %d/%d (epoch %d): loss %.4f, %.0f samples/s, lr %.3g",
+                "step %d/%d (epoch %d): loss %.4f, %.0f samples/s, lr %.3g%s",
                 trainer.state.step,
-                total,
-                trainer.state.epoch + 1,
+                trainer.total_steps,
+                _epoch_of_last_step(trainer),
                 scalars["train/loss"],
                 scalars.get("train/samples_per_s", 0.0),
                 scalars.get("train/lr", 0.0),
+                extra,
                 extra={"console": self.bar is None},
             )
 
@@ -110,3 +122,9 @@ class ProgressCallback(Callback):
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def _epoch_of_last_step(trainer: TrainerView) -> int:
+    """The epoch (from 1) the latest step belongs to: at an epoch's end the sampler has already
+    moved to the next epoch, but the step was the last of the previous one."""
+    return trainer.state.epoch + (0 if at_epoch_end(trainer) else 1)

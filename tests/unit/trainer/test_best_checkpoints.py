@@ -67,7 +67,7 @@ def _best_run(tmp_path, monitor, mode, k, epochs=6, data=None, **extra):
 def _val_loss(state_dict):
     model = torch.nn.Linear(8, 3)
     model.load_state_dict(state_dict)
-    x, y = TinyTrainer(_config("unused")).val_dataset().tensors
+    x, y = TinyTrainer(_config("unused")).val_dataloader().tensors
     with torch.no_grad():
         return F.cross_entropy(model(x), y).item()
 

@@ -1,6 +1,8 @@
 """Checkpoint files: atomic, verified, loadable with weights_only, corrupt ones refused and kept."""
 
+import os
 import random
+import time
 import warnings
 
 import pytest
@@ -10,6 +12,7 @@ from ddptrain.trainer.checkpoint_io import (
     FORMAT_VERSION,
     CheckpointError,
     CheckpointWarning,
+    NothingToResumeError,
     checkpoint_name,
     latest_valid_checkpoint,
     list_checkpoints,
@@ -121,7 +124,9 @@ def test_latest_falls_back_to_newest_valid_with_a_warning(tmp_path):
 
 def test_resolve_resume_path(tmp_path):
     run_dir = tmp_path / "run"
-    assert resolve_resume_path("latest", run_dir / "checkpoints") is None  # nothing yet: start fresh
+    assert resolve_resume_path("auto", run_dir / "checkpoints") is None  # nothing yet: start fresh
+    with pytest.raises(NothingToResumeError, match="trainer.resume=latest: no checkpoint in .*trainer.resume=auto"):
+        resolve_resume_path("latest", run_dir / "checkpoints")  # never a silent fresh start
     _write(run_dir / "checkpoints", 4)
     _write(run_dir / "checkpoints", 8)
     assert resolve_resume_path("latest", run_dir / "checkpoints").name == checkpoint_name(8)
@@ -133,6 +138,24 @@ def test_resolve_resume_path(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
         resolve_resume_path(str(tmp_path / "empty"), tmp_path)
+
+
+def test_resume_latest_in_a_fresh_default_run_dir_takes_the_newest_run_of_the_recipe(tmp_path):
+    runs = tmp_path / "outputs" / "mnist"
+    _write(runs / "2026-01-01_10-00-00" / "checkpoints", 4)
+    newest = _write(runs / "2026-01-01_11-00-00" / "checkpoints", 2)
+    _write(tmp_path / "outputs" / "other" / "2026-01-01_12-00-00" / "checkpoints", 9)  # another recipe
+    os.utime(newest, (time.time() + 60, time.time() + 60))  # written last, whatever the step
+    fresh = runs / "2026-01-01_12-30-00"
+    fresh.mkdir()
+    assert resolve_resume_path("latest", fresh / "checkpoints", recipe="mnist") == newest
+    assert resolve_resume_path("auto", fresh / "checkpoints", recipe="mnist") is None  # auto: this run only
+    (tmp_path / "outputs" / "fashion" / "new").mkdir(parents=True)
+    with pytest.raises(NothingToResumeError, match="nor in any run of recipe fashion under"):
+        resolve_resume_path("latest", tmp_path / "outputs" / "fashion" / "new" / "checkpoints", recipe="fashion")
+    named = tmp_path / "myrun"  # not under outputs/<recipe>/: only its own checkpoints count
+    with pytest.raises(NothingToResumeError):
+        resolve_resume_path("latest", named / "checkpoints", recipe="mnist")
 
 
 def test_prune_keeps_the_newest(tmp_path):

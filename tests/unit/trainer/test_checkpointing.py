@@ -10,7 +10,7 @@ from torch import nn
 from ddptrain.data import DistributedSampler
 from ddptrain.testing import run_threaded
 from ddptrain.trainer import CheckpointError, Config
-from ddptrain.trainer.checkpoint_io import checkpoint_name, load_checkpoint
+from ddptrain.trainer.checkpoint_io import NothingToResumeError, checkpoint_name, load_checkpoint
 from ddptrain.trainer.checkpointing import Checkpointer, TrainState, check_world_size, elastic_restart_resume
 from ddptrain.trainer.metrics import TrainingMetrics
 from ddptrain.trainer.optimizers import OptimizerSet, Schedule
@@ -50,7 +50,7 @@ def test_a_torchrun_restart_resumes_from_the_latest_checkpoint(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert elastic_restart_resume() is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    assert elastic_restart_resume() == "latest"
+    assert elastic_restart_resume() == "auto"  # the failed attempt may have written none: then from scratch
 
 
 class Run:
@@ -169,13 +169,18 @@ def test_another_world_size_is_refused_on_every_rank_unless_allowed(tmp_path):
     assert run_threaded(_resume, 3, tmp_path, True, timeout_s=60) == [(3, 0, 4)] * 3
 
 
-def test_resume_latest_without_a_checkpoint_starts_fresh(tmp_path, caplog):
-    def body(rank, world_size):
-        return Run(tmp_path, rank, world_size).checkpointer.resume("latest")
+def test_resume_auto_without_a_checkpoint_starts_fresh_and_latest_refuses_on_every_rank(tmp_path, caplog):
+    def body(rank, world_size, resume):
+        try:
+            return Run(tmp_path, rank, world_size).checkpointer.resume(resume)
+        except NothingToResumeError as exc:
+            return str(exc)
 
-    caplog.set_level("WARNING", logger="ddptrain")
-    assert run_threaded(body, 2, timeout_s=60) == [False, False]
-    assert "no checkpoint in" in caplog.text and "starting from scratch" in caplog.text
+    caplog.set_level("INFO", logger="ddptrain")
+    assert run_threaded(body, 2, "auto", timeout_s=60) == [False, False]
+    assert "trainer.resume=auto: no checkpoint in" in caplog.text and "starting from scratch" in caplog.text
+    refused = run_threaded(body, 2, "latest", timeout_s=60)
+    assert all(isinstance(r, str) and "trainer.resume=latest: no checkpoint in" in r for r in refused), refused
 
 
 def test_a_missing_checkpoint_fails_every_rank(tmp_path):

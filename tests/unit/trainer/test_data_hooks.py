@@ -35,20 +35,17 @@ class LoaderTrainer(FixedInitTrainer):
 
     def train_dataloader(self):
         per_rank = self.config.data.global_batch_size // self.world_size
-        return DataLoader(RawItems(self.train_dataset().tensors), per_rank, shuffle=True, collate_fn=collate_raw)
+        return DataLoader(RawItems(super().train_dataloader().tensors), per_rank, shuffle=True, collate_fn=collate_raw)
 
     def val_dataloader(self):
-        return DataLoader(RawItems(self.val_dataset().tensors), batch_size=5, collate_fn=collate_raw)
+        return DataLoader(RawItems(super().val_dataloader().tensors), batch_size=5, collate_fn=collate_raw)
 
 
 class DatasetTrainer(FixedInitTrainer):
-    """Returns a Dataset from the data hook (not from train_dataset)."""
+    """Returns a Dataset from the data hook."""
 
     def train_dataloader(self):
         return _task(self.num_train, 0)
-
-    def train_dataset(self):
-        raise AssertionError("train_dataloader() replaces train_dataset()")
 
 
 def _fit(rank, world_size, cls, config):

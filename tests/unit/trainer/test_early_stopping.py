@@ -3,6 +3,7 @@ at the same step (seen from outside: each rank's step count), whoever set the fl
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ddptrain import Callback, ConfigError
 from ddptrain.testing import run_threaded
@@ -95,16 +96,89 @@ def test_a_monitored_metric_that_never_appears_is_a_clear_error(tmp_path):
     assert "Available: eval/accuracy, eval/loss, eval/samples, train/comm_wait_s, train/loss, train/lr" in message
 
 
+def _epoch_losses(trainer, epochs):
+    """train/epoch_loss computed here: the mean of the steps' batch-mean losses over each epoch's
+    order (randperm seeded with seed + epoch) in global batches, from the (never trained) model."""
+    (x, y), batch = trainer.train_dataloader().tensors, trainer.config.data.global_batch_size
+    seed = trainer.config.trainer.seed
+    losses = []
+    with torch.no_grad():
+        for epoch in range(epochs):
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
+            steps = [order[i : i + batch] for i in range(0, len(x), batch)]
+            losses.append(sum(F.cross_entropy(trainer.model.module(x[i]), y[i]).item() for i in steps) / len(steps))
+    return losses
+
+
 def test_early_stopping_without_validation_checks_at_epoch_ends(tmp_path):
+    """40 samples in global batches of 12 (the last of 4): the epoch loss of a model that learns
+    nothing depends on which 4 samples form the short batch, so it moves from epoch to epoch:
+    1.2939 (best), 1.3108 (wait 1), 1.2452 (best), 1.3383 (wait 1), 1.2421 (best), 1.3201 (wait 1),
+    1.2580 (wait 2 = patience): stop at the end of epoch 7, step 28 of 40."""
+
     class NoVal(ZeroLr):
-        def val_dataset(self):
+        def val_dataloader(self):
             return None
 
-    stopper = EarlyStopping("train/epoch_loss", mode="min", patience=1)
-    metrics = NoVal(_config(tmp_path, epochs=10), callbacks=[stopper]).fit()
-    # Epoch losses of a model that learns nothing over reshuffled batches: one improvement at most
-    # before a check without, then stop. Never all 10 epochs.
-    assert metrics["stopped_early"] and metrics["step"] == stopper.stopped_step and metrics["step"] < 40
+    stopper = EarlyStopping("train/epoch_loss", mode="min", patience=2)
+    trainer = NoVal(_config(tmp_path, data={"global_batch_size": 12}, epochs=10), callbacks=[stopper])
+    metrics = trainer.fit()
+    losses = _epoch_losses(trainer, 10)
+    best, wait, expected = losses[0], 0, None
+    for epoch, loss in enumerate(losses[1:], start=2):
+        best, wait = (loss, 0) if loss < best else (best, wait + 1)
+        if wait == 2:
+            expected = 4 * epoch
+            break
+    assert expected == 28
+    assert metrics["stopped_early"] and metrics["step"] == stopper.stopped_step == 28
+    assert stopper.best == pytest.approx(losses[4], abs=1e-9) and stopper.best_step == 20
+
+
+@pytest.mark.parametrize(
+    ("mode", "min_delta", "improved", "not_improved"),
+    [
+        ("min", 0.0, [0.9999, -3.0], [1.0, 1.0001]),
+        ("min", 0.25, [0.7499, 0.5], [0.75, 0.76, 1.0, 1.5]),  # 1 - 0.25 = 0.75 exactly: not more than min_delta
+        ("max", 0.0, [1.0001, 3.0], [1.0, 0.9999]),
+        ("max", 0.25, [1.2501, 1.5], [1.25, 1.24, 1.0, 0.5]),
+    ],
+)
+def test_improved_means_better_than_the_best_by_more_than_min_delta(mode, min_delta, improved, not_improved):
+    stopper = EarlyStopping("eval/loss", mode=mode, min_delta=min_delta)
+    assert stopper.improved(123.0)  # no best yet: anything is
+    stopper.best = 1.0
+    assert [stopper.improved(v) for v in improved] == [True] * len(improved)
+    assert [stopper.improved(v) for v in not_improved] == [False] * len(not_improved)
+
+
+class Scored(TinyTrainer):
+    """Reports ``eval/score``: SCORES[step] at the evaluation after that step (one per epoch end)."""
+
+    SCORES = {4: 1.0, 8: 0.95, 12: 0.85, 16: 0.80, 20: 0.78, 24: 0.70, 28: 0.69, 32: 0.68, 36: 0.67, 40: 0.66}
+    sign = 1.0
+
+    def validation_step(self, model, batch):
+        value = self.sign * self.SCORES[self.state.step]
+        return {**super().validation_step(model, batch), "score": torch.full((len(batch[0]),), value)}
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+@pytest.mark.parametrize(("min_delta", "expected"), [(0.1, 20), (0.0, None)])
+def test_min_delta_decides_the_stop_step(tmp_path, mode, min_delta, expected):
+    """The score falls at every evaluation, by less than 0.1 after step 12. With min_delta 0.1 and
+    patience 2: best 1.0 at 4, 0.95 (wait 1), 0.85 (best), 0.80 and 0.78 (not below 0.75: wait 2),
+    stop at step 20. With min_delta 0 every evaluation improves: all 40 steps. Mode max: the
+    negated score, the same steps."""
+
+    class Signed(Scored):
+        sign = 1.0 if mode == "min" else -1.0
+
+    stopper = EarlyStopping("eval/score", mode=mode, patience=2, min_delta=min_delta)
+    metrics = Signed(_config(tmp_path, epochs=10), callbacks=[stopper]).fit()
+    assert metrics["step"] == (expected or 40) and metrics["stopped_early"] == (expected is not None)
+    assert stopper.stopped_step == expected
+    assert stopper.best == pytest.approx(Signed.sign * (0.85 if expected else 0.66))
 
 
 @pytest.mark.parametrize(("every_epochs", "expected"), [(1, [3, 4, 6, 8]), (0, [3, 6, 8])])

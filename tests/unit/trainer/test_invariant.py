@@ -2,9 +2,12 @@
 ranks ends with the same parameters, bit for bit, and logs the same per-step losses — with dropout,
 BatchNorm, tied weights, gradient accumulation, a short last batch, and a resume on another world size."""
 
+import hashlib
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddptrain import Config, ConfigError, Trainer
@@ -33,12 +36,12 @@ class ImagesTrainer(Trainer):
         model.load_state_dict(_INIT[self.config.model["_target_"]])
         return model
 
-    def train_dataset(self):
+    def train_dataloader(self):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(self.num_train, 1, 28, 28, generator=g)
         return TensorDataset(x, torch.randint(0, 10, (self.num_train,), generator=g))
 
-    def val_dataset(self):
+    def val_dataloader(self):
         g = torch.Generator().manual_seed(1)
         return TensorDataset(torch.randn(30, 1, 28, 28, generator=g), torch.randint(0, 10, (30,), generator=g))
 
@@ -74,6 +77,19 @@ def _fit(rank, world_size, trainer_class, config):
     trainer = trainer_class(config)
     final = trainer.fit()
     return final["params_sha256"], trainer.loss_history, final["step"]
+
+
+def _params(rank, world_size, trainer_class, config):
+    torch.set_num_threads(1)  # this thread's (as invariant mode's): small ops on 2 busy cores, fast
+    trainer = trainer_class(config)
+    trainer.fit()
+    return {k: v.detach().clone() for k, v in trainer.model.module.state_dict().items()}, trainer.loss_history
+
+
+def _assert_states_close(state, expected, **tolerance):
+    assert state.keys() == expected.keys()
+    for name, want in expected.items():
+        torch.testing.assert_close(state[name], want, **tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _runs(trainer_class, config, world_sizes=(1, 2, 4, 8)):
@@ -142,7 +158,7 @@ def test_a_parameter_no_shard_uses_gets_no_gradient(tmp_path):
 def _first_step_shards(trainer) -> torch.Tensor:
     """The inputs of the first step's 8 shards of 4 (global batch 32, the sampler's first epoch
     order: trainer.seed 1234 + epoch 0), flattened: ``[8, 4, 784]``."""
-    data = trainer.train_dataset()
+    data = trainer.train_dataloader()
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
     return data.tensors[0][order].view(8, 4, -1)
 
@@ -197,7 +213,7 @@ def test_float64_parameters_get_float64_gradients(tmp_path):
     def body(rank, world_size):
         trainer = ImagesTrainer(config)
         module = trainer.configure_model()
-        data = trainer.train_dataset()
+        data = trainer.train_dataloader()
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(1234))[:32]
         for images, labels in zip(data.tensors[0][order].view(8, 4, 1, 28, 28), data.tensors[1][order].view(8, 4)):
             (trainer.training_step(module, (images, labels)) * (4 / 32)).backward()  # shard by shard
@@ -254,13 +270,23 @@ def test_any_number_of_virtual_ranks_that_the_world_sizes_divide(tmp_path):
 
 
 def test_a_training_step_of_the_users_own_is_used_per_shard(tmp_path):
+    """The user's loss is twice the default's: the parameters are those of plain training with the
+    same training_step (equal at 1 and 4 ranks), measurably not those of the default one."""
+
     class Weighted(ImagesTrainer):
         def training_step(self, model, batch):
             images, labels = batch
             return F.nll_loss(model(images), labels) * 2.0
 
-    results = _runs(Weighted, _config(tmp_path, "tests.models.Net", epochs=1), (1, 4))
-    assert results[1] == results[4]
+    config = _config(tmp_path / "invariant", "tests.models.Net", epochs=1)
+    (one, losses), (four, other_losses) = (run_threaded(_params, w, Weighted, config, timeout_s=60)[0] for w in (1, 4))
+    assert all(torch.equal(one[name], four[name]) for name in one) and losses == other_losses
+    plain = {}
+    for trainer_class in (Weighted, ImagesTrainer):
+        config = _config(tmp_path / trainer_class.__name__, "tests.models.Net", False, epochs=1)
+        plain[trainer_class] = run_threaded(_params, 1, trainer_class, config, timeout_s=60)[0][0]
+    _assert_states_close(one, plain[Weighted], rtol=0, atol=1e-6)
+    assert (one["fc1.weight"] - plain[ImagesTrainer]["fc1.weight"]).abs().max() > 1e-3
 
 
 def test_the_cli_check_names_w_must_divide_v_before_the_batch_rule():
@@ -270,3 +296,85 @@ def test_the_cli_check_names_w_must_divide_v_before_the_batch_rule():
     config = Config.from_dict({"trainer": {"world_size_invariant": True}})
     with pytest.raises(ConfigError, match=r"W must divide V.*dist.world_size=3 and trainer.virtual_ranks=8"):
         validate(config, 3)
+
+
+# == against references over whole epochs (the short last batch included) =======================
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)  # its own generator: ranks that are threads share the global one
+        self.fc1, self.fc2 = nn.Linear(784, 32), nn.Linear(32, 10)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc2(F.dropout(F.relu(self.fc1(x.view(len(x), -1))), 0.5, self.training)), dim=1)
+
+
+class DropoutTrainer(ImagesTrainer):
+    def configure_model(self):
+        return DropoutMLP()
+
+
+def _documented_shard_seed(seed, epoch, step, shard):
+    """invariant.shard_seed's documented hash of ``(seed, epoch, step, shard)``, written out here: a
+    shard_seed that ignores one of them must not also change the reference."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}:{step}:{shard}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def _invariant_reference(trainer_class, config):
+    """The mode's semantics as a plain loop: each step's global batch ``[k*G, (k+1)*G)`` of the
+    epoch's order (randperm seeded with seed + epoch) cut by ``tensor_split`` into 8 shards; each
+    shard's forward under torch.manual_seed(shard_seed(seed, epoch, global step, shard)); the
+    gradient of ``sum of shard_mean * shard_size / step_size``; SGD with momentum."""
+    trainer = trainer_class(config)
+    model, (x, y) = trainer.configure_model(), trainer.train_dataloader().tensors
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=config.optimizer.lr, momentum=config.optimizer.momentum)
+    seed, batch, step, losses = config.trainer.seed, config.data.global_batch_size, 0, []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.random.fork_rng():
+        for epoch in range(config.trainer.epochs):
+            order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + epoch))
+            for start in range(0, len(x), batch):
+                index, loss_sum = order[start : start + batch], 0.0
+                opt.zero_grad()
+                for shard, part in enumerate(torch.tensor_split(index, config.trainer.virtual_ranks)):
+                    if len(part) == 0:
+                        continue
+                    torch.default_generator.manual_seed(_documented_shard_seed(seed, epoch, step, shard))
+                    loss = F.cross_entropy(model(x[part]), y[part])
+                    (loss * (len(part) / len(index))).backward()
+                    loss_sum += float(loss.detach()) * len(part)
+                opt.step()
+                step += 1
+                losses.append((step, loss_sum / len(index)))
+    torch.set_num_threads(threads)
+    return model.state_dict(), losses
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dropout_over_whole_epochs_follows_the_per_shard_seeds_and_the_step_mean(tmp_path, world_size):
+    """2 epochs of 200 samples in global batches of 32: 7 steps each, the last of 8 samples (8
+    shards of 1). A shard seed without the step (the same masks every step) or a short batch's
+    shards weighted by size / global batch (a quarter of its gradient) both leave the reference."""
+    config = _config(tmp_path, "tests.models.Net")
+    expected, expected_losses = _invariant_reference(DropoutTrainer, config)
+    for state, losses in run_threaded(_params, world_size, DropoutTrainer, config, timeout_s=120):
+        _assert_states_close(state, expected, rtol=1e-4, atol=1e-6)
+        assert [s for s, _ in losses] == [s for s, _ in expected_losses] == list(range(1, 15))
+        for (_, got), (_, want) in zip(losses, expected_losses):
+            assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_without_dropout_a_whole_epoch_trains_what_plain_training_trains(tmp_path, world_size):
+    """Plain single-process training over a whole epoch (its short last batch of 8 a mean over 8)."""
+    model = "tests.models.Net"
+    plain = run_threaded(_params, 1, ImagesTrainer, _config(tmp_path / "plain", model, False, epochs=1), timeout_s=60)
+    config = _config(tmp_path / "invariant", model, epochs=1)
+    for state, _ in run_threaded(_params, world_size, ImagesTrainer, config, timeout_s=60):
+        _assert_states_close(state, plain[0][0], rtol=0, atol=1e-6)

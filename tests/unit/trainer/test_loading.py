@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ddptrain
+import ddptrain.loading  # used as ddptrain.loading.find_checkpoint: import it, not rely on others
 from ddptrain import Callback, ConfigError
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.checkpoint_io import CheckpointError, list_checkpoints
@@ -32,7 +33,7 @@ def _fit(tmp_path, cls=DropoutTrainer, **trainer):
 
 def test_load_model_rebuilds_the_users_model_with_the_weights_in_eval_mode(tmp_path):
     fitted = _fit(tmp_path, epochs=5, checkpoint_monitor="eval/loss", checkpoint_save_top_k=2)
-    x, y = fitted.val_dataset().tensors
+    x, y = fitted.val_dataloader().tensors
     latest = ddptrain.load_model(tmp_path)  # the run directory; which="latest"
     assert isinstance(latest, nn.Sequential) and latest[0].out_features == 6  # through configure_model + config
     assert not latest.training and all(not m.training for m in latest.modules())
@@ -113,7 +114,7 @@ def test_init_from_a_model_that_does_not_fit_says_so(tmp_path):
 
 
 def test_a_missing_init_from_is_refused_before_any_worker_starts(tmp_path):
-    from ddptrain.trainer.runner import preflight_resume
+    from ddptrain.runner import preflight_resume
 
     config = _config(tmp_path, init_from=str(tmp_path / "nowhere"))
     with pytest.raises(CheckpointError, match=r"trainer.init_from=.*nowhere: no such file or directory"):

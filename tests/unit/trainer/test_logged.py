@@ -58,7 +58,7 @@ def _fit(rank, world_size, config):
 
 
 def _by_hand(module, trainer_class, config):
-    x, y = trainer_class(config).val_dataset().tensors
+    x, y = trainer_class(config).val_dataloader().tensors
     with torch.no_grad():
         logits = module(x)
     per_sample = F.cross_entropy(logits, y, reduction="none").double()
@@ -154,7 +154,7 @@ def test_torchmetrics_are_synchronised_through_ddptrains_group(tmp_path, world_s
     config = _config(tmp_path, data={"global_batch_size": 12, "eval_batch_size": 4})
     results = run_threaded(_fit_f1, world_size, config, timeout_s=120)
     module = results[0][1]
-    x, y = F1(config).val_dataset().tensors
+    x, y = F1(config).val_dataloader().tensors
     with torch.no_grad():
         logits = module(x)
     f1 = torchmetrics.functional.classification.multiclass_f1_score(logits.argmax(1), y, num_classes=3, average="macro")

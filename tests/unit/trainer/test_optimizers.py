@@ -50,7 +50,7 @@ def _hand_run(config, epochs, steps_per_epoch):
     """One process, full global batches in the sampler's order, both optimizers by hand."""
     model = _two_layers()
     first, second = _two_optimizers(model)
-    x, y = TwoOptimizers(config).train_dataset().tensors
+    x, y = TwoOptimizers(config).train_dataloader().tensors
     batch = config.data.global_batch_size
     for epoch in range(epochs):
         order = torch.randperm(len(x), generator=torch.Generator().manual_seed(config.trainer.seed + epoch))

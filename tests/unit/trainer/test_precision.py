@@ -101,3 +101,41 @@ def test_bf16_mixed_applies_in_world_size_invariant_mode(tmp_path):
     for seen, dtypes, final in run_threaded(_fit, 2, config, timeout_s=120):
         assert ("train", torch.bfloat16, True) in seen and ("train", torch.float32, False) not in seen
         assert dtypes == {torch.float32} and final["params_agree"]
+
+
+class ScaledOnCpu(FixedInitTrainer):
+    """16-mixed's loss scaling without CUDA: a CPU GradScaler in the fit's Precision (float32 forward)."""
+
+    def setup(self):
+        super().setup()
+        self.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12)
+
+
+def _clipped_reference(config, steps):
+    """SGD on the sampler's global batches, each step's gradient clipped to norm ``grad_clip_norm``."""
+    model = FixedInitTrainer(config).configure_model()
+    x, y = FixedInitTrainer(config).train_dataloader().tensors
+    optimizer = torch.optim.SGD(model.parameters(), lr=config.optimizer.lr)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(config.trainer.seed))
+    batch, norms = config.data.global_batch_size, []
+    for step in range(steps):
+        index = order[step * batch : (step + 1) * batch]
+        optimizer.zero_grad()
+        F.cross_entropy(model(x[index]), y[index]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.trainer.grad_clip_norm)))
+        optimizer.step()
+    return model.state_dict(), norms
+
+
+def test_gradients_are_unscaled_before_clipping(tmp_path):
+    """With a scale of 4096, clipping the still-scaled gradients to norm 0.05 (unscaling after, or
+    in the scaler's step) would leave steps 4096 times too small; the parameters are those of
+    plain SGD with the true gradients clipped."""
+    config = _config(tmp_path, grad_clip_norm=0.05, max_steps=3)
+    trainer = ScaledOnCpu(config)
+    trainer.fit()
+    expected, norms = _clipped_reference(config, 3)
+    assert min(norms) > 0.05 * 4  # the clip is active at every step, by far
+    assert trainer.precision.scaler.get_scale() == 2.0**12  # no inf/NaN skipped a step
+    for name, value in trainer.model.module.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=1e-5, atol=1e-6)

@@ -29,7 +29,7 @@ def test_profile_writes_a_chrome_trace_of_the_scheduled_steps(tmp_path, wait, wa
     names = [e["name"] for e in spans]
     recorded = sorted({n for n in names if n.startswith("ProfilerStep#")}, key=lambda n: int(n.split("#")[1]))
     assert recorded == [f"ProfilerStep#{wait + warmup + i}" for i in range(active)]  # exactly the active steps
-    assert names.count("ddptrain/train_step") == active and names.count("ddptrain/optimizer_step") == active
+    assert names.count("ddptrain/forward_backward") == active and names.count("ddptrain/optimizer_step") == active
     assert any(n.startswith("aten::") for n in names)  # the operators inside them
 
 

@@ -27,3 +27,24 @@ def test_run_refuses_a_launcher_that_did_not_start_us(monkeypatch):
     config = Config.from_dict({"recipe": {"trainer_class": "torch.nn.Linear"}})
     with pytest.raises(ConfigError, match="not a subclass of ddptrain.Trainer"):
         run(config)
+
+
+def test_fit_refuses_a_doctor_it_was_not_given(tmp_path):
+    """trainer.doctor is the doctor's callbacks' work: the runner adds them, a bare fit() must not
+    silently run without them."""
+    from ddptrain import Trainer
+    from ddptrain.doctor import doctor_callbacks
+
+    config = Config.from_dict(
+        {
+            "data": {"name": "synthetic", "num_train_samples": 256, "num_val_samples": 64},
+            "model": {"_target_": "recipes.mnist.Net"},
+            "trainer": {"doctor": True, "max_steps": 3, "output_dir": str(tmp_path / "a"), "progress": "false"},
+            "doctor": {"warmup_steps": 1, "steps": 2},
+            "dist": {"world_size": 1},
+        }
+    )
+    with pytest.raises(ConfigError, match=r"trainer.doctor: .*callbacks=ddptrain.doctor.doctor_callbacks\(config\)"):
+        Trainer(config).fit()
+    Trainer(config, callbacks=doctor_callbacks(config)).fit()  # as the message says
+    assert (tmp_path / "a" / "doctor.json").is_file()

@@ -44,10 +44,10 @@ class TinyTrainer(Trainer):
 
     num_train = 40
 
-    def train_dataset(self):
+    def train_dataloader(self):
         return _task(self.num_train, 0)
 
-    def val_dataset(self):
+    def val_dataloader(self):
         return _task(13, 1)
 
 
@@ -104,7 +104,7 @@ def test_max_steps_and_grad_accumulation(tmp_path):
 
 
 def test_each_seam_can_be_overridden_alone(tmp_path):
-    """train_step sees one optimizer step's micro-batches (a short group at the epoch's end);
+    """forward_backward sees one optimizer step's micro-batches (a short group at the epoch's end);
     optimizer_step runs once per step; an override of either leaves the rest of the loop alone."""
 
     class Seams(TinyTrainer):
@@ -116,9 +116,9 @@ def test_each_seam_can_be_overridden_alone(tmp_path):
             super().setup()
             self.initial = [p.detach().clone() for p in self.model.parameters()]
 
-        def train_step(self, micro_batches):
+        def forward_backward(self, micro_batches):
             self.groups.append([len(b[0]) for b in micro_batches])
-            return super().train_step(micro_batches)
+            return super().forward_backward(micro_batches)
 
         def optimizer_step(self):  # counts, and skips the update: the weights must not move
             self.optimizer_steps += 1
@@ -147,6 +147,44 @@ def test_a_launcher_without_a_rendezvous_address_is_a_config_error(tmp_path, mon
     with pytest.raises(ConfigError, match="gave no rendezvous address: set MASTER_ADDR and MASTER_PORT"):
         TinyTrainer(config).fit()
     assert not comm.is_initialized()
+
+
+def test_the_hooks_old_names_still_work_and_say_the_new_ones_once(tmp_path):
+    """A subclass written against the names before 0.2 (train_dataset, val_dataset, train_step,
+    each calling super()) trains on its own data through its own seam, and is told once."""
+
+    class OldNames(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.seen = []
+
+        def train_dataset(self):
+            self.seen.append("train_dataset")
+            return _task(20, 0)
+
+        def val_dataset(self):
+            self.seen.append("val_dataset")
+            return _task(13, 1)
+
+        def train_step(self, micro_batches):
+            self.seen.append("train_step")
+            return super().train_step(micro_batches)
+
+    with pytest.warns(FutureWarning) as caught:
+        metrics = OldNames(_config(tmp_path / "a", epochs=1)).fit()
+    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert len(messages) == 1, messages
+    renamed = {"train_dataset": "train_dataloader", "val_dataset": "val_dataloader", "train_step": "forward_backward"}
+    for old, new in renamed.items():
+        assert f"{old}() is now {new}()" in messages[0], messages[0]
+    assert metrics["step"] == 2 and "eval/accuracy" in metrics  # 20 samples in steps of 10, evaluated on 13
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # told once per class
+        trainer = OldNames(_config(tmp_path / "b", epochs=1))
+        trainer.fit()
+    assert trainer.seen.count("train_step") == 2 and {"train_dataset", "val_dataset"} <= set(trainer.seen)
 
 
 class ZeroLrTrainer(TinyTrainer):
@@ -196,7 +234,7 @@ class Items(Dataset):
 
 
 class LoaderTrainer(TinyTrainer):
-    def train_dataset(self):
+    def train_dataloader(self):
         return Items(_task(self.num_train, 0))
 
 
@@ -247,7 +285,7 @@ class FixedInitTrainer(TinyTrainer):
 def _reference(config, epochs, steps_per_epoch):
     """What data-parallel SGD must equal: full-batch steps over the sampler's global order."""
     model = FixedInitTrainer(config).configure_model()
-    data = FixedInitTrainer(config).train_dataset().tensors
+    data = FixedInitTrainer(config).train_dataloader().tensors
     optimizer = torch.optim.SGD(model.parameters(), lr=config.optimizer.lr, momentum=config.optimizer.momentum)
     batch = config.data.global_batch_size
     for epoch in range(epochs):
@@ -257,7 +295,7 @@ def _reference(config, epochs, steps_per_epoch):
             optimizer.zero_grad()
             F.cross_entropy(model(data[0][index]), data[1][index]).backward()
             optimizer.step()
-    val_x, val_y = FixedInitTrainer(config).val_dataset().tensors
+    val_x, val_y = FixedInitTrainer(config).val_dataloader().tensors
     with torch.no_grad():
         eval_loss = F.cross_entropy(model(val_x), val_y).item()
     return model.state_dict(), eval_loss
@@ -327,7 +365,7 @@ def test_batchnorm_statistics_agree_for_evaluation_and_the_final_digest(tmp_path
     model = BatchNormTrainer(config).configure_model()
     model.load_state_dict(rank0_state)
     model.eval()
-    val_x, val_y = BatchNormTrainer(config).val_dataset().tensors
+    val_x, val_y = BatchNormTrainer(config).val_dataloader().tensors
     with torch.no_grad():
         expected_loss = F.cross_entropy(model(val_x), val_y).item()
     for state, rank_metrics in results:

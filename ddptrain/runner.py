@@ -15,12 +15,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from .. import envvars
-from ..config import Config, ConfigError, check_device, locate, resolve_backend, validate
-from ..launch import MpiexecNotFoundError, WorkerFailedError, launch
-from ..launch.env import ClusterEnvironment, detect_environment
-from ..logs import setup_logging
-from .checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
+from . import envvars
+from .config import Config, ConfigError, check_device, default_output_dir, locate, resolve_backend, validate
+from .doctor.session import doctor_callbacks
+from .launch import MpiexecNotFoundError, WorkerFailedError, launch
+from .launch.env import ClusterEnvironment, detect_environment
+from .logs import setup_logging
+from .trainer.checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
 
 __all__ = ["run", "load_trainer_class"]
 
@@ -73,6 +74,10 @@ def run(config: Config) -> dict[str, Any]:
             f"launcher={name}, but this process was not started by {name} (no {_EXPECTED_ENV[name][0]} "
             f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
             "to spawn the workers here."
+        )
+    if not config.trainer.output_dir:  # one directory for the launcher and every worker
+        config = dataclasses.replace(
+            config, trainer=dataclasses.replace(config.trainer, output_dir=default_output_dir(config))
         )
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
     world_size = config.dist.world_size
@@ -130,13 +135,13 @@ def _start_workers(config: Config, world_size: int) -> list:
 def preflight_resume(config: Config, world_size: int) -> None:
     """Refuse a missing, corrupt or wrong-world-size checkpoint (``trainer.resume``), or a missing or
     corrupt one to start from (``trainer.init_from``), before any worker starts."""
-    from .trainer import check_world_size
+    from .trainer.checkpointing import check_world_size
 
     resume, init_from = config.trainer.resume, config.trainer.init_from
     checkpoints = Path(config.trainer.output_dir or ".") / "checkpoints"
     with warnings.catch_warnings():  # rank 0 repeats any warning when it resumes for real
         warnings.simplefilter("ignore")
-        path = resolve_resume_path(resume, checkpoints) if resume else None
+        path = resolve_resume_path(resume, checkpoints, recipe=config.recipe.name) if resume else None
         if path is not None:
             ckpt = load_checkpoint(path)
             check_world_size(ckpt["world_size"], world_size, config.trainer.allow_world_size_change, path)
@@ -166,11 +171,12 @@ def _check_launcher(config: Config, env: ClusterEnvironment) -> None:
 def ledger_dir(config: Config) -> str:
     """Where the ranks keep their collective ledgers: ``<run dir>/ledger``, unless
     ``DDPTRAIN_LEDGER_DIR`` says otherwise (``python -m ddptrain.dump <run dir>`` reads it)."""
-    return envvars.get_str("DDPTRAIN_LEDGER_DIR") or str(Path(config.trainer.output_dir or ".") / "ledger")
+    run_dir = config.trainer.output_dir or default_output_dir(config)
+    return envvars.get_str("DDPTRAIN_LEDGER_DIR") or str(Path(run_dir) / "ledger")
 
 
 def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
     """One rank's whole job (also the local workers' entry point)."""
     os.environ.setdefault("DDPTRAIN_LEDGER_DIR", ledger_dir(config))  # torchrun, mpirun: no launcher of ours
     setup_logging(rank, config.trainer.output_dir)
-    return load_trainer_class(config)(config).fit()
+    return load_trainer_class(config)(config, callbacks=doctor_callbacks(config)).fit()

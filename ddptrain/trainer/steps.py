@@ -1,0 +1,138 @@
+"""Step strategies: how one optimizer step's micro-batches become a parameter update.
+
+The Trainer picks its strategy once, in ``setup``, and its loop never asks
+which one it has. Per optimizer step it calls, in this order:
+
+1. :meth:`StepStrategy.batches` (once per epoch): the rest of the epoch, one item per step;
+2. :meth:`StepStrategy.forward_backward`: forward and backward of the step's micro-batches, with
+   the gradients reduced across ranks into ``.grad``; returns the step's loss;
+3. :meth:`StepStrategy.optimizer_step`: unscale, clip, step every optimizer and its per-step
+   schedule, zero the gradients;
+4. :meth:`StepStrategy.samples`: how many of this rank's sampler positions the step covered (the
+   loop reports them to the sampler, the one owner of the position in the epoch);
+5. :meth:`StepStrategy.take_votes`: the stop votes summed over ranks in that step's reduction
+   (``None`` when the step carried none: the loop then agrees with a collective of its own).
+
+State a strategy keeps across steps (none today) goes into checkpoints through
+:meth:`StepStrategy.state_dict` / :meth:`StepStrategy.load_state_dict`.
+
+Two strategies exist:
+
+- :class:`DataParallelSteps`: plain DDP. All micro-batches but the last run under ``no_sync()``;
+  the last one's backward all-reduces the gradients in buckets, and the stop votes ride in that
+  all-reduce (:meth:`ddptrain.ddp.DistributedDataParallel.register_sideband`).
+- :class:`.invariant.InvariantSteps` (``trainer.world_size_invariant=true``): fixed shards and an
+  exact integer sum, the same bits at any world size.
+
+The next strategies plug in at the same seams: sharded optimizer state replaces
+``optimizer_step`` (reduce-scatter, step the shard, all-gather) and ``state_dict`` (each rank's
+shard); local SGD / DiLoCo replaces ``forward_backward`` (no reduction) and ``optimizer_step``
+(an outer step every H steps); in-place elasticity rebuilds a strategy over the new group between
+two steps, which is why a strategy holds no state that the checkpoint does not capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from .data import batch_size_of, group_micro_batches, move_to
+from .stopping import NUM_VOTES
+
+__all__ = ["StepStrategy", "DataParallelSteps"]
+
+
+class StepStrategy(ABC):
+    """One way of turning a step's micro-batches into a parameter update; see the module docstring.
+
+    Args:
+        trainer: the Trainer, once its model (in DDP), data, optimizers and precision are set up.
+            A strategy uses only its public attributes.
+        votes: this rank's stop votes (:meth:`.stopping.GracefulStop.votes`), to be cast after the
+            step's backward and summed over ranks in the step's own reduction.
+    """
+
+    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+        self.trainer = trainer
+        self.votes = votes
+
+    @abstractmethod
+    def batches(self) -> Iterator[Any]:
+        """The rest of the current epoch, one item per optimizer step (what ``forward_backward`` takes)."""
+
+    @abstractmethod
+    def forward_backward(self, step: Any) -> float:
+        """Forward and backward of one step; the gradients summed over ranks are in ``.grad``.
+        Returns this step's loss (a Python float)."""
+
+    @abstractmethod
+    def samples(self, step: Any) -> int:
+        """How many of this rank's sampler positions ``step`` covered."""
+
+    @abstractmethod
+    def take_votes(self) -> list[float] | None:
+        """The stop votes summed over ranks in the latest step, once (None if no step carried them)."""
+
+    def optimizer_step(self) -> None:
+        """Apply the reduced gradients: unscale (16-mixed), clip (``trainer.grad_clip_norm``), step
+        every optimizer, the per-step schedules, zero every optimizer's gradients."""
+        t = self.trainer
+        clip = t.config.trainer.grad_clip_norm
+        t.precision.unscale(t.optimizers)  # 16-mixed: true gradients before clipping
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(t.model.parameters(), clip)
+        t.optimizer_set.step(t.precision.scaler)
+        t.precision.update()
+        step = t.state.step + 1  # the step being completed
+        t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
+        t.optimizer_set.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What this strategy keeps across steps, for a checkpoint (nothing by default)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`. This one keeps nothing, so it refuses a state that holds
+        something: that checkpoint was written by a strategy that needs it back."""
+        if state:
+            raise ValueError(
+                f"the checkpoint holds step-strategy state ({', '.join(sorted(state))}) that "
+                f"{type(self).__name__} does not keep: resume with the settings that wrote it"
+            )
+
+
+class DataParallelSteps(StepStrategy):
+    """Plain data parallelism through our DDP: ``trainer.grad_accum_steps`` micro-batches per step
+    (the last step of an epoch may get fewer), gradients accumulated locally under ``no_sync()``
+    and averaged over ranks in the last micro-batch's backward. Each loss is divided by the number
+    of micro-batches, so the gradient is that of their mean."""
+
+    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+        super().__init__(trainer, votes)
+        trainer.model.register_sideband(NUM_VOTES, votes)  # the votes ride in the gradient all-reduce
+
+    def batches(self) -> Iterator[list[Any]]:
+        return group_micro_batches(self.trainer.train_batches(), self.trainer.config.trainer.grad_accum_steps)
+
+    def forward_backward(self, micro_batches: Sequence[Any]) -> float:
+        t = self.trainer
+        count, step_loss = len(micro_batches), 0.0
+        for i, batch in enumerate(micro_batches):
+            sync = i == count - 1
+            with contextlib.nullcontext() if sync else t.model.no_sync():
+                t.logged.batch_size = batch_size_of(batch)  # the weight of this micro-batch's self.log values
+                with t.precision.autocast():  # trainer.precision: bf16/fp16 autocast, or nothing
+                    loss = t.training_step(t.model, move_to(batch, t.device, non_blocking=True))
+                t.precision.backward(loss / count)  # scaled under 16-mixed
+            step_loss += loss.item() / count
+        return step_loss
+
+    def samples(self, micro_batches: Sequence[Any]) -> int:
+        return sum(batch_size_of(b) for b in micro_batches)
+
+    def take_votes(self) -> list[float] | None:
+        return self.trainer.model.take_sideband()
