@@ -1,0 +1,157 @@
+"""Starting a job, as a user meets it: answers that need no torch come at once, ``--help KEY``
+documents a key, a refused run leaves no directory behind, and Ctrl-C while the job starts prints
+one line and exits 130 with nothing left running.
+
+Every command runs as a real ``python -m ddptrain`` subprocess, with a timeout, in a temporary
+working directory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, cli_env, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+TINY = ["recipe=synthetic", "data.num_train_samples=512", "data.num_val_samples=64", "trainer.max_steps=1"]
+
+
+# The CLI's own process, asked at exit whether it imported torch (a fork server it starts for a
+# job imports torch in a process of its own: that is the point of it).
+_REPORT_TORCH = (
+    "import atexit, sys; "
+    "atexit.register(lambda: print('TORCH:', 'torch' in sys.modules, file=sys.stderr)); "
+    "from ddptrain.cli import main; main(sys.argv[1:])"
+)
+
+
+def _run_reporting_torch(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, bool]:
+    """Run the CLI; the result and whether its process imported torch before exiting."""
+    proc = subprocess.run(
+        [PYTHON, "-c", _REPORT_TORCH, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=60
+    )
+    assert "TORCH:" in proc.stderr, proc.stderr
+    return proc, "TORCH: True" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (["recipe=synthetic", "trainer.max_stepz=1"], 2, ["Did you mean trainer.max_steps?"]),
+        (["recipe=synthetic", "trainer.epochs=abc"], 2, ["trainer.epochs=abc"]),
+        (["--help"], 0, ["recipe: fashion_mnist, mnist, mnist_fast, synthetic"]),
+        (["--help", "trainer.max_steps"], 0, ["trainer.max_steps"]),
+        (["--version"], 0, ["ddptrain"]),
+    ],
+)
+def test_config_errors_help_and_version_answer_without_importing_torch(tmp_path, args, code, words):
+    started = time.monotonic()
+    proc, imported_torch = _run_reporting_torch(*args, cwd=tmp_path)
+    took = time.monotonic() - started
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert not imported_torch, f"{args} imported torch (seconds) before answering"
+    assert took < 20, f"{args} took {took:.1f} s"  # about 1 s on 2 busy cores: far from what torch costs
+    for word in words:
+        assert word in proc.stdout + proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_help_key_prints_its_name_type_default_and_documentation(tmp_path):
+    proc = run_cli("--help", "trainer.max_steps", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "trainer.max_steps (int | None, default: null)" in proc.stdout
+    assert "Stop after this many optimizer steps in total" in proc.stdout
+
+
+def test_help_group_documents_every_key_of_the_group_and_its_options(tmp_path):
+    proc = run_cli("--help", "data", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "data.global_batch_size (int, default: 128)" in proc.stdout
+    assert "Samples per optimizer step over all ranks" in proc.stdout
+    assert "fashion_mnist, mnist, synthetic" in proc.stdout  # the group's options
+    trainer = run_cli("--help", "trainer", cwd=tmp_path, timeout=60)
+    assert trainer.returncode == 0 and "trainer.early_stopping.patience (int, default: 3)" in trainer.stdout
+    backend = run_cli("-h", "backend", cwd=tmp_path, timeout=60)
+    assert backend.returncode == 0 and "auto, gloo, mpi, nccl" in backend.stdout
+
+
+def test_help_unknown_key_gets_did_you_mean_and_exit_2(tmp_path):
+    proc = run_cli("--help", "trainer.max_stepz", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 2
+    assert "unknown config key trainer.max_stepz. Did you mean trainer.max_steps?" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    lightning = run_cli("--help", "trainer.devices", cwd=tmp_path, timeout=60)
+    assert lightning.returncode == 2 and "dist.world_size" in lightning.stderr
+
+
+def test_plain_help_points_at_help_key_not_at_the_source(tmp_path):
+    proc = run_cli("--help", cwd=tmp_path, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "--help trainer" in proc.stdout
+    assert "config.py" not in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "override, code",
+    [("dist.world_size=0", 2), ("trainer.keep_last_checkpoints=0", 2), ("trainer.resume=/nonexistent", 2)],
+)
+def test_a_refused_run_leaves_no_run_directory(tmp_path, override, code):
+    proc = run_cli(*TINY, override, cwd=tmp_path, timeout=120)
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert "ddptrain: error:" in proc.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [], "the refused run left files behind"
+
+
+def test_a_refused_run_keeps_a_directory_that_existed_before(tmp_path):
+    old = tmp_path / "old_run"
+    old.mkdir()
+    (old / "notes.txt").write_text("mine")
+    empty = tmp_path / "empty_dir"
+    empty.mkdir()
+    for run_dir in (old, empty):
+        proc = run_cli(*TINY, f"hydra.run.dir={run_dir}", "trainer.resume=latest", "dist.world_size=0", cwd=tmp_path)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert run_dir.is_dir()
+    assert (old / "notes.txt").read_text() == "mine"
+
+
+def _session_processes(sid: int) -> list[str]:
+    """The live processes of session ``sid`` (the job's launcher, server and workers all stay in it)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat=,args="], capture_output=True, text=True).stdout
+    rows = [line.split(None, 3) for line in out.splitlines()]
+    return [" ".join(r) for r in rows if len(r) >= 3 and r[1] == str(sid) and not r[2].startswith("Z")]
+
+
+@pytest.mark.parametrize("after_s", [0.5, 1.0, 1.5, 3.0])
+def test_ctrl_c_while_the_job_starts_prints_one_line_and_exits_130(tmp_path, after_s):
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "ddptrain", *TINY, "trainer.max_steps=50"],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # as a terminal runs a foreground job: Ctrl-C goes to its group
+    )
+    time.sleep(after_s)
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in out + err, err
+    assert len(err.strip().splitlines()) <= 3, err
+    assert "stopped by SIGINT" in out + err
+    deadline = time.monotonic() + 10
+    while _session_processes(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _session_processes(proc.pid) == [], "processes left running after Ctrl-C"
