@@ -68,15 +68,15 @@ def _compute_worker(overrides: list[str], world_size: int, rank: int, repeats: i
     import torch
 
     from ddptrain.cli.app import compose_config, to_config
+    from ddptrain.runner import load_trainer_class
     from ddptrain.trainer.precision import Precision
-    from ddptrain.trainer.runner import load_trainer_class
 
     torch.set_num_threads(1)  # as both modes run at 2 ranks on this machine's cores
     config = to_config(compose_config(overrides), None)
     trainer_class = load_trainer_class(config)
     trainer_class.prepare_data(config)
     trainer = trainer_class(config)
-    model, dataset = trainer.configure_model().train(), trainer.train_dataset()
+    model, dataset = trainer.configure_model().train(), trainer.train_dataloader()
     precision = Precision(config.trainer.precision, torch.device("cpu"))
     per_rank, accumulation = config.data.global_batch_size // world_size, config.trainer.grad_accum_steps
     shard = config.data.global_batch_size // (accumulation * config.trainer.virtual_ranks)
