@@ -88,20 +88,18 @@ def _sound(report: dict, world_size: int, steps: int) -> None:
     assert [c["share"] for c in ranked] == sorted((c["share"] for c in ranked), reverse=True), causes
 
 
+def _host_straggler(report: dict, cause: str) -> bool:
+    """Whether a scenario that injected no straggler got one first: another job on this shared
+    2-core host can make one rank a real straggler for a few steps."""
+    return cause != "straggler" and report["causes"][0]["cause"] == "straggler"
+
+
 def _check(reports: list[dict], cases: list, world_size: int) -> None:
     """Each scenario's first cause is the injected one, with its advice and a shorter predicted
-    step; the large ones (a 0.4 s sleep, 5 ms per sample) alone and nearly the whole step. The
-    healthy run has one second chance: another job on this shared 2-core host can make one rank
-    a real straggler for a few steps, and nothing else."""
+    step; the large ones (a 0.4 s sleep, 5 ms per sample) alone and nearly the whole step."""
     summary = {name: [(c["cause"], c["share"]) for c in r["causes"]] for (name, _, _), r in zip(cases, reports)}
     for (_, kwargs, _), r in zip(cases, reports):
         _sound(r, world_size, kwargs.get("steps", 6))
-    first_healthy = [c["cause"] for c in reports[0]["causes"]] == ["healthy"]
-    if first_healthy:
-        reports, cases = reports[:1] + reports[2:], cases[:1] + cases[2:]
-    else:
-        assert {c["cause"] for c in reports[0]["causes"]} == {"straggler"}, json.dumps(summary, indent=1)
-        reports, cases = reports[1:], cases[1:]
     got = {name: (r["causes"][0]["cause"], r["causes"][0].get("rank")) for (name, _, _), r in zip(cases, reports)}
     want = {name: (cause, world_size - 1 if cause == "straggler" else None) for name, _, cause in cases}
     assert got == want, json.dumps(summary, indent=1)
@@ -132,9 +130,25 @@ def test_each_injected_cause_comes_out_first(tmp_path, backend, world_size):
     # small buckets on CPU ranks: the all-reduces steal cores from backward, so much of their cost
     # shows as backward; the doctor's probe (compute without communication) tells them apart
     cases = scenarios(world_size)
-    cases.insert(1, ("healthy_again", *cases[0][1:]))
-    runs = [(name, kwargs) for name, kwargs, _ in cases]
-    reports = run_distributed(run_doctored, world_size, runs, str(tmp_path), backend=backend, timeout_s=360)[0]
+
+    rounds: list[Path] = []
+
+    def doctored(chosen: list) -> list[dict]:
+        runs = [(name, kwargs) for name, kwargs, _ in chosen]
+        out = tmp_path / f"round{len(rounds)}"
+        rounds.append(out)
+        return run_distributed(run_doctored, world_size, runs, str(out), backend=backend, timeout_s=360)[0]
+
+    reports = doctored(cases)
+    # A scenario whose first cause is a straggler it did not inject runs once more, and the rerun
+    # must give its own cause (the discarded report must still be sound). Any other wrong cause
+    # fails at once.
+    again = [i for i, (_, _, cause) in enumerate(cases) if _host_straggler(reports[i], cause)]
+    for i in again:
+        _sound(reports[i], world_size, cases[i][1].get("steps", 6))
+    if again:
+        for i, report in zip(again, doctored([cases[i] for i in again])):
+            reports[i] = report
     _check(reports, cases, world_size)
 
 
