@@ -1,0 +1,146 @@
+"""How long ``python -m ddptrain`` takes to start: a one-step job, a config typo, ``--help``.
+
+Each command runs from an empty temporary directory, ``--rounds`` times (default 3); the script
+prints the median wall time of each, and for the job also the time until ``train.log`` shows
+step 1 (polled every 20 ms while the job runs: the first step as a user watching the log sees it).
+
+Two anchors alternate with the job in each round, and the job's time is printed as a ratio to each:
+
+- ``torch floor``: one process imports torch, builds an SGD optimizer and takes one step. No
+  trainer that uses ``torch.optim`` starts faster on the machine (the first optimizer imports
+  ``torch._dynamo``, 1.5-2.5 s here).
+- ``torch DDP``: the same step on 2 gloo ranks started by ``torch.multiprocessing.spawn``, wrapped
+  in ``torch.nn.parallel.DistributedDataParallel``: the script a torch user would write.
+
+    .venv/bin/python scripts/bench_start.py [--rounds 3]
+
+Measured figures go to benchmarks/README.md with the command and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PYTHON = sys.executable
+JOB = "job (recipe=synthetic trainer.max_steps=1, 2 workers)"
+COMMANDS = {
+    JOB: ["recipe=synthetic", "trainer.max_steps=1"],
+    "typo (trainer.max_stepz=1)": ["recipe=synthetic", "trainer.max_stepz=1"],
+    "--help": ["--help"],
+    "--help trainer.max_steps": ["--help", "trainer.max_steps"],
+    "--version": ["--version"],
+}
+
+_ONE_STEP = """
+import torch
+model = torch.nn.Linear(784, 10)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+model(torch.randn(64, 784)).sum().backward()
+optimizer.step()
+"""
+_TORCH_DDP = """
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def worker(rank):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=2)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(784, 10))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(64, 784)).sum().backward()
+    optimizer.step()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, nprocs=2)
+"""
+ANCHORS = {
+    "torch floor (1 process, one SGD step)": _ONE_STEP,
+    "torch DDP (mp.spawn, 2 gloo ranks, one step)": _TORCH_DDP,
+}
+
+
+def _run_anchor(code: str, timeout_s: float = 300) -> float:
+    """Wall seconds of a python script holding ``code``, run from an empty directory."""
+    with tempfile.TemporaryDirectory(prefix="bench-start-") as cwd:
+        script = Path(cwd) / "anchor.py"  # a file, not -c: spawn re-imports the main module
+        script.write_text(code)
+        started = time.monotonic()
+        subprocess.run([PYTHON, str(script)], cwd=cwd, check=True, timeout=timeout_s, capture_output=True)
+        return time.monotonic() - started
+
+
+def _run_once(args: list[str], timeout_s: float = 300) -> tuple[float, float | None, int]:
+    """(wall seconds, seconds until train.log shows step 1 or None, exit status) of one run."""
+    with tempfile.TemporaryDirectory(prefix="bench-start-") as cwd:
+        started = time.monotonic()
+        err = open(Path(cwd) / "stderr.txt", "w+")  # noqa: SIM115 - read back after the run
+        proc = subprocess.Popen([PYTHON, "-m", "ddptrain", *args], cwd=cwd, stdout=subprocess.DEVNULL, stderr=err)
+        first_step = None
+        deadline = started + timeout_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            if first_step is None:
+                for log in Path(cwd).glob("outputs/*/*/train.log"):
+                    if re.search(r"\] step 1/", log.read_text()):
+                        first_step = time.monotonic() - started
+            time.sleep(0.02)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        wall = time.monotonic() - started
+        err.seek(0)
+        if proc.returncode not in (0, 2) and args[0] != "--help":
+            print(f"    (exit {proc.returncode}: {err.read()[-500:]})", file=sys.stderr)
+        err.close()
+        return wall, first_step, proc.returncode
+
+
+def _print(name: str, runs: list[tuple[float, float | None, int]]) -> float:
+    """Print the median of ``runs`` (and of their first steps) and return it."""
+    wall = statistics.median(r[0] for r in runs)
+    firsts = [r[1] for r in runs if r[1] is not None]
+    first = f", first step after {statistics.median(firsts):.2f} s" if firsts else ""
+    codes = sorted({r[2] for r in runs})
+    print(
+        f"  {name}: {wall:.2f} s{first} (exit {', '.join(map(str, codes))}; runs: "
+        f"{', '.join(f'{r[0]:.2f}' for r in runs)})",
+        flush=True,
+    )
+    return wall
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    rounds = parser.parse_args().rounds
+    print(f"python -m ddptrain, from an empty directory, median of {rounds} (cores: {os.cpu_count()})")
+    # The job and its anchors alternate within each round, so a slow minute slows all of them alike.
+    anchor_runs: dict[str, list[float]] = {name: [] for name in ANCHORS}
+    job_runs = []
+    for _ in range(rounds):
+        for name, code in ANCHORS.items():
+            anchor_runs[name].append(_run_anchor(code))
+        job_runs.append(_run_once(COMMANDS[JOB]))
+    job = _print(JOB, job_runs)
+    for name, runs in anchor_runs.items():
+        anchor = statistics.median(runs)
+        shown = ", ".join(f"{r:.2f}" for r in runs)
+        print(f"  {name}: {anchor:.2f} s (runs: {shown}); the job takes {job / anchor:.2f}x")
+    for name, args in COMMANDS.items():
+        if name != JOB:
+            _print(name, [_run_once(args) for _ in range(rounds)])
+
+
+if __name__ == "__main__":
+    main()
