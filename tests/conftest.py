@@ -142,3 +142,24 @@ def mnist_root(tmp_path_factory) -> Path:
     except DatasetNotFoundError as exc:
         missing(f"the real MNIST is not available to ddptrain's loader ({str(exc).splitlines()[0]})")
     return root
+
+
+@pytest.fixture(autouse=True)
+def _stop_signal_handlers_unchanged(request):
+    """Every test leaves SIGINT and SIGTERM as it found them, handlers and signal mask. SIG_IGN and
+    a blocked mask are inherited across exec: left behind, they would change how every later
+    test's subprocesses on this pytest worker take Ctrl-C."""
+    import signal
+
+    stops = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in stops}
+    blocked_before = signal.pthread_sigmask(signal.SIG_BLOCK, []) & set(stops)
+    yield
+    changed = {sig.name: signal.getsignal(sig) for sig, h in before.items() if signal.getsignal(sig) is not h}
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, []) & set(stops)
+    for sig, handler in before.items():
+        signal.signal(sig, handler)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    signal.pthread_sigmask(signal.SIG_SETMASK, (mask - set(stops)) | blocked_before)
+    assert not changed, f"{request.node.nodeid} left stop-signal handlers changed: {changed}"
+    assert blocked == blocked_before, f"{request.node.nodeid} left {blocked} blocked, was {blocked_before}"
