@@ -130,6 +130,10 @@ def _session_processes(sid: int) -> list[str]:
     return [" ".join(r) for r in rows if len(r) >= 3 and r[1] == str(sid) and not r[2].startswith("Z")]
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("after_s", [0.5, 1.0, 1.5, 3.0])
 def test_ctrl_c_while_the_job_starts_prints_one_line_and_exits_130(tmp_path, after_s):
     proc = subprocess.Popen(
@@ -140,6 +144,10 @@ def test_ctrl_c_while_the_job_starts_prints_one_line_and_exits_130(tmp_path, aft
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # as a terminal runs a foreground job: Ctrl-C goes to its group
+        # ... with SIGINT at its default, as a terminal's job has it: pytest may itself run with
+        # SIGINT ignored (a background job of a non-interactive shell), and SIG_IGN is inherited
+        # across exec, so the CLI would rightly keep ignoring it outside its own handlers.
+        preexec_fn=_sigint_default,
     )
     time.sleep(after_s)
     # How the CLI takes SIGINT at this instant (blocked, ignored, caught: bit 1 of each mask), for
