@@ -2,8 +2,7 @@
 
 __version__ = "0.1.0"
 
-import importlib
-from typing import Any
+from ddptrain._exports import lazy_exports
 
 # Public names, imported on first use: `python -m ddptrain --help` and config errors then answer
 # without paying for `import torch` (seconds on a busy machine).
@@ -33,14 +32,5 @@ _EXPORTS = {
 }
 __all__ = ["__version__", *_EXPORTS]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ddptrain' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+del lazy_exports

@@ -7,8 +7,7 @@ starts the preloaded fork server (:mod:`ddptrain.launch.forkserver`) without imp
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ddptrain._exports import lazy_exports
 
 _EXPORTS = {
     "launch": "ddptrain.launch.dispatch",
@@ -19,14 +18,5 @@ _EXPORTS = {
 }
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ddptrain.launch' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+del lazy_exports
