@@ -80,6 +80,9 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt as exc:  # Ctrl-C while starting, or a second one: one line, no traceback
         _ignore_stop_signals()  # stopping already: a late signal must not cut the cleanup short
         code = _interrupted(exc)
+    except BrokenPipeError:  # `--help | head`: the reader left. Exit as a killed writer would, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit fails too
+        code = 128 + signal.SIGPIPE
     finally:
         try:
             server = sys.modules.get("ddptrain.launch.forkserver")

@@ -99,6 +99,22 @@ def test_plain_help_points_at_help_key_not_at_the_source(tmp_path):
     assert "config.py" not in proc.stdout
 
 
+def test_help_piped_into_head_ends_quietly(tmp_path):
+    # `python -m ddptrain --help trainer | head -3`: the reader leaves after three lines, and the
+    # rest of the text meets a closed pipe. That must not print a traceback.
+    proc = subprocess.run(
+        f"{PYTHON} -m ddptrain --help trainer | head -3",
+        shell=True,
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.startswith("trainer:"), proc.stdout
+    assert proc.stderr == "", proc.stderr
+
+
 @pytest.mark.parametrize(
     "override, code",
     [("dist.world_size=0", 2), ("trainer.keep_last_checkpoints=0", 2), ("trainer.resume=/nonexistent", 2)],
