@@ -7,8 +7,12 @@ The same tree comes from Hydra (``conf/``, through ``ddptrain.cli``) or from pla
 
 :meth:`Config.from_dict` refuses unknown keys (suggesting the closest known one) and values of
 the wrong type, naming the dotted key, so a typo never silently falls back to a default.
-:func:`validate` checks what needs the world size (the global batch split) and the machine
-(CUDA), with errors that name the knob to change. Nothing here imports Hydra.
+
+Each field's rule is part of the schema, written once next to its default as field metadata: its
+choices (:func:`one_of`) or its bounds (:func:`bounded`). :func:`validate` checks those rules
+(:func:`check_fields`); ``--help KEY`` and ``docs/configuration.md`` print the same rules. What
+needs the job (the world size's batch split, the machine's devices, the backend it resolves to)
+is :mod:`ddptrain.preflight`'s. Nothing here imports Hydra or torch.
 """
 
 from __future__ import annotations
@@ -34,29 +38,35 @@ __all__ = [
     "TrainerConfig",
     "DoctorConfig",
     "EarlyStoppingConfig",
-    "validate",
+    "check_fields",
     "check_precision",
     "PRECISIONS",
-    "resolve_backend",
-    "per_rank_batch_size",
-    "check_device",
     "locate",
     "LAUNCHERS",
     "OPTIMIZERS",
     "SCHEDULERS",
 ]
 
-LAUNCHERS = ("local", "torchrun", "mpirun")
-PROGRESS_CHOICES = ("auto", "true", "false")
-OPTIMIZERS = ("sgd", "adam", "adamw")
-SCHEDULERS = ("none", "step", "cosine")
-_BACKENDS = ("auto", "gloo", "nccl", "mpi")
-MONITOR_MODES = ("min", "max")
-
 
 # DDP's gradient bucket size when none is given (torch's too); dist.bucket_cap_mb=auto starts
 # here and tunes from it. Owned here because the config must be read before torch is imported.
 DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def one_of(default: str, choices: tuple[str, ...], fold_case: bool = False) -> Any:
+    """A dataclass field that takes one of ``choices``. :func:`check_fields` enforces it, with a
+    "did you mean"; ``--help KEY`` lists the choices. ``fold_case``: :meth:`Config.from_dict` lowers
+    the value first (``trainer.progress=False`` on a command line arrives as the string ``False``)."""
+    assert default in choices, (default, choices)
+    return field(default=default, metadata={"choices": choices, "fold_case": fold_case})
+
+
+def bounded(default: Any, *, at_least: float | None = None, above: float | None = None, fix: str = "") -> Any:
+    """A dataclass field whose value must be ``>= at_least`` (or ``> above``); ``None`` passes when
+    the field is optional. ``fix`` ends the error text, separator included (``", or null for no
+    limit"``). :func:`check_fields` enforces it; ``--help KEY`` shows it."""
+    rule = {"at_least": at_least, "above": above, "fix": fix}
+    return field(default=default, metadata={"bound": rule})
 
 
 class ConfigError(ValueError):
@@ -77,24 +87,24 @@ class RecipeConfig:
 class DistConfig:
     """Processes and communication."""
 
-    world_size: int = 2
+    world_size: int = bounded(2, at_least=1)
     """Local worker processes started by ``launcher=local``. Ignored under torchrun, mpirun or
     srun: the external launcher's world size wins."""
-    backend: str = "auto"
+    backend: str = one_of("auto", ("auto", "gloo", "nccl", "mpi"))
     """``gloo`` (CPU), ``nccl`` (CUDA), ``mpi``, or ``auto``: nccl when ``trainer.device`` is
     cuda, mpi under mpirun without ``MASTER_ADDR``, else gloo."""
-    timeout_s: float = 300.0
+    timeout_s: float = bounded(300.0, above=0)
     """Timeout of every training collective: a rank stuck longer fails the job (naming the
     operation and the ranks that never arrived) instead of hanging it."""
-    init_timeout_s: float = 1800.0
+    init_timeout_s: float = bounded(1800.0, above=0)
     """Timeout of the rendezvous: how long ranks wait for each other at start (schedulers and
     cold nodes can be slow, so this is longer than ``timeout_s``)."""
-    algorithm: str = "native"
+    algorithm: str = one_of("native", ("native", "ring"))
     """How DDP all-reduces its buckets: ``native`` (the backend's own all-reduce) or ``ring``
     (ddptrain's ring over point-to-point messages, on any backend)."""
     job_timeout_s: float | None = None
     """Local launcher only: kill the whole job after this many seconds (``None``: no limit)."""
-    threads_per_worker: int = 0
+    threads_per_worker: int = bounded(0, at_least=0)
     """torch intra-op threads per rank; 0 means ``cores // ranks on this machine`` (at least 1)."""
     bucket_cap_mb: Any = DEFAULT_BUCKET_CAP_MB
     """DDP gradient bucket size in MiB, or ``auto``: time a few sizes during the first steps
@@ -120,12 +130,12 @@ class DistConfig:
 class LauncherConfig:
     """How the ranks start."""
 
-    name: str = "local"
+    name: str = one_of("local", ("local", "torchrun", "mpirun"))
     """``local``: spawn ``dist.world_size`` workers here (through ``mpiexec`` when the backend is
     ``mpi``), unless an external launcher already started this process (then this process is one
     rank). ``torchrun`` / ``mpirun``: require that launcher's environment and fail with the
     command to use otherwise."""
-    max_restarts: int = 0
+    max_restarts: int = bounded(0, at_least=0)
     """Local launcher: when a worker dies, restart the whole job up to this many times, resuming
     from the last checkpoint (``trainer.resume=latest`` in the same output directory). Under
     torchrun use ``torchrun --max-restarts=N``: the job resumes the same way."""
@@ -142,12 +152,12 @@ class DataConfig:
     download: bool = True
     """Download a dataset found nowhere locally (through torchvision), as the PyTorch tutorial
     does; ``false`` forbids it (offline machines, or to be sure which copy is used)."""
-    global_batch_size: int = 128
+    global_batch_size: int = bounded(128, at_least=1)
     """Samples per optimizer step over all ranks; each rank takes
     ``global_batch_size / (world_size * trainer.grad_accum_steps)`` per micro-batch."""
-    eval_batch_size: int = 1000
+    eval_batch_size: int = bounded(1000, at_least=1)
     """Evaluation batch size per rank."""
-    num_workers: int = 0
+    num_workers: int = bounded(0, at_least=0)
     """DataLoader worker processes per rank (datasets held as tensors skip the DataLoader)."""
     preload: bool = True
     """Hold the datasets as tensors in memory and index them by batch (much faster than
@@ -164,12 +174,12 @@ class DataConfig:
 class SchedulerConfig:
     """Learning-rate schedule, stepped once per optimizer step."""
 
-    name: str = "none"
+    name: str = one_of("none", ("none", "step", "cosine"))
     """``none`` (constant), ``step`` (times ``gamma`` every ``step_size`` steps) or ``cosine``
     (down to ``min_lr_ratio * lr`` at the last step)."""
-    warmup_steps: int = 0
+    warmup_steps: int = bounded(0, at_least=0)
     """Linear warm-up from ``lr / warmup_steps`` over this many steps (all schedules)."""
-    step_size: int = 1000
+    step_size: int = bounded(1000, at_least=1)
     """``step`` only: optimizer steps between decays."""
     gamma: float = 0.1
     """``step`` only: decay factor."""
@@ -181,9 +191,9 @@ class SchedulerConfig:
 class OptimizerConfig:
     """Optimizer for the default ``Trainer.configure_optimizers``."""
 
-    name: str = "sgd"
-    """``sgd``, ``adam`` or ``adamw``."""
-    lr: float = 0.01
+    name: str = one_of("sgd", ("sgd", "adam", "adamw"))
+    """The torch optimizer the default ``configure_optimizers`` builds (``torch.optim.SGD``, ``Adam`` or ``AdamW``)."""
+    lr: float = bounded(0.01, above=0)
     """Learning rate (the tutorial's 0.01)."""
     momentum: float = 0.5
     """``sgd`` only: momentum (the tutorial's 0.5)."""
@@ -203,11 +213,11 @@ class EarlyStoppingConfig:
 
     monitor: str | None = None
     """Metric to watch, e.g. ``eval/loss`` or a name given to ``self.log`` (``None``: no early stopping)."""
-    mode: str = "min"
+    mode: str = one_of("min", ("min", "max"))
     """``min``: lower is better; ``max``: higher is better."""
-    patience: int = 3
+    patience: int = bounded(3, at_least=0)
     """Checks without improvement before stopping (a check: each evaluation; each epoch end without one)."""
-    min_delta: float = 0.0
+    min_delta: float = bounded(0.0, at_least=0)
     """An improvement must beat the best value by more than this."""
 
 
@@ -215,16 +225,16 @@ class EarlyStoppingConfig:
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
-    epochs: int = 10
+    epochs: int = bounded(10, at_least=1)
     """Passes over the training set."""
-    max_steps: int | None = None
+    max_steps: int | None = bounded(None, at_least=1, fix=", or null for no limit")
     """Stop after this many optimizer steps in total (also the horizon of ``cosine``)."""
-    stop_after_steps: int | None = None
+    stop_after_steps: int | None = bounded(None, at_least=1, fix=", or null for no limit")
     """Stop (and checkpoint) once this many optimizer steps are done, as if preempted; unlike
     ``max_steps`` it does not change the schedule, so a resumed run continues exactly."""
-    grad_accum_steps: int = 1
+    grad_accum_steps: int = bounded(1, at_least=1)
     """Micro-batches per optimizer step; all but the last run under ``no_sync()``."""
-    grad_clip_norm: float | None = None
+    grad_clip_norm: float | None = bounded(None, above=0, fix=", or null for no clipping")
     """Clip the global gradient norm to this value (``None``: no clipping)."""
     precision: str = "32"
     """``32``; ``bf16-mixed`` (bfloat16 autocast, CPU and CUDA); ``16-mixed`` (float16 autocast with a
@@ -233,41 +243,45 @@ class TrainerConfig:
     """Base seed: rank ``r`` seeds with ``seed + r``; the sampler shuffles with ``seed + epoch``."""
     device: str = "cpu"
     """``cpu`` or ``cuda``: each rank then uses ``cuda:{local_rank}`` (and nccl)."""
-    eval_every_epochs: int = 1
+    eval_every_epochs: int = bounded(1, at_least=0)
     """Evaluate every this many epochs (0: only at the end)."""
-    eval_every_steps: int = 0
+    eval_every_steps: int = bounded(0, at_least=0)
     """Also evaluate every this many optimizer steps (0: off); with ``eval_every_epochs`` both apply."""
     early_stopping: EarlyStoppingConfig = field(default_factory=EarlyStoppingConfig)
     """Stop when ``early_stopping.monitor`` stops improving; every rank stops at the same step."""
-    log_every_steps: int = 10
+    log_every_steps: int = bounded(10, at_least=0)
     """Reduce and log training scalars (a step line on the console, every logger) every this many
     optimizer steps; ``0``: none during training, only the epoch lines and scalars (quiet CI logs,
     one collective fewer per window)."""
-    checkpoint_every_epochs: int = 1
+    checkpoint_every_epochs: int = bounded(1, at_least=0)
     """Write a checkpoint every this many epochs (0: never at epoch ends)."""
-    checkpoint_every_steps: int = 0
+    checkpoint_every_steps: int = bounded(0, at_least=0)
     """Also write one every this many optimizer steps (0: never mid-epoch)."""
     checkpoint_at_end: bool = True
     """Write a checkpoint when training stops, if the last one is older."""
-    keep_last_checkpoints: int = 3
+    keep_last_checkpoints: int = bounded(
+        3,
+        at_least=1,
+        fix="; to write no checkpoints set trainer.checkpoint_every_epochs=0 and trainer.checkpoint_at_end=false",
+    )
     """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
     profile: bool = False
     """Run torch.profiler over a few optimizer steps (``profile_wait``, ``profile_warmup``,
     ``profile_active``) and write one Chrome trace per rank to ``<output_dir>/profile/`` (for
     TensorBoard's profiler plugin and Perfetto)."""
-    profile_wait: int = 1
+    profile_wait: int = bounded(1, at_least=0)
     """``profile``: optimizer steps skipped before profiling (the first steps are not typical)."""
-    profile_warmup: int = 1
+    profile_warmup: int = bounded(1, at_least=0)
     """``profile``: steps the profiler warms up on (recorded, then discarded)."""
-    profile_active: int = 3
+    profile_active: int = bounded(3, at_least=1)
     """``profile``: steps recorded in the trace."""
     checkpoint_monitor: str | None = None
     """Also keep the best checkpoints by this metric (e.g. ``eval/accuracy``, ``eval/loss``,
     ``train/loss``) in ``<output_dir>/checkpoints/best``, each storing its value; ``trainer.resume=best``
     and ``ddptrain.load_model(run, which="best")`` take the best. ``None``: no best checkpoints."""
-    checkpoint_mode: str = "min"
+    checkpoint_mode: str = one_of("min", ("min", "max"))
     """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy) for ``checkpoint_monitor``."""
-    checkpoint_save_top_k: int = 1
+    checkpoint_save_top_k: int = bounded(1, at_least=1)
     """How many best checkpoints ``checkpoint_monitor`` keeps (exactly these; ties keep the earlier step)."""
     resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), ``latest`` (this
@@ -294,17 +308,17 @@ class TrainerConfig:
     wandb: bool = False
     """Log metrics and the config to an offline Weights & Biases run under ``<output_dir>/wandb``
     (needs ``ddptrain[loggers]``; ``wandb sync`` uploads it)."""
-    progress: str = "auto"
+    progress: str = one_of("auto", ("auto", "true", "false"), fold_case=True)
     """tqdm progress bars on rank 0: ``true``, ``false``, or ``auto`` (on when stdout is a
     terminal). The step lines of the log go to the console only without a bar."""
-    check_sync_every_n_steps: int = 0
+    check_sync_every_n_steps: int = bounded(0, at_least=0)
     """Desynchronisation guard: every N optimizer steps, check (one checksum per rank, gathered)
     that parameters are identical on every rank; stop with the diverged ranks named. 0: off."""
     world_size_invariant: bool = False
     """Bitwise-identical training whatever the world size: each global batch is cut into
     ``virtual_ranks`` fixed shards by sample position, gradients are summed exactly (int64 fixed
     point), randomness is seeded per shard and threads are pinned (README: World-size-invariant training)."""
-    virtual_ranks: int = 8
+    virtual_ranks: int = bounded(8, at_least=1)
     """Shards per micro-batch in world-size-invariant mode; the world size must divide it."""
     smoke_check: bool = False
     """After training, fail unless the parameters are identical on every rank and the training
@@ -319,15 +333,15 @@ class TrainerConfig:
 class DoctorConfig:
     """``ddptrain doctor``: the measured window and the what-if of the scaling prediction."""
 
-    warmup_steps: int = 3
+    warmup_steps: int = bounded(3, at_least=0)
     """Optimizer steps left unmeasured first (bucket rebuild, allocator, caches)."""
-    steps: int = 10
+    steps: int = bounded(10, at_least=1)
     """Optimizer steps measured, on every rank."""
     world_sizes: list = field(default_factory=lambda: [2, 4, 8, 64])
     """World sizes the scaling prediction is made for."""
     link_gbps: float | None = None
     """Link speed (Gbit/s) of the prediction; ``None``: the link measured in this run."""
-    hosts: int = 0
+    hosts: int = bounded(0, at_least=0)
     """Hosts of the predicted jobs: their ranks share those hosts' cores. 0: as many hosts as
     needed at this run's ranks per host."""
 
@@ -366,6 +380,71 @@ class Config:
     def to_dict(self) -> dict:
         """Plain nested dictionaries (safe to store in a checkpoint)."""
         return dataclasses.asdict(self)
+
+
+def choices(cls: type, name: str) -> tuple:
+    """The values the :func:`one_of` field ``name`` of the dataclass ``cls`` accepts (the schema's own list)."""
+    return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["choices"]
+
+
+LAUNCHERS = choices(LauncherConfig, "name")
+OPTIMIZERS = choices(OptimizerConfig, "name")
+SCHEDULERS = choices(SchedulerConfig, "name")
+MONITOR_MODES = choices(EarlyStoppingConfig, "mode")
+
+
+def field_type_text(f: dataclasses.Field) -> str:
+    """A schema field's type with its rule, as ``--help`` shows it: ``one of: sgd, adam, adamw``,
+    ``int, >= 1``, ``float | None, > 0`` or just ``bool``."""
+    if "choices" in f.metadata:
+        return "one of: " + ", ".join(f.metadata["choices"])
+    bound = f.metadata.get("bound")
+    if bound is None:
+        return str(f.type)
+    rule = f">= {bound['at_least']:g}" if bound["at_least"] is not None else f"> {bound['above']:g}"
+    return f"{f.type}, {rule}"
+
+
+def _check_bucket_cap(dist: DistConfig) -> None:
+    """``dist.bucket_cap_mb``: a number of MiB >= 0, or ``auto``."""
+    cap = dist.bucket_cap_mb
+    if cap == "auto":
+        return
+    try:
+        ok = not isinstance(cap, bool) and float(cap) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"dist.bucket_cap_mb={cap!r} must be a number of MiB >= 0, or auto (tuned in the first steps)"
+        )
+
+
+def check_fields(obj: Any, prefix: str = "") -> None:
+    """Enforce every field's own rule (its :func:`one_of` choices, its :func:`bounded` limits) on the
+    dataclass tree ``obj``, depth first.
+
+    Raises:
+        ConfigError: the first field that breaks its rule, naming key, value and what is accepted.
+    """
+    for f in dataclasses.fields(obj):
+        key, value = prefix + f.name, getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            check_fields(value, key + ".")
+        elif "choices" in f.metadata:
+            allowed = f.metadata["choices"]
+            if value not in allowed:
+                close = difflib.get_close_matches(str(value), allowed, n=1)
+                hint_text = f" (did you mean {close[0]}?)" if close else ""
+                raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint_text}")
+        elif "bound" in f.metadata and value is not None:
+            low, above, fix = f.metadata["bound"]["at_least"], f.metadata["bound"]["above"], f.metadata["bound"]["fix"]
+            if low is not None and value < low:
+                raise ConfigError(f"{key}={value} must be {'at least 1' if low == 1 else f'>= {low:g}'}{fix}")
+            if above is not None and value <= above:
+                raise ConfigError(f"{key}={value} must be {'positive' if above == 0 else f'> {above:g}'}{fix}")
+    if isinstance(obj, DistConfig):
+        _check_bucket_cap(obj)  # a number or ``auto``: a rule no metadata states
 
 
 # -- unknown keys: what to say instead ----------------------------------------------------------
@@ -445,11 +524,14 @@ def _build(cls, data: Any, prefix: str):
             f"got {type(data).__name__} {data!r}"
         )
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ConfigError(unknown_key_message(f"{prefix}{unknown[0]}", prefix.rstrip("."), names))
+        raise ConfigError(unknown_key_message(f"{prefix}{unknown[0]}", prefix.rstrip("."), list(fields)))
     kwargs = {k: _coerce(hints[k], v, prefix + k) for k, v in data.items()}
+    for k in kwargs:
+        if fields[k].metadata.get("fold_case") and isinstance(kwargs[k], str):
+            kwargs[k] = kwargs[k].lower()
     return cls(**kwargs)
 
 
@@ -493,189 +575,6 @@ def _coerce(hint, value, key: str):
             return list(value)
         raise ConfigError(f"{key} must be a list, got {value!r}")
     return value
-
-
-# -- checks that need the job --------------------------------------------------------------------
-def per_rank_batch_size(config: Config, world_size: int) -> int:
-    """Samples per rank per micro-batch: the global batch split over ranks and accumulation steps.
-
-    Raises:
-        ConfigError: if the split is not exact, naming both numbers and the fix.
-    """
-    global_bs = config.data.global_batch_size
-    accum = config.trainer.grad_accum_steps
-    parts = world_size * accum
-    if global_bs % parts:
-        divisors = [d for d in range(1, min(global_bs, 64) + 1) if global_bs % (d * accum) == 0]
-        what = (
-            f"dist.world_size={world_size}"
-            if accum == 1
-            else f"dist.world_size={world_size} x trainer.grad_accum_steps={accum} = {parts}"
-        )
-        raise ConfigError(
-            f"data.global_batch_size={global_bs} is not divisible by {what}: every rank must take the "
-            f"same number of samples per step. Use a world size that divides it ({', '.join(map(str, divisors))}), "
-            f"or set data.global_batch_size to a multiple of {parts} (e.g. {(global_bs // parts + 1) * parts})."
-        )
-    return global_bs // parts
-
-
-def resolve_backend(config: Config, launcher_env: str = "local", master_addr: str | None = None) -> str:
-    """The backend to use: ``dist.backend``, or for ``auto`` the one the device and launcher need."""
-    backend = config.dist.backend
-    if backend != "auto":
-        return backend
-    if config.trainer.device.startswith("cuda"):
-        return "nccl"
-    if launcher_env == "mpi" and not master_addr:
-        return "mpi"  # mpirun gives ranks but no rendezvous address; MPI itself needs none
-    return "gloo"
-
-
-def _check_bucket_cap(dist: DistConfig) -> None:
-    """``dist.bucket_cap_mb``: a number of MiB >= 0, or ``auto``."""
-    cap = dist.bucket_cap_mb
-    if cap == "auto":
-        return
-    try:
-        ok = not isinstance(cap, bool) and float(cap) >= 0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"dist.bucket_cap_mb={cap!r} must be a number of MiB >= 0, or auto (tuned in the first steps)"
-        )
-
-
-def validate(config: Config, world_size: int) -> None:
-    """Check the config against the job (world size, machine) before any process starts.
-
-    Raises:
-        ConfigError: the first problem found, naming the knob and the fix.
-    """
-    t, d, o = config.trainer, config.data, config.optimizer
-    _positive("trainer.epochs", t.epochs)
-    _positive("trainer.grad_accum_steps", t.grad_accum_steps)
-    _positive("doctor.steps", config.doctor.steps)
-    _positive("data.global_batch_size", d.global_batch_size)
-    _positive("data.eval_batch_size", d.eval_batch_size)
-    _positive("dist.world_size", world_size)
-    _positive("dist.timeout_s", config.dist.timeout_s)
-    _positive("dist.init_timeout_s", config.dist.init_timeout_s)
-    _one_of("dist.algorithm", config.dist.algorithm, ("native", "ring"))
-    _check_bucket_cap(config.dist)
-    if config.launcher.max_restarts < 0:
-        raise ConfigError(f"launcher.max_restarts={config.launcher.max_restarts} must be >= 0")
-    for key, value in (("trainer.max_steps", t.max_steps), ("trainer.stop_after_steps", t.stop_after_steps)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{key}={value} must be at least 1, or null for no limit")
-    for key, value in (
-        ("trainer.eval_every_epochs", t.eval_every_epochs),
-        ("trainer.eval_every_steps", t.eval_every_steps),
-        ("trainer.log_every_steps", t.log_every_steps),
-        ("trainer.early_stopping.patience", t.early_stopping.patience),
-        ("trainer.checkpoint_every_epochs", t.checkpoint_every_epochs),
-        ("trainer.checkpoint_every_steps", t.checkpoint_every_steps),
-        ("data.num_workers", d.num_workers),
-        ("dist.threads_per_worker", config.dist.threads_per_worker),
-        ("trainer.check_sync_every_n_steps", t.check_sync_every_n_steps),
-        ("doctor.warmup_steps", config.doctor.warmup_steps),
-        ("doctor.hosts", config.doctor.hosts),
-    ):
-        if value < 0:
-            raise ConfigError(f"{key}={value} must be >= 0 (0 turns it off / picks the default)")
-    if t.keep_last_checkpoints < 1:
-        raise ConfigError(
-            f"trainer.keep_last_checkpoints={t.keep_last_checkpoints} must be at least 1; "
-            "to write no checkpoints set trainer.checkpoint_every_epochs=0 and "
-            "trainer.checkpoint_at_end=false"
-        )
-    if t.early_stopping.min_delta < 0:
-        raise ConfigError(f"trainer.early_stopping.min_delta={t.early_stopping.min_delta} must be >= 0")
-    _one_of("trainer.checkpoint_mode", t.checkpoint_mode, ("min", "max"))
-    _positive("trainer.profile_active", t.profile_active)
-    for key, value in (("trainer.profile_wait", t.profile_wait), ("trainer.profile_warmup", t.profile_warmup)):
-        if value < 0:
-            raise ConfigError(f"{key}={value} must be >= 0")
-    _positive("trainer.checkpoint_save_top_k", t.checkpoint_save_top_k)
-    if t.grad_clip_norm is not None and t.grad_clip_norm <= 0:
-        raise ConfigError(f"trainer.grad_clip_norm={t.grad_clip_norm} must be positive, or null for no clipping")
-    _one_of("optimizer.name", o.name, OPTIMIZERS)
-    _one_of("optimizer.scheduler.name", o.scheduler.name, SCHEDULERS)
-    _one_of("launcher.name", config.launcher.name, LAUNCHERS)
-    _one_of("dist.backend", config.dist.backend, _BACKENDS)
-    _one_of("trainer.progress", t.progress.lower(), PROGRESS_CHOICES)
-    _one_of("trainer.early_stopping.mode", t.early_stopping.mode, MONITOR_MODES)
-    check_precision(t.precision, t.device)
-    if o.lr <= 0:
-        raise ConfigError(f"optimizer.lr={o.lr} must be positive")
-    check_world_size_invariant(config, world_size)  # first: its error names the rule that mode adds
-    per_rank_batch_size(config, world_size)
-    check_device(config)
-
-
-def check_world_size_invariant(config: Config, world_size: int) -> None:
-    """World-size-invariant mode: the world size must divide ``trainer.virtual_ranks``; no ``drop_last``."""
-    t = config.trainer
-    if not t.world_size_invariant:
-        return
-    _positive("trainer.virtual_ranks", t.virtual_ranks)
-    if t.virtual_ranks % world_size:
-        valid = [w for w in range(1, t.virtual_ranks + 1) if t.virtual_ranks % w == 0]
-        raise ConfigError(
-            f"trainer.world_size_invariant=true: the world size must divide trainer.virtual_ranks (W must "
-            f"divide V), got dist.world_size={world_size} and trainer.virtual_ranks={t.virtual_ranks}. "
-            f"Use dist.world_size in {valid}, or set trainer.virtual_ranks to a multiple of {world_size}"
-        )
-    if config.data.drop_last:
-        raise ConfigError(
-            "trainer.world_size_invariant=true takes every sample once (the last global batch may be "
-            "short), so data.drop_last=true is refused: set data.drop_last=false"
-        )
-
-
-def check_device(config: Config, local_world_size: int = 1) -> None:
-    """Refuse a device this machine does not have, saying what to use instead."""
-    device = config.trainer.device
-    if device == "cpu":
-        if resolve_backend(config) == "nccl":
-            raise ConfigError(
-                "dist.backend=nccl needs trainer.device=cuda (NCCL moves CUDA tensors only); "
-                "use dist.backend=gloo for CPU training"
-            )
-        return
-    if device != "cuda":
-        raise ConfigError(
-            f"trainer.device={device!r}: use 'cpu' or 'cuda' (each rank then takes "
-            "cuda:{local_rank}; pick GPUs with CUDA_VISIBLE_DEVICES)"
-        )
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            "trainer.device=cuda but torch.cuda.is_available() is False on this machine "
-            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
-            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Train on CPU with "
-            "trainer.device=cpu, or run on a machine with a GPU and a CUDA build of torch."
-        )
-    count = torch.cuda.device_count()
-    if local_world_size > count:
-        raise ConfigError(
-            f"{local_world_size} ranks on this machine but only {count} CUDA device(s): each "
-            f"rank needs its own GPU. Use dist.world_size<={count}."
-        )
-
-
-def _positive(key: str, value) -> None:
-    if value is None or value < 1:
-        raise ConfigError(f"{key}={value} must be at least 1")
-
-
-def _one_of(key: str, value: str, allowed) -> None:
-    if value not in allowed:
-        close = difflib.get_close_matches(str(value), allowed, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint}")
 
 
 def locate(path: str, key: str) -> Any:

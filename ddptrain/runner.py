@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from . import envvars
-from .config import Config, ConfigError, check_device, default_output_dir, locate, resolve_backend, validate
+from .config import Config, ConfigError, default_output_dir, locate
 from .doctor.session import doctor_callbacks
 from .launch import MpiexecNotFoundError, WorkerFailedError, launch
 from .launch.env import ClusterEnvironment, detect_environment
 from .logs import setup_logging
+from .preflight import check_device, resolve_backend, validate
 from .trainer.checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
 
 __all__ = ["run", "load_trainer_class"]

@@ -19,7 +19,7 @@ import typing
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from ..config import Config, keys_hint, suggest_key, unknown_key_message
+from ..config import Config, field_type_text, keys_hint, suggest_key, unknown_key_message
 
 __all__ = [
     "GROUPS",
@@ -151,10 +151,16 @@ def _value_text(value: object) -> str:
     return str(value)
 
 
+def _key_summary(f: dataclasses.Field) -> tuple[str, str]:
+    """``(type and rule, default as written on the command line)`` of one schema field."""
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+    return field_type_text(f), _value_text(default)
+
+
 def schema_entries(cls: type, prefix: str = "") -> Iterator[tuple[str, str | None, str | None, str]]:
-    """Every key under the dataclass ``cls``, depth first: ``(dotted name, type, default as written on
-    the command line, docstring)``; a nested section comes as ``(name, None, None, its docstring)``
-    before its keys."""
+    """Every key under the dataclass ``cls``, depth first: ``(dotted name, type and rule, default as
+    written on the command line, docstring)``; a nested section comes as ``(name, None, None, its
+    docstring)`` before its keys."""
     hints, docs = typing.get_type_hints(cls), _attribute_docs(cls)
     for f in dataclasses.fields(cls):
         name, doc = prefix + f.name, docs.get(f.name, "(undocumented)")
@@ -162,8 +168,7 @@ def schema_entries(cls: type, prefix: str = "") -> Iterator[tuple[str, str | Non
             yield name, None, None, doc
             yield from schema_entries(hints[f.name], name + ".")
             continue
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        yield name, str(f.type), _value_text(default), doc
+        yield name, *_key_summary(f), doc
 
 
 def _describe_fields(cls: type, prefix: str) -> list[str]:
@@ -220,12 +225,8 @@ def describe_topic(topic: str, options: dict[str, list[str]]) -> tuple[str | Non
         if not dataclasses.is_dataclass(hint):
             if depth < len(path) - 1 and not (hint is dict or typing.get_origin(hint) is dict):
                 return None, _unknown_key(path)
-            default = next(f for f in dataclasses.fields(cls) if f.name == part)
-            value = default.default if default.default is not dataclasses.MISSING else default.default_factory()  # type: ignore[misc]
-            lines = [
-                f"{name} ({default.type}, default: {_value_text(value)})",
-                *("    " + ln for ln in docs[part].splitlines()),
-            ]
+            type_text, default = _key_summary(next(f for f in dataclasses.fields(cls) if f.name == part))
+            lines = [f"{name} ({type_text}, default: {default})", *("    " + ln for ln in docs[part].splitlines())]
             break
         lines = [f"{name}: {docs.get(part, '')}", *_describe_fields(hint, name + ".")]
         cls = hint

@@ -14,10 +14,11 @@ from torch import nn
 from ..comm.objects import broadcast_object
 from ..comm.process_group import ProcessGroup
 from ..comm.ring import RingAllReducer
-from ..config import Config, ConfigError, check_device, resolve_backend
+from ..config import Config, ConfigError
 from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..launch.env import detect_environment
 from ..launch.join import Membership, RendezvousError, join_process_group
+from ..preflight import check_device, resolve_backend
 
 __all__ = ["join_job", "agree_on_directory", "wrap_model"]
 

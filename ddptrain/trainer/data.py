@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
 
-from ..config import Config, DataConfig, per_rank_batch_size
+from ..config import Config, DataConfig
 from ..data import DistributedSampler, build_dataset
+from ..preflight import per_rank_batch_size
 
 __all__ = [
     "preload",

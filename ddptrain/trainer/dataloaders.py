@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data import DistributedSampler as TorchDistributedSampler
 
-from ..config import Config, ConfigError, per_rank_batch_size
+from ..config import Config, ConfigError
 from ..data import DistributedSampler
+from ..preflight import per_rank_batch_size
 
 __all__ = ["LoaderParts", "split_loader", "resolve_data_hooks"]
 

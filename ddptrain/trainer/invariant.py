@@ -37,9 +37,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from ..config import check_world_size_invariant
 from ..data.global_batches import StepShards, epoch_order, step_shards, virtual_ranks_of
 from ..ddp.exact import ExactAllReducer
+from ..preflight import check_world_size_invariant
 from .data import move_to
 from .steps import StepStrategy
 

@@ -30,7 +30,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from ..config import ConfigError, OptimizerConfig
+from ..config import OPTIMIZERS, ConfigError, OptimizerConfig
 from .monitoring import missing_metric_error
 
 __all__ = ["OptimizerSet", "Schedule", "INTERVALS", "build_optimizer", "build_scheduler"]
@@ -274,7 +274,7 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter
         return torch.optim.Adam(params, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
     if config.name == "adamw":
         return torch.optim.AdamW(params, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
-    raise ConfigError(f"optimizer.name={config.name!r} is not one of sgd, adam, adamw")
+    raise ConfigError(f"optimizer.name={config.name!r} is not one of {', '.join(OPTIMIZERS)}")
 
 
 def build_scheduler(

@@ -64,21 +64,23 @@ def test_config_errors_help_and_version_answer_without_importing_torch(tmp_path,
     assert not list(tmp_path.iterdir())
 
 
-def test_help_key_prints_its_name_type_default_and_documentation(tmp_path):
+def test_help_key_prints_its_name_type_rule_default_and_documentation(tmp_path):
     proc = run_cli("--help", "trainer.max_steps", cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "trainer.max_steps (int | None, default: null)" in proc.stdout
+    assert "trainer.max_steps (int | None, >= 1, default: null)" in proc.stdout
     assert "Stop after this many optimizer steps in total" in proc.stdout
+    choice = run_cli("--help", "optimizer.name", cwd=tmp_path, timeout=60)
+    assert choice.returncode == 0 and "optimizer.name (one of: sgd, adam, adamw, default: sgd)" in choice.stdout
 
 
 def test_help_group_documents_every_key_of_the_group_and_its_options(tmp_path):
     proc = run_cli("--help", "data", cwd=tmp_path, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    assert "data.global_batch_size (int, default: 128)" in proc.stdout
+    assert "data.global_batch_size (int, >= 1, default: 128)" in proc.stdout
     assert "Samples per optimizer step over all ranks" in proc.stdout
     assert "fashion_mnist, mnist, synthetic" in proc.stdout  # the group's options
     trainer = run_cli("--help", "trainer", cwd=tmp_path, timeout=60)
-    assert trainer.returncode == 0 and "trainer.early_stopping.patience (int, default: 3)" in trainer.stdout
+    assert trainer.returncode == 0 and "trainer.early_stopping.patience (int, >= 0, default: 3)" in trainer.stdout
     backend = run_cli("-h", "backend", cwd=tmp_path, timeout=60)
     assert backend.returncode == 0 and "auto, gloo, mpi, nccl" in backend.stdout
 

@@ -1,11 +1,13 @@
 """Trainer configuration: dataclasses from dictionaries, validation errors that name the fix."""
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
-from ddptrain.config import Config, ConfigError, TrainerConfig, per_rank_batch_size, resolve_backend, validate
+from ddptrain.config import Config, ConfigError, TrainerConfig
+from ddptrain.preflight import per_rank_batch_size, resolve_backend, validate
 
 
 def test_defaults_are_the_tutorial():
@@ -111,3 +113,61 @@ def test_backend_resolution():
     assert resolve_backend(cpu) == "gloo" and resolve_backend(cuda) == "nccl"
     assert resolve_backend(cpu, "mpi", None) == "mpi" and resolve_backend(cpu, "mpi", "10.0.0.1") == "gloo"
     assert resolve_backend(Config.from_dict({"dist": {"backend": "gloo"}}), "mpi", None) == "gloo"
+
+
+def _ruled_fields(node=None, prefix=""):
+    """Every schema field with a rule of its own: ``(dotted key, field)``, walking a default Config."""
+    node = Config() if node is None else node
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _ruled_fields(value, prefix + f.name + ".")
+        elif "choices" in f.metadata or "bound" in f.metadata:
+            yield prefix + f.name, f
+
+
+def _with(key: str, value) -> Config:
+    *sections, name = key.split(".")
+    data: dict = {}
+    node = data
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[name] = value
+    return Config.from_dict(data)
+
+
+RULED = list(_ruled_fields())
+
+
+def test_the_schema_states_the_rules_of_its_choice_and_count_keys():
+    keys = {key for key, _ in RULED}
+    # A sample of each kind, so that a rule dropped from the schema (and so from validate and
+    # --help) is noticed here, not by a user whose typo ran with a silent default.
+    assert {"optimizer.name", "launcher.name", "dist.backend", "trainer.progress", "trainer.checkpoint_mode"} <= keys
+    assert {"trainer.epochs", "trainer.max_steps", "optimizer.lr", "dist.timeout_s", "doctor.steps"} <= keys
+    assert len(keys) >= 35, sorted(keys)
+
+
+@pytest.mark.parametrize("key, field", RULED, ids=[key for key, _ in RULED])
+def test_every_rule_of_the_schema_refuses_a_value_just_outside_it_and_takes_its_edge(key, field):
+    rule_broken = re.compile(rf"^{re.escape(key)}=\S+ (must be|is not one of)")
+    if "choices" in field.metadata:
+        bad, edge = field.default + "x", field.metadata["choices"][-1]
+    else:
+        low, above = field.metadata["bound"]["at_least"], field.metadata["bound"]["above"]
+        bad, edge = (low - 1, low) if low is not None else (above, above + 0.5)
+    with pytest.raises(ConfigError) as info:
+        validate(_with(key, bad), 2)
+    assert rule_broken.match(str(info.value)), str(info.value)
+    try:
+        validate(_with(key, edge), 2)
+    except ConfigError as exc:  # another rule (the batch split, say) may refuse the edge value
+        assert not rule_broken.match(str(exc)), str(exc)
+
+
+def test_progress_takes_the_spellings_of_a_yes_no_value():
+    # A command line's trainer.progress=False reaches the schema as the string "False".
+    for spelling, meant in (("False", "false"), (True, "true"), ("AUTO", "auto")):
+        assert Config.from_dict({"trainer": {"progress": spelling}}).trainer.progress == meant
+    with pytest.raises(ConfigError, match=r"trainer.progress='maybe' is not one of auto, true, false"):
+        validate(Config.from_dict({"trainer": {"progress": "maybe"}}), 2)

@@ -11,7 +11,7 @@ import pytest
 
 from ddptrain.cli import _check_command_line
 from ddptrain.cli.app import compose_config, to_config
-from ddptrain.config import validate
+from ddptrain.preflight import validate
 from tests.conftest import REPO
 
 README = "\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
@@ -48,9 +48,9 @@ def test_the_readme_has_commands():
 
 @pytest.mark.parametrize("args", COMMANDS, ids=[" ".join(a) or "(none)" for a in COMMANDS])
 def test_every_readme_command_passes_the_cli_checks(args, monkeypatch):
-    import ddptrain.config
+    import ddptrain.preflight
 
-    monkeypatch.setattr(ddptrain.config, "check_device", lambda *a, **k: None)  # GPU commands, on any machine
+    monkeypatch.setattr(ddptrain.preflight, "check_device", lambda *a, **k: None)  # GPU commands, on any machine
     if not args or args[0] in ("--version", "--help"):
         return
     assert _check_command_line(args) is None

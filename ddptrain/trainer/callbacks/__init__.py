@@ -32,7 +32,7 @@ __all__ = [
 def from_config(config: TrainerConfig) -> list[Callback]:
     """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, (best)
     checkpoints, early stopping."""
-    callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress.lower()))]
+    callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress))]
     if config.tensorboard:
         callbacks.append(TensorBoardCallback())
     if config.csv:

@@ -12,14 +12,14 @@ def test_a_key_shows_its_type_default_and_docstring():
     text, problem = describe_topic("dist.world_size", OPTIONS)
     assert problem is None
     assert text.startswith(
-        "dist.world_size (int, default: 2)\n    Local worker processes started by ``launcher=local``."
+        "dist.world_size (int, >= 1, default: 2)\n    Local worker processes started by ``launcher=local``."
     )
 
 
 def test_a_section_lists_every_key_nested_sections_included():
     text, _ = describe_topic("optimizer", OPTIONS)
     assert "optimizer.betas (list, default: [0.9, 0.999])" in text
-    assert "optimizer.scheduler.warmup_steps (int, default: 0)" in text
+    assert "optimizer.scheduler.warmup_steps (int, >= 0, default: 0)" in text
     assert "Options (optimizer=<name>, each sets several keys): adamw, sgd." in text
 
 

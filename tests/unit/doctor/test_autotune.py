@@ -4,9 +4,10 @@ import statistics
 
 import pytest
 
-from ddptrain.config import Config, ConfigError, validate
+from ddptrain.config import Config, ConfigError
 from ddptrain.ddp.buckets import MB
 from ddptrain.doctor.autotune import STEPS_PER_CAP, BucketAutotune, candidate_caps
+from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
 from tests.doctor_tasks import DoctorTask, doctor_config
 

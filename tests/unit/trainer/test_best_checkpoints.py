@@ -155,7 +155,8 @@ def test_every_rank_saves_the_same_best_checkpoints(tmp_path, world_size):
 
 
 def test_the_mode_and_k_are_checked_before_any_worker_starts():
-    from ddptrain.config import Config, validate
+    from ddptrain.config import Config
+    from ddptrain.preflight import validate
 
     with pytest.raises(
         ConfigError, match=r"trainer.checkpoint_mode='maximum' is not one of min, max \(did you mean max\?\)"

@@ -194,7 +194,8 @@ def test_eval_every_steps_cadence(tmp_path, every_epochs, expected):
 def test_bad_early_stopping_settings_are_refused():
     with pytest.raises(ConfigError, match="mode must be one of min, max"):
         EarlyStopping("eval/loss", mode="lowest")
-    from ddptrain.config import Config, validate
+    from ddptrain.config import Config
+    from ddptrain.preflight import validate
 
     config = Config.from_dict({"trainer": {"early_stopping": {"monitor": "eval/loss", "mode": "up"}}})
     with pytest.raises(ConfigError, match="trainer.early_stopping.mode"):

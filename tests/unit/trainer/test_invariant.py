@@ -291,7 +291,7 @@ def test_a_training_step_of_the_users_own_is_used_per_shard(tmp_path):
 
 def test_the_cli_check_names_w_must_divide_v_before_the_batch_rule():
     """dist.world_size=3 does not divide the global batch of 128 either: the mode's rule is named first."""
-    from ddptrain.config import validate
+    from ddptrain.preflight import validate
 
     config = Config.from_dict({"trainer": {"world_size_invariant": True}})
     with pytest.raises(ConfigError, match=r"W must divide V.*dist.world_size=3 and trainer.virtual_ranks=8"):

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from ddptrain import Callback, ConfigError
-from ddptrain.config import Config, validate
+from ddptrain.config import Config
+from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.checkpoint_io import load_checkpoint
 from ddptrain.trainer.precision import Precision

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from ddptrain import ConfigError
-from ddptrain.config import Config, validate
+from ddptrain.config import Config
+from ddptrain.preflight import validate
 
 from .test_trainer import TinyTrainer, _config
 

@@ -1,0 +1,122 @@
+"""A config against the job that will run it, checked before any process starts.
+
+:mod:`ddptrain.config` owns the schema and each field's own rule; this module owns what needs more
+than one field and the job: how the global batch splits over the world size, the rules
+world-size-invariant mode adds, which backend ``dist.backend=auto`` becomes, and whether this
+machine has the device asked for. Every refusal is a :class:`~ddptrain.config.ConfigError` that
+names the knob and the fix. torch is imported only to ask about CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+from .config import Config, ConfigError, check_fields, check_precision
+
+__all__ = ["validate", "per_rank_batch_size", "resolve_backend", "check_device", "check_world_size_invariant"]
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Check the config against the job (world size, machine) before any process starts.
+
+    Raises:
+        ConfigError: the first problem found, naming the knob and the fix.
+    """
+    check_fields(config)
+    _positive("dist.world_size", world_size)  # the job's: an external launcher's wins over the key
+    check_precision(config.trainer.precision, config.trainer.device)
+    check_world_size_invariant(config, world_size)  # first: its error names the rule that mode adds
+    per_rank_batch_size(config, world_size)
+    check_device(config)
+
+
+def per_rank_batch_size(config: Config, world_size: int) -> int:
+    """Samples per rank per micro-batch: the global batch split over ranks and accumulation steps.
+
+    Raises:
+        ConfigError: if the split is not exact, naming both numbers and the fix.
+    """
+    global_bs = config.data.global_batch_size
+    accum = config.trainer.grad_accum_steps
+    parts = world_size * accum
+    if global_bs % parts:
+        divisors = [d for d in range(1, min(global_bs, 64) + 1) if global_bs % (d * accum) == 0]
+        what = (
+            f"dist.world_size={world_size}"
+            if accum == 1
+            else f"dist.world_size={world_size} x trainer.grad_accum_steps={accum} = {parts}"
+        )
+        raise ConfigError(
+            f"data.global_batch_size={global_bs} is not divisible by {what}: every rank must take the "
+            f"same number of samples per step. Use a world size that divides it ({', '.join(map(str, divisors))}), "
+            f"or set data.global_batch_size to a multiple of {parts} (e.g. {(global_bs // parts + 1) * parts})."
+        )
+    return global_bs // parts
+
+
+def resolve_backend(config: Config, launcher_env: str = "local", master_addr: str | None = None) -> str:
+    """The backend to use: ``dist.backend``, or for ``auto`` the one the device and launcher need."""
+    backend = config.dist.backend
+    if backend != "auto":
+        return backend
+    if config.trainer.device.startswith("cuda"):
+        return "nccl"
+    if launcher_env == "mpi" and not master_addr:
+        return "mpi"  # mpirun gives ranks but no rendezvous address; MPI itself needs none
+    return "gloo"
+
+
+def check_world_size_invariant(config: Config, world_size: int) -> None:
+    """World-size-invariant mode: the world size must divide ``trainer.virtual_ranks``; no ``drop_last``."""
+    t = config.trainer
+    if not t.world_size_invariant:
+        return
+    if t.virtual_ranks % world_size:
+        valid = [w for w in range(1, t.virtual_ranks + 1) if t.virtual_ranks % w == 0]
+        raise ConfigError(
+            f"trainer.world_size_invariant=true: the world size must divide trainer.virtual_ranks (W must "
+            f"divide V), got dist.world_size={world_size} and trainer.virtual_ranks={t.virtual_ranks}. "
+            f"Use dist.world_size in {valid}, or set trainer.virtual_ranks to a multiple of {world_size}"
+        )
+    if config.data.drop_last:
+        raise ConfigError(
+            "trainer.world_size_invariant=true takes every sample once (the last global batch may be "
+            "short), so data.drop_last=true is refused: set data.drop_last=false"
+        )
+
+
+def check_device(config: Config, local_world_size: int = 1) -> None:
+    """Refuse a device this machine does not have, saying what to use instead."""
+    device = config.trainer.device
+    if device == "cpu":
+        if resolve_backend(config) == "nccl":
+            raise ConfigError(
+                "dist.backend=nccl needs trainer.device=cuda (NCCL moves CUDA tensors only); "
+                "use dist.backend=gloo for CPU training"
+            )
+        return
+    if device != "cuda":
+        raise ConfigError(
+            f"trainer.device={device!r}: use 'cpu' or 'cuda' (each rank then takes "
+            "cuda:{local_rank}; pick GPUs with CUDA_VISIBLE_DEVICES)"
+        )
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            "trainer.device=cuda but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES="
+            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}). Train on CPU with "
+            "trainer.device=cpu, or run on a machine with a GPU and a CUDA build of torch."
+        )
+    count = torch.cuda.device_count()
+    if local_world_size > count:
+        raise ConfigError(
+            f"{local_world_size} ranks on this machine but only {count} CUDA device(s): each "
+            f"rank needs its own GPU. Use dist.world_size<={count}."
+        )
+
+
+def _positive(key: str, value) -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{key}={value} must be at least 1")
