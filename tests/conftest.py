@@ -65,6 +65,15 @@ def run_cli(*args: str, cwd, timeout: float = 150, env: dict | None = None, pref
     return subprocess.run(command, cwd=cwd, env=cli_env(**(env or {})), capture_output=True, text=True, timeout=timeout)
 
 
+def sigint_at_default() -> None:
+    """``preexec_fn`` of a job a test signals as a terminal would: SIGINT at its default, as a
+    terminal's foreground job has it. pytest itself may run with SIGINT ignored (a background job
+    of a non-interactive shell), and SIG_IGN is inherited across exec: the CLI keeps ignoring it."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def children(pid: int) -> list[int]:
     """The live child processes of ``pid``."""
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout

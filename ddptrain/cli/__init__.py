@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddptrain`` and of the ``ddptrain`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
     code = EXIT_FAILED
+    # SIGTERM while starting ends like Ctrl-C does (one line, 143), not as a silent kill. Python
+    # raises KeyboardInterrupt for SIGINT by itself; the job's own handlers take over both later.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         code = _main(argv)
     except KeyboardInterrupt as exc:  # Ctrl-C while starting, or a second one: one line, no traceback
@@ -98,17 +102,22 @@ def main(argv: list[str] | None = None) -> None:
 def _stop_signals_deferred() -> Iterator[None]:
     """SIGINT/SIGTERM inside the block are noted, then raised after it as ``StoppedBySignal``: raised
     inside torch's import, a ``KeyboardInterrupt`` crosses C++ code and aborts the process."""
-    from ..launch.signals import StoppedBySignal
+    from ..launch.signals import StoppedBySignal, restore_signals, take_stop_signals
 
     noted: list[str] = []
-    previous = {sig: signal.signal(sig, lambda n, _f: noted.append(signal.Signals(n).name)) for sig in _STOPS}
+    previous = take_stop_signals(lambda n, _f: noted.append(signal.Signals(n).name))
     try:
         yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        restore_signals(previous)
     if noted:
         raise StoppedBySignal(noted[0])
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    from ..launch.signals import StoppedBySignal
+
+    raise StoppedBySignal(signal.Signals(signum).name)
 
 
 def _ignore_stop_signals() -> None:

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable, Iterable
 
 __all__ = [
+    "take_stop_signals",
+    "restore_signals",
     "SignalForwarder",
     "STOP_SIGNALS",
     "StoppedBySignal",
@@ -40,6 +42,25 @@ class StoppedBySignal(KeyboardInterrupt):
     def __init__(self, signal_name: str):
         super().__init__("during start-up, before any rank trained: nothing to resume; run the command again")
         self.signal_name = signal_name
+
+
+def take_stop_signals(handler: Callable) -> dict[int, object]:
+    """Handle SIGINT and SIGTERM with ``handler``, in the main thread (elsewhere: nothing); the
+    previous handlers, for :func:`restore_signals`.
+
+    A signal this process inherited as ignored stays ignored, as Python leaves it: ``nohup``, or a
+    background job of a non-interactive shell, starts with SIGINT ignored, and a Ctrl-C in that
+    terminal is not meant for it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+
+
+def restore_signals(previous: dict[int, object]) -> None:
+    """Put back the handlers :func:`take_stop_signals` replaced."""
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
 
 
 def exit_on_stop_signals() -> None:
@@ -67,13 +88,11 @@ class SignalForwarder:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> SignalForwarder:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        self._previous = take_stop_signals(self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        restore_signals(self._previous)
         self._previous = {}
 
     def _on_signal(self, signum: int, frame) -> None:

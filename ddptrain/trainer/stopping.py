@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
-from ..launch.signals import SECOND_SIGNAL_AFTER_S, STOP_SIGNALS
+from ..launch.signals import SECOND_SIGNAL_AFTER_S, restore_signals, take_stop_signals
 from .callbacks import CheckpointCallback, TrainerView
 from .checkpoint_io import checkpoint_name
 
@@ -48,13 +47,12 @@ class GracefulStop:
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
-        """Take over SIGINT and SIGTERM (main thread only; elsewhere signals keep their handlers)."""
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        """Take over SIGINT and SIGTERM (main thread only, and not one inherited as ignored:
+        :func:`~ddptrain.launch.signals.take_stop_signals`)."""
+        self._previous = take_stop_signals(self._on_signal)
 
     def uninstall(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+        restore_signals(self._previous)
         self._previous = {}
 
     def _on_signal(self, signum: int, frame) -> None:

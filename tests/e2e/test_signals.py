@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import MPIEXEC, PYTHON, REPO, TORCHRUN, cli_env, descendants, run_cli
+from tests.conftest import MPIEXEC, PYTHON, REPO, TORCHRUN, cli_env, descendants, run_cli, sigint_at_default
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -74,6 +74,7 @@ def _start(command: list[str], cwd: Path) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=sigint_at_default,
     )
 
 

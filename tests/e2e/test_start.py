@@ -9,6 +9,7 @@ working directory.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import PYTHON, cli_env, run_cli
+from tests.conftest import PYTHON, cli_env, run_cli, sigint_at_default
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -148,25 +149,27 @@ def _session_processes(sid: int) -> list[str]:
     return [" ".join(r) for r in rows if len(r) >= 3 and r[1] == str(sid) and not r[2].startswith("Z")]
 
 
-def _sigint_default() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-@pytest.mark.parametrize("after_s", [0.5, 1.0, 1.5, 3.0])
-def test_ctrl_c_while_the_job_starts_prints_one_line_and_exits_130(tmp_path, after_s):
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "ddptrain", *TINY, "trainer.max_steps=50"],
+def _start_tiny_job(tmp_path: Path, steps: int = 50) -> subprocess.Popen:
+    return subprocess.Popen(
+        [PYTHON, "-m", "ddptrain", *TINY, f"trainer.max_steps={steps}"],
         cwd=tmp_path,
         env=cli_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # as a terminal runs a foreground job: Ctrl-C goes to its group
-        # ... with SIGINT at its default, as a terminal's job has it: pytest may itself run with
-        # SIGINT ignored (a background job of a non-interactive shell), and SIG_IGN is inherited
-        # across exec, so the CLI would rightly keep ignoring it outside its own handlers.
-        preexec_fn=_sigint_default,
+        preexec_fn=sigint_at_default,  # ... whatever pytest's own SIGINT is (the last test below)
     )
+
+
+@pytest.mark.parametrize(
+    "sig, after_s",
+    [(signal.SIGINT, 0.5), (signal.SIGINT, 1.0), (signal.SIGINT, 1.5), (signal.SIGINT, 3.0)]
+    + [(signal.SIGTERM, 0.5), (signal.SIGTERM, 1.5)],
+    ids=lambda v: v.name if isinstance(v, signal.Signals) else f"{v}s",
+)
+def test_a_stop_signal_while_the_job_starts_prints_one_line_and_exits_128_plus_it(tmp_path, sig, after_s):
+    proc = _start_tiny_job(tmp_path)
     time.sleep(after_s)
     # How the CLI takes SIGINT at this instant (blocked, ignored, caught: bit 1 of each mask), for
     # the failure message: a run that ignored the signal must say why.
@@ -174,17 +177,48 @@ def test_ctrl_c_while_the_job_starts_prints_one_line_and_exits_130(tmp_path, aft
     with contextlib.suppress(OSError):
         status = Path(f"/proc/{proc.pid}/status").read_text()
     masks = " ".join(line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, sig)  # a terminal's Ctrl-C, or a scheduler's SIGTERM to the job's processes
     try:
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 130, f"signal state when SIGINT was sent: {masks}\n{out}{err}"
+    assert proc.returncode == 128 + sig, f"signal state when {sig.name} was sent: {masks}\n{out}{err}"
     assert "Traceback" not in out + err, err
     assert len(err.strip().splitlines()) <= 3, err
-    assert "stopped by SIGINT" in out + err
+    assert f"stopped by {sig.name}" in out + err, out + err
     deadline = time.monotonic() + 10
     while _session_processes(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _session_processes(proc.pid) == [], "processes left running after Ctrl-C"
+    assert _session_processes(proc.pid) == [], f"processes left running after {sig.name}"
+
+
+def test_a_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
+    # `nohup python -m ddptrain ... &` (or any background job of a non-interactive shell) starts
+    # with SIGINT ignored: a Ctrl-C in that terminal is not meant for it, and Python leaves the
+    # signal ignored. Neither the start-up nor the job's own handlers may take it back.
+    def sigint_ignored() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "ddptrain", *TINY, "trainer.max_steps=20", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=cli_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=sigint_ignored,
+    )
+    try:
+        for _ in range(4):  # during start-up and, most likely, during training too
+            time.sleep(1.0)
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out + err
+    assert "stopped by" not in out + err, out + err
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["step"] == 20
