@@ -21,7 +21,8 @@ from typing import Any
 from torch import nn
 
 from .config import Config, ConfigError, locate
-from .trainer.checkpoint_io import BEST_DIR, CheckpointError, load_checkpoint, resolve_resume_path
+from .rundir import BEST_DIR, RunDir
+from .trainer.checkpoint_io import CheckpointError, load_checkpoint, resolve_resume_path
 
 __all__ = ["load_model", "find_checkpoint"]
 
@@ -46,8 +47,7 @@ def find_checkpoint(source: str | Path, which: str = "latest") -> Path:
     if path.name == BEST_DIR or which == "latest":
         found = resolve_resume_path(str(path), path, key=f"load_model({which!r})")
     else:
-        checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        found = resolve_resume_path("best", checkpoints, key=f"load_model({str(path)!r}, which)")
+        found = resolve_resume_path("best", RunDir.checkpoints_in(path), key=f"load_model({str(path)!r}, which)")
     if found is None:
         raise CheckpointError(f"{source}: no checkpoint found")
     return found

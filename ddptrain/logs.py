@@ -14,10 +14,11 @@ import logging
 import sys
 from pathlib import Path
 
-__all__ = ["setup_logging", "LOG_FORMAT", "LOG_FILE"]
+from .rundir import RunDir
+
+__all__ = ["setup_logging", "LOG_FORMAT"]
 
 LOG_FORMAT = "[%(asctime)s][%(who)s][%(levelname)s] %(message)s"
-LOG_FILE = "train.log"
 _DATE_FORMAT = "%H:%M:%S"
 
 
@@ -56,7 +57,7 @@ def setup_logging(rank: int | None, output_dir: str | Path | None = None) -> Non
     handlers: list[logging.Handler] = [console]
     if output_dir is not None and rank in (None, 0):
         Path(output_dir).mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(Path(output_dir) / LOG_FILE, mode="a"))
+        handlers.append(logging.FileHandler(RunDir(output_dir).log, mode="a"))
     for handler in handlers:
         handler._ddptrain = True  # type: ignore[attr-defined]
         handler.setFormatter(formatter)

@@ -22,6 +22,7 @@ from .launch import MpiexecNotFoundError, WorkerFailedError, launch
 from .launch.env import ClusterEnvironment, detect_environment
 from .logs import setup_logging
 from .preflight import check_device, resolve_backend, validate
+from .rundir import RunDir
 from .trainer.checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
 
 __all__ = ["run", "load_trainer_class"]
@@ -109,7 +110,7 @@ def run(config: Config) -> dict[str, Any]:
 
 def _resume_from_latest(config: Config) -> Config:
     """The config of a restart: resume from this run's newest valid checkpoint, if it has one."""
-    checkpoints = Path(config.trainer.output_dir or ".") / "checkpoints"
+    checkpoints = RunDir(config.trainer.output_dir or ".").checkpoints
     if latest_valid_checkpoint(checkpoints) is None:
         return config  # nothing written yet: start again as the first attempt did
     return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume="latest"))
@@ -139,7 +140,7 @@ def preflight_resume(config: Config, world_size: int) -> None:
     from .trainer.checkpointing import check_world_size
 
     resume, init_from = config.trainer.resume, config.trainer.init_from
-    checkpoints = Path(config.trainer.output_dir or ".") / "checkpoints"
+    checkpoints = RunDir(config.trainer.output_dir or ".").checkpoints
     with warnings.catch_warnings():  # rank 0 repeats any warning when it resumes for real
         warnings.simplefilter("ignore")
         path = resolve_resume_path(resume, checkpoints, recipe=config.recipe.name) if resume else None

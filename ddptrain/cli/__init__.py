@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import envvars
+from ..rundir import LOG_FILE, RunDir
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_CONFIG", "EXIT_SIGINT", "EXIT_SIGTERM"]
 
@@ -310,7 +311,7 @@ def _remove_refused_run_dir(run_dir: Path, fresh: list[Path]) -> None:
         return
     for path in run_dir.rglob("*"):
         relative = path.relative_to(run_dir)
-        if path.is_file() and relative.parts[0] != ".hydra" and relative != Path("train.log"):
+        if path.is_file() and relative.parts[0] != ".hydra" and relative != Path(LOG_FILE):
             return  # something a user may need: leave it all
     import shutil
 
@@ -439,7 +440,7 @@ def _resume_command(args: list[str], run_dir: str) -> str:
 def _save_traceback(output_dir: str | None, text: str) -> str | None:
     if not output_dir or not text:
         return None
-    path = Path(output_dir) / "error.log"
+    path = RunDir(output_dir).error_log
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)

@@ -126,12 +126,12 @@ class DoctorCallback(Callback):
         scaling = model.scaling(self.config.world_sizes, target, self.config.hosts)
         samples_per_rank = trainer.config.data.global_batch_size // facts.world_size
         report = doctor_json(facts, breakdown, ranks, link_summary(link_rows, link), causes, scaling, samples_per_rank)
-        out = trainer.output_dir
-        (out / "doctor.json").write_text(json.dumps(report, indent=2) + "\n")
+        run_dir = trainer.run_dir
+        run_dir.doctor_report.write_text(json.dumps(report, indent=2) + "\n")
         trace = chrome_trace(per_rank_records, [e["origin"] for e in everyone])
-        (out / "doctor_trace.json").write_text(json.dumps(trace) + "\n")
+        run_dir.doctor_trace.write_text(json.dumps(trace) + "\n")
         tensorboard = _tensorboard(trainer, breakdown)
-        written = [(out / "doctor.json", "this report"), (out / "doctor_trace.json", TRACE_NOTE)]
+        written = [(run_dir.doctor_report, "this report"), (run_dir.doctor_trace, TRACE_NOTE)]
         if tensorboard is not None:
             written.append((tensorboard, "TensorBoard scalars doctor/*"))
         # named only once on disk: the report must not point at a file that is not there
@@ -200,7 +200,7 @@ def _tensorboard(trainer, breakdown: dict):
         return None
     from torch.utils.tensorboard import SummaryWriter
 
-    directory = trainer.output_dir / "tensorboard"
+    directory = trainer.run_dir.tensorboard
     with SummaryWriter(str(directory)) as writer:
         for key, value in breakdown.items():
             if isinstance(value, float):

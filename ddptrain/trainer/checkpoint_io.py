@@ -22,6 +22,7 @@ from typing import Any, Union
 import torch
 
 from ..config import ConfigError
+from ..rundir import BEST_DIR, RunDir
 
 __all__ = [
     "CheckpointError",
@@ -34,7 +35,6 @@ __all__ = [
     "resolve_resume_path",
     "prune_checkpoints",
     "checkpoint_name",
-    "BEST_DIR",
     "monitor_entry",
     "best_checkpoint",
     "remove_checkpoint",
@@ -45,8 +45,6 @@ FORMAT_VERSION = 1
 """Version of the dictionary layout written by ``checkpointing.Checkpointer.state_dict``."""
 REQUIRED_KEYS = ("format_version", "step", "epoch", "world_size", "model", "optimizer", "sampler", "rng")
 _NAME = re.compile(r"^step_(\d+)\.pt$")
-BEST_DIR = "best"
-"""Sub-directory of a run's ``checkpoints/`` that holds the best ``trainer.checkpoint_save_top_k``."""
 PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on Python 3.10
 
 
@@ -259,7 +257,7 @@ def resolve_resume_path(
     if path.is_dir():
         if path.name == BEST_DIR:
             return best_checkpoint(path, f"{key}={resume}")
-        for directory in (path, path / "checkpoints"):
+        for directory in (path, RunDir(path).checkpoints):
             if list_checkpoints(directory):
                 return latest_valid_checkpoint(directory)
         raise CheckpointError(
@@ -284,9 +282,9 @@ def newest_run_checkpoint(runs: PathLike, exclude: PathLike | None = None) -> Pa
     skip = None if exclude is None else Path(exclude).resolve()
     newest = []
     for run in Path(runs).iterdir():
-        found = list_checkpoints(run / "checkpoints") if run.is_dir() and run.resolve() != skip else []
+        found = list_checkpoints(RunDir(run).checkpoints) if run.is_dir() and run.resolve() != skip else []
         if found:
-            newest.append((found[-1].stat().st_mtime, run / "checkpoints"))
+            newest.append((found[-1].stat().st_mtime, RunDir(run).checkpoints))
     for _, directory in sorted(newest, reverse=True):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # another run's corrupt files: skipped here, named when chosen

@@ -58,7 +58,7 @@ def run_test(trainer: Any, data: Any, checkpoint: str | None) -> dict[str, float
         metrics = mean.reduce(trainer.process_group, prefix="test/")
     if trainer.is_main:
         trainer.output_dir.mkdir(parents=True, exist_ok=True)
-        (trainer.output_dir / "test_metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+        trainer.run_dir.test_metrics.write_text(json.dumps(metrics, indent=2) + "\n")
         log.info("test: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
     return metrics
 

@@ -53,6 +53,7 @@ from ..config import Config, ConfigError, default_output_dir, instantiate
 from ..data import DistributedSampler, build_dataset
 from ..ddp import DistributedDataParallel
 from ..launch.join import Membership
+from ..rundir import RunDir
 from .building import agree_on_directory, join_job, wrap_model
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
@@ -467,7 +468,12 @@ class Trainer:
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.output_dir / "checkpoints"
+        return self.run_dir.checkpoints
+
+    @property
+    def run_dir(self) -> RunDir:
+        """The paths of this run's files, under ``output_dir`` (:mod:`ddptrain.rundir`)."""
+        return RunDir(self.output_dir)
 
     @property
     def loss_history(self) -> list[tuple[int, float]]:
@@ -531,7 +537,7 @@ class Trainer:
             final.update(stopped_by=self.stopped_by, checkpoint=str(checkpoint_now(self, self.callbacks)))
         final["stopped_early"] = self.stopped_early
         if self.is_main:
-            (self.output_dir / "metrics.json").write_text(json.dumps(final, indent=2) + "\n")
+            self.run_dir.metrics.write_text(json.dumps(final, indent=2) + "\n")
         self._call("on_fit_end", final)
         if self.smoke_probe is not None and not stopped:
             passed = self.smoke_probe.check(self.metrics, module, final)

@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from ...config import Config
+from ...rundir import RunDir
 from ..checkpointing import TrainState
 
 
@@ -66,6 +67,10 @@ class TrainerView(Protocol):
     @property
     def checkpoint_dir(self) -> Path:
         """Where checkpoints go (``<output_dir>/checkpoints``)."""
+
+    @property
+    def run_dir(self) -> RunDir:
+        """The paths of the run's files under ``output_dir`` (:class:`ddptrain.rundir.RunDir`)."""
 
     @property
     def steps_done_in_epoch(self) -> int:

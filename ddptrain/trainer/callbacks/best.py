@@ -25,7 +25,6 @@ from typing import Any
 from ...comm.objects import broadcast_object
 from ...config import ConfigError
 from ..checkpoint_io import (
-    BEST_DIR,
     checkpoint_name,
     list_checkpoints,
     load_checkpoint,
@@ -49,7 +48,7 @@ class BestCheckpoints(Callback):
             ``train/loss``.
         mode: ``min`` (lower is better) or ``max``.
         save_top_k: how many best checkpoints to keep.
-        directory: where they go (default: ``<trainer.checkpoint_dir>/best``).
+        directory: where they go (default: the run directory's ``checkpoints/best``).
     """
 
     def __init__(self, monitor: str, mode: str = "min", save_top_k: int = 1, directory: Path | None = None):
@@ -68,7 +67,7 @@ class BestCheckpoints(Callback):
     def on_fit_start(self, trainer: TrainerView) -> None:
         self._reset()
         if self.directory is None:
-            self.directory = trainer.checkpoint_dir / BEST_DIR
+            self.directory = trainer.run_dir.best_checkpoints
         if trainer.is_main:
             self._load_standings()
 

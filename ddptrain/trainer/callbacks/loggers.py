@@ -132,7 +132,7 @@ class CSVLogger(MetricsLogger):
     def open(self, trainer: TrainerView, hparams: dict) -> None:
         import yaml  # PyYAML comes with Hydra
 
-        self.path = self.path or trainer.output_dir / "metrics.csv"
+        self.path = self.path or trainer.run_dir.metrics_csv
         self.rows, self.columns = {}, []
         if trainer.state.step > 0 and self.path.is_file():  # a resumed run keeps the rows up to its step
             with self.path.open(newline="") as f:
@@ -174,7 +174,7 @@ class MLflowLogger(MetricsLogger):
     def open(self, trainer: TrainerView, hparams: dict) -> None:
         tracking = import_optional("mlflow.tracking", "MLflowLogger")
         entities = import_optional("mlflow.entities", "MLflowLogger")
-        uri = self.tracking_uri or (trainer.output_dir / "mlruns").resolve().as_uri()
+        uri = self.tracking_uri or trainer.run_dir.mlruns.resolve().as_uri()
         if uri.startswith("file:"):  # MLflow 3 keeps its file store behind this switch (maintenance mode)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = tracking.MlflowClient(tracking_uri=uri)

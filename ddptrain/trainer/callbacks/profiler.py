@@ -44,7 +44,7 @@ class ProfilerCallback(Callback):
         if torch.autograd._profiler_enabled():
             log.warning("a profiler is already running in this process; this rank is not profiled")
             return
-        directory = self.directory or trainer.output_dir / "profile"
+        directory = self.directory or trainer.run_dir.profile
         self.directory = directory
         activities = [torch.profiler.ProfilerActivity.CPU]
         if trainer.device.type == "cuda":

@@ -33,7 +33,7 @@ class TensorBoardCallback(MetricsLogger):
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         if self.log_dir is None:
-            self.log_dir = trainer.output_dir / "tensorboard"
+            self.log_dir = trainer.run_dir.tensorboard
         # After a resume, hide what an earlier run logged beyond the checkpoint's step.
         purge = trainer.state.step if trainer.state.step > 0 else None
         self.writer = SummaryWriter(str(self.log_dir), purge_step=purge)
