@@ -9,10 +9,10 @@ The same tree comes from Hydra (``conf/``, through ``ddptrain.cli``) or from pla
 the wrong type, naming the dotted key, so a typo never silently falls back to a default.
 
 Each field's rule is part of the schema, written once next to its default as field metadata: its
-choices (:func:`one_of`) or its bounds (:func:`bounded`). :func:`validate` checks those rules
-(:func:`check_fields`); ``--help KEY`` and ``docs/configuration.md`` print the same rules. What
-needs the job (the world size's batch split, the machine's devices, the backend it resolves to)
-is :mod:`ddptrain.preflight`'s. Nothing here imports Hydra or torch.
+choices (:func:`one_of`) or its bounds (:func:`bounded`). :func:`check_fields` enforces them;
+``--help KEY`` and ``docs/configuration.md`` print them. What needs the job (the world size's
+batch split, the machine's devices, the backend it resolves to) is :mod:`ddptrain.preflight`'s,
+whose ``validate`` runs both before any process starts. Nothing here imports Hydra or torch.
 """
 
 from __future__ import annotations
@@ -164,9 +164,9 @@ class DataConfig:
     per-item transforms for MNIST-sized data)."""
     drop_last: bool = False
     """Cut the epoch's tail so ranks need no padding duplicates, instead of repeating samples."""
-    num_train_samples: int = 10000
+    num_train_samples: int = bounded(10000, at_least=1)
     """``synthetic`` only: training samples."""
-    num_val_samples: int = 2000
+    num_val_samples: int = bounded(2000, at_least=1)
     """``synthetic`` only: validation samples."""
 
 
