@@ -149,7 +149,8 @@ def _session_processes(sid: int) -> list[str]:
     return [" ".join(r) for r in rows if len(r) >= 3 and r[1] == str(sid) and not r[2].startswith("Z")]
 
 
-def _start_tiny_job(tmp_path: Path, steps: int = 50) -> subprocess.Popen:
+def _start_tiny_job(tmp_path: Path, steps: int = 100_000) -> subprocess.Popen:
+    # Far more steps than the test waits for: the signal must land before the job could end.
     return subprocess.Popen(
         [PYTHON, "-m", "ddptrain", *TINY, f"trainer.max_steps={steps}"],
         cwd=tmp_path,
