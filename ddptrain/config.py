@@ -73,6 +73,18 @@ class ConfigError(ValueError):
     """A configuration value is unknown, of the wrong type, or inconsistent with the job."""
 
 
+def _check_bucket_cap(key: str, cap: Any) -> None:
+    """``dist.bucket_cap_mb``'s rule, which no bound states: a number of MiB >= 0, or ``auto``."""
+    if cap == "auto":
+        return
+    try:
+        ok = not isinstance(cap, bool) and float(cap) >= 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"{key}={cap!r} must be a number of MiB >= 0, or auto (tuned in the first steps)")
+
+
 @dataclass
 class RecipeConfig:
     """Which Trainer runs the job."""
@@ -106,7 +118,7 @@ class DistConfig:
     """Local launcher only: kill the whole job after this many seconds (``None``: no limit)."""
     threads_per_worker: int = bounded(0, at_least=0)
     """torch intra-op threads per rank; 0 means ``cores // ranks on this machine`` (at least 1)."""
-    bucket_cap_mb: Any = DEFAULT_BUCKET_CAP_MB
+    bucket_cap_mb: Any = field(default=DEFAULT_BUCKET_CAP_MB, metadata={"check": _check_bucket_cap})
     """DDP gradient bucket size in MiB, or ``auto``: time a few sizes during the first steps
     (every rank the same), keep the fastest and log the choice (``ddptrain.doctor.autotune``)."""
     find_unused_parameters: bool = False
@@ -405,24 +417,9 @@ def field_type_text(f: dataclasses.Field) -> str:
     return f"{f.type}, {rule}"
 
 
-def _check_bucket_cap(dist: DistConfig) -> None:
-    """``dist.bucket_cap_mb``: a number of MiB >= 0, or ``auto``."""
-    cap = dist.bucket_cap_mb
-    if cap == "auto":
-        return
-    try:
-        ok = not isinstance(cap, bool) and float(cap) >= 0
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"dist.bucket_cap_mb={cap!r} must be a number of MiB >= 0, or auto (tuned in the first steps)"
-        )
-
-
 def check_fields(obj: Any, prefix: str = "") -> None:
-    """Enforce every field's own rule (its :func:`one_of` choices, its :func:`bounded` limits) on the
-    dataclass tree ``obj``, depth first.
+    """Enforce every field's own rule (its :func:`one_of` choices, its :func:`bounded` limits, or a
+    ``check`` function in its metadata) on the dataclass tree ``obj``, depth first.
 
     Raises:
         ConfigError: the first field that breaks its rule, naming key, value and what is accepted.
@@ -437,14 +434,15 @@ def check_fields(obj: Any, prefix: str = "") -> None:
                 close = difflib.get_close_matches(str(value), allowed, n=1)
                 hint_text = f" (did you mean {close[0]}?)" if close else ""
                 raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint_text}")
+        elif "check" in f.metadata:  # a rule of its own, written as a function next to the field
+            f.metadata["check"](key, value)
         elif "bound" in f.metadata and value is not None:
-            low, above, fix = f.metadata["bound"]["at_least"], f.metadata["bound"]["above"], f.metadata["bound"]["fix"]
+            bound = f.metadata["bound"]
+            low, above, fix = bound["at_least"], bound["above"], bound["fix"]
             if low is not None and value < low:
                 raise ConfigError(f"{key}={value} must be {'at least 1' if low == 1 else f'>= {low:g}'}{fix}")
             if above is not None and value <= above:
                 raise ConfigError(f"{key}={value} must be {'positive' if above == 0 else f'> {above:g}'}{fix}")
-    if isinstance(obj, DistConfig):
-        _check_bucket_cap(obj)  # a number or ``auto``: a rule no metadata states
 
 
 # -- unknown keys: what to say instead ----------------------------------------------------------

@@ -46,12 +46,12 @@ from pathlib import Path
 from typing import Any
 
 from .. import envvars
+from ..launch.signals import STOP_SIGNALS, StoppedBySignal, restore_signals, take_stop_signals
 from ..rundir import LOG_FILE, RunDir
 
 __all__ = ["main", "EXIT_OK", "EXIT_FAILED", "EXIT_BAD_CONFIG", "EXIT_SIGINT", "EXIT_SIGTERM"]
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_CONFIG, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
-_STOPS = (signal.SIGINT, signal.SIGTERM)
 # Flags that make Hydra print something and exit (or sweep): every rank lets Hydra handle them.
 _HYDRA_FLAGS = (
     "--cfg",
@@ -103,8 +103,6 @@ def main(argv: list[str] | None = None) -> None:
 def _stop_signals_deferred() -> Iterator[None]:
     """SIGINT/SIGTERM inside the block are noted, then raised after it as ``StoppedBySignal``: raised
     inside torch's import, a ``KeyboardInterrupt`` crosses C++ code and aborts the process."""
-    from ..launch.signals import StoppedBySignal, restore_signals, take_stop_signals
-
     noted: list[str] = []
     previous = take_stop_signals(lambda n, _f: noted.append(signal.Signals(n).name))
     try:
@@ -116,15 +114,13 @@ def _stop_signals_deferred() -> Iterator[None]:
 
 
 def _raise_stopped(signum: int, frame) -> None:
-    from ..launch.signals import StoppedBySignal
-
     raise StoppedBySignal(signal.Signals(signum).name)
 
 
 def _ignore_stop_signals() -> None:
     """From here to the exit, SIGINT and SIGTERM change nothing: the exit status is decided, and an
     uncaught ``KeyboardInterrupt`` at shutdown would make Python end by SIGINT instead of 130."""
-    for sig in _STOPS:
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
