@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,13 +76,14 @@ def test_what_open_mpi_sets_is_read_as_mpi_and_pmix_alone_is_refused(tmp_path):
         detect_environment(pmix_only)
 
 
-def _sleeps(rank, ws):
+def _sleeps(rank, ws, pid_dir):
     import time
 
+    Path(pid_dir, f"rank{rank}.pid").write_text(str(os.getpid()))
     time.sleep(120)
 
 
-def test_a_stuck_mpi_job_is_killed_at_the_launch_timeout_with_every_rank():
+def test_a_stuck_mpi_job_is_killed_at_the_launch_timeout_with_every_rank(tmp_path):
     import time
 
     from ddptrain.launch import LaunchTimeoutError
@@ -90,10 +92,20 @@ def test_a_stuck_mpi_job_is_killed_at_the_launch_timeout_with_every_rank():
     _need_mpiexec()
     t0 = time.monotonic()
     with pytest.raises(LaunchTimeoutError, match=r"did not finish within 8 s; rank\(s\) \[0, 1\] still running"):
-        run_distributed(_sleeps, 2, backend="mpi", timeout_s=8)
+        run_distributed(_sleeps, 2, str(tmp_path), backend="mpi", timeout_s=8)
     assert time.monotonic() - t0 < 20
-    left = subprocess.run(["pgrep", "-f", "ddptrain.launch.mpi_entry"], capture_output=True, text=True).stdout
-    assert left.strip() == "", f"ranks left running: {left}"
+    # this job's own ranks, by the pids they wrote (other tests may run MPI jobs meanwhile)
+    pids = sorted(int(p.read_text()) for p in tmp_path.glob("rank*.pid"))
+    assert len(pids) == 2, pids
+    left = [pid for pid in pids if Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid)]
+    assert left == [], f"ranks left running: {left}"
+
+
+def _state(pid: int) -> str:
+    try:
+        return next(ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("State:"))
+    except (OSError, StopIteration):
+        return "zombie (gone)"
 
 
 def test_world_size_that_differs_from_mpirun_is_refused():
