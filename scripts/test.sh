@@ -12,9 +12,12 @@ fi
 # Style first: it takes a second, and a lint failure is cheaper to read than a test failure.
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-# Two phases. Most tests wait on processes, sockets and timeouts more than they compute, so they
-# run DDPTRAIN_TEST_WORKERS at a time (pytest-xdist); the tests that bound durations (marked
-# "serial", listed in tests/conftest.py) then run alone. DDPTRAIN_TEST_WORKERS=1: one plain run.
+# Three phases. Most tests wait on processes, sockets and timeouts more than they compute, so they
+# run DDPTRAIN_TEST_WORKERS at a time (pytest-xdist). The tests that bound durations (marker
+# "timed") then run two at a time, and the tests that measure speed (marker "alone") one at a
+# time; tests/conftest.py lists both. DDPTRAIN_TEST_WORKERS=1: one plain run.
+# --dist loadgroup: tests that read one expensive launch or module fixture carry the same
+# xdist_group mark and go to one worker, so the launch runs once, not once per worker.
 workers=${DDPTRAIN_TEST_WORKERS:-3}
 run() {
   set +e
@@ -29,14 +32,19 @@ if [ "$workers" -le 1 ]; then
   exit "$rc"
 fi
 started=$SECONDS
-rc1=0; run -n "$workers" -m "not serial" "$@" || rc1=$?
+rc1=0; run -n "$workers" --dist loadgroup -m "not timed and not alone" "$@" || rc1=$?
 echo "[test] parallel phase ($workers workers): exit $rc1 after $((SECONDS - started)) s"
-rc2=0; run -m serial "$@" || rc2=$?
-echo "[test] serial phase: exit $rc2; whole run $((SECONDS - started)) s"
-# pytest exits 5 when it collects nothing: fine for one phase (a chosen file may hold no serial
-# test), a failure when neither phase ran a test.
-if [ "$rc1" = 5 ] && [ "$rc2" = 5 ]; then echo "pytest collected no tests: treating that as a failure" >&2; exit 1; fi
-[ "$rc1" = 5 ] && rc1=0
-[ "$rc2" = 5 ] && rc2=0
-[ "$rc1" != 0 ] && exit "$rc1"
-exit "$rc2"
+rc2=0; run -n 2 -m timed "$@" || rc2=$?
+echo "[test] timed phase (2 workers): exit $rc2 after $((SECONDS - started)) s"
+rc3=0; run -m alone "$@" || rc3=$?
+echo "[test] alone phase: exit $rc3; whole run $((SECONDS - started)) s"
+# pytest exits 5 when it collects nothing: fine for one phase (a chosen file may hold no timed
+# test), a failure when no phase ran a test.
+if [ "$rc1" = 5 ] && [ "$rc2" = 5 ] && [ "$rc3" = 5 ]; then
+  echo "pytest collected no tests: treating that as a failure" >&2
+  exit 1
+fi
+for rc in "$rc1" "$rc2" "$rc3"; do
+  [ "$rc" = 5 ] || [ "$rc" = 0 ] || exit "$rc"
+done
+exit 0

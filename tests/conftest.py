@@ -24,12 +24,11 @@ MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 """In CI a test that needs something missing (the real MNIST) fails instead of skipping."""
 
-# Modules whose tests bound durations (a timeout must fire within N s, a diagnosis of slowness
-# must name the injected cause): scripts/test.sh runs them after the parallel phase, with the
-# machine to themselves. A single test elsewhere can opt in with @pytest.mark.serial.
-SERIAL_MODULES = {
+# Modules whose tests bound durations (a timeout must fire within N s, a job must stop within
+# 10 s of a signal): scripts/test.sh runs them after the parallel phase, two at a time, so a
+# process start is not slowed by three other tests' work. The bounds leave room for one neighbour.
+TIMED_MODULES = {
     "tests/dist/test_comm_errors.py",
-    "tests/dist/test_doctor.py",
     "tests/dist/test_faults.py",
     "tests/dist/test_hang_forensics.py",
     "tests/dist/test_ledger_job.py",
@@ -39,12 +38,18 @@ SERIAL_MODULES = {
     "tests/e2e/test_signals.py",
     "tests/e2e/test_torchrun_forensics.py",
 }
+# Modules that measure speed (a diagnosis of slowness must name the injected cause): run last,
+# with the machine to themselves.
+ALONE_MODULES = {"tests/dist/test_doctor.py"}
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if Path(item.fspath).resolve().relative_to(REPO).as_posix() in SERIAL_MODULES:
-            item.add_marker(pytest.mark.serial)
+        module = Path(item.fspath).resolve().relative_to(REPO).as_posix()
+        if module in TIMED_MODULES:
+            item.add_marker(pytest.mark.timed)
+        if module in ALONE_MODULES:
+            item.add_marker(pytest.mark.alone)
 
 
 # Variables of a launcher around the test run: a CLI started by a test must not take itself for a rank.

@@ -515,10 +515,19 @@ def not_raised(value):
     return value
 
 
-ws_param = pytest.mark.parametrize("backend, ws", WORLDS, ids=[f"{b}-{w}" for b, w in WORLDS])
-multi_param = pytest.mark.parametrize(
-    "backend, ws", [(b, w) for b, w in WORLDS if w > 1], ids=[f"{b}-{w}" for b, w in WORLDS if w > 1]
-)
+def _world_params(worlds):
+    """One param per world; the tests of a launched world share one pytest-xdist worker
+    (``xdist_group``, scripts/test.sh runs ``--dist loadgroup``), so :func:`world` launches it once."""
+    return [
+        pytest.param(
+            b, w, id=f"{b}-{w}", marks=() if b == "threaded" else pytest.mark.xdist_group(f"collectives-{b}-{w}")
+        )
+        for b, w in worlds
+    ]
+
+
+ws_param = pytest.mark.parametrize("backend, ws", _world_params(WORLDS))
+multi_param = pytest.mark.parametrize("backend, ws", _world_params([(b, w) for b, w in WORLDS if w > 1]))
 
 
 @ws_param

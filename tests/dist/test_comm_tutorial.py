@@ -30,7 +30,12 @@ from tests.dist.shared_launch import launch_once
 WORLD_SIZES = [2, 3]
 # every example on gloo (spawned workers) and on mpi (ranks started by mpiexec)
 WORLDS = [(backend, size) for backend in ("gloo", "mpi") for size in WORLD_SIZES]
-world_param = pytest.mark.parametrize("backend, size", WORLDS, ids=[f"{b}-{n}" for b, n in WORLDS])
+# The tests of one world share one pytest-xdist worker (scripts/test.sh runs --dist loadgroup), so
+# launch_once launches it once.
+world_param = pytest.mark.parametrize(
+    "backend, size",
+    [pytest.param(b, n, id=f"{b}-{n}", marks=pytest.mark.xdist_group(f"tutorial-{b}-{n}")) for b, n in WORLDS],
+)
 LAUNCH_TIMEOUT_S = 120
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(LAUNCH_TIMEOUT_S + 30)]

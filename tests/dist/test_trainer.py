@@ -17,7 +17,8 @@ from ddptrain.testing import run_distributed
 from ddptrain.trainer import CheckpointError
 from ddptrain.trainer.checkpoint_io import list_checkpoints, load_checkpoint
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
+# One pytest-xdist worker for the module (scripts/test.sh runs --dist loadgroup): two_rank_runs is made once.
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(240), pytest.mark.xdist_group("dist-trainer")]
 
 STEPS_PER_EPOCH = 10  # 480 samples / (48 per step); 2 ranks: 20 micro-batches of 12 per rank
 

@@ -253,6 +253,8 @@ def torchrun_run(tmp_path_factory):
     return cwd, run_dir, proc
 
 
+# The torchrun_run tests share one pytest-xdist worker (scripts/test.sh runs --dist loadgroup), so the job runs once.
+@pytest.mark.xdist_group("cli-torchrun")
 @pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed next to the Python used")
 def test_torchrun_job_uses_one_directory(torchrun_run):
     cwd, run_dir, proc = torchrun_run
@@ -267,6 +269,7 @@ def test_torchrun_job_uses_one_directory(torchrun_run):
     check_run_log(run_dir, proc.stdout, steps_logged=[6])
 
 
+@pytest.mark.xdist_group("cli-torchrun")
 @pytest.mark.skipif(not Path(TORCHRUN).exists(), reason="torchrun is not installed next to the Python used")
 def test_resume_errors_and_fallback(torchrun_run):
     cwd, run_dir, proc = torchrun_run

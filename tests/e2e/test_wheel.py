@@ -19,7 +19,8 @@ import pytest
 
 from tests.conftest import PYTHON, REPO, cli_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
+# One pytest-xdist worker for the module (scripts/test.sh runs --dist loadgroup): installed is made once.
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.xdist_group("wheel")]
 
 USER_TRAINER = '''
 import torch.nn.functional as F
