@@ -97,15 +97,19 @@ def descendants(pid: int) -> list[int]:
 
 def spawned_workers(pid: int | None = None) -> list[int]:
     """``pid``'s live multiprocessing-spawned workers (default: this process's), oldest first,
-    i.e. in rank order for the local launcher; multiprocessing's resource tracker is not one."""
+    i.e. in rank order for the local launcher; multiprocessing's resource tracker and the idle
+    fork server (named ``ddptrain.launch.forkserver.SERVER_NAME``) are not ones."""
+    from ddptrain.launch.forkserver import SERVER_NAME
+
     found = []
     for child in children(os.getpid() if pid is None else pid):
         try:
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            name = Path(f"/proc/{child}/comm").read_text().strip()
             started = int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[19])
         except OSError:
             continue
-        if b"spawn_main" in cmdline:
+        if b"spawn_main" in cmdline and name != SERVER_NAME:
             found.append((started, child))
     return [child for _, child in sorted(found)]
 

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         try:
             server = sys.modules.get("ddptrain.launch.forkserver")
             if server is not None:
-                server.discard()  # started for a job that never came (refused config, mpiexec job)
+                server.discard()  # idle: the job is done, or never came (refused config, mpiexec job)
         except KeyboardInterrupt as exc:
             _ignore_stop_signals()
             code = _interrupted(exc)

@@ -3,25 +3,29 @@
 ``import torch`` takes seconds; with the ``spawn`` start method every worker pays it again, after
 the launcher paid it too. Instead the command line calls :func:`start` early (while Hydra checks
 and composes the config), which spawns one server process; it imports torch and ddptrain's
-trainer modules (:data:`PRELOAD`) and waits. When the job starts, :func:`fork_workers` hands it the
-job: it forks one worker per rank and exits. Workers are then children of the launcher itself:
-the launcher is a Linux *child subreaper* (``PR_SET_CHILD_SUBREAPER``) from the server's start
-until its exit, so orphans of the exiting server are re-parented to it. The launcher waits for
-them, reads their exit status and kills them exactly as it does spawned workers, and the process
-tree looks the same (``launcher -> rank 0, rank 1``).
+trainer modules (:data:`PRELOAD`) and waits. When a job starts, :func:`fork_workers` hands it the
+job: the server forks a short-lived *job leader*, which forks one worker per rank and exits.
+Workers are then children of the launcher itself: the launcher is a Linux *child subreaper*
+(``PR_SET_CHILD_SUBREAPER``) while it has a server, so orphans of the exiting leader are
+re-parented to it. The launcher waits for them, reads their exit status and kills them exactly
+as it does spawned workers (``launcher -> server, rank 0, rank 1``; the server idles).
 
 What a worker gets from the launcher at fork time, not from the server's start: the launcher's
 whole ``os.environ`` (then its per-rank variables), ``sys.path``, ``sys.argv`` and working
 directory. The server ignores Ctrl-C (SIGINT) and sits in a process group of its own, so a
 terminal's Ctrl-C reaches the launcher only; it dies with the launcher (``PR_SET_PDEATHSIG``).
 
-One server serves one job (the launcher starts another, lazily, for a restart or the next job of
-a sweep). Where it cannot work (not Linux, no ``pidfd_open``) :func:`available` is False and the
-local launcher uses ``spawn``.
+The server then waits for the launcher's next job: a restart after a failed rank
+(``launcher.max_restarts``), the next point of a sweep, the next ``run_distributed`` of a test
+suite. Each of those forks in a fraction of a second instead of importing torch again. The
+server never runs a job's code, so every job forks from the same freshly preloaded state. It
+ends when the launcher exits (or dies), or at :func:`discard`. Where it cannot work (not Linux,
+no ``pidfd_open``) :func:`available` is False and the local launcher uses ``spawn``.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import gc
@@ -38,7 +42,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as wait_any
 from typing import Any
 
-__all__ = ["PRELOAD", "available", "start", "take", "discard", "fork_workers", "ForkedWorker"]
+__all__ = ["PRELOAD", "SERVER_NAME", "available", "start", "take", "discard", "fork_workers", "ForkedWorker"]
 
 PRELOAD = (
     "torch",
@@ -52,17 +56,28 @@ PRELOAD = (
     "logging.handlers",
 )
 """Modules the server imports before it forks: what a local worker imports on its way to the first step."""
-_PR_SET_PDEATHSIG, _PR_SET_CHILD_SUBREAPER = 1, 36
-_REPARENT_WAIT_S = 30.0  # how long a new worker waits for the exiting server to hand it over
+SERVER_NAME = "ddptrain-fsrv"
+"""The idle server's process name (``ps -o comm``, ``/proc/PID/comm``), so tools can tell it from the
+workers it forks; the workers keep the interpreter's own name."""
+_PR_SET_PDEATHSIG, _PR_SET_NAME, _PR_SET_CHILD_SUBREAPER = 1, 15, 36
+_REPARENT_WAIT_S = 30.0  # how long a new worker waits for the exiting job leader to hand it over
 
-_server: _Server | None = None  # the one started ahead of the job, not yet used
+_server: _Server | None = None  # the idle server: started ahead of the next job, or kept from the last
 
 
-def _prctl(option: int, value: int) -> bool:
+def _prctl(option: int, value: int | bytes) -> bool:
     try:
         return ctypes.CDLL(None, use_errno=True).prctl(option, value) == 0
     except (OSError, AttributeError):
         return False
+
+
+def _process_name() -> bytes:
+    try:
+        with open("/proc/self/comm", "rb") as comm:
+            return comm.read().strip()
+    except OSError:
+        return b"python"
 
 
 def available() -> bool:
@@ -88,6 +103,9 @@ class _Server:
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, old)
         child_conn.close()
+        # Before multiprocessing's own exit handler (atexit runs the later one first), which would
+        # otherwise join the idle server forever.
+        atexit.register(self.stop)
 
     def stop(self) -> None:
         """End the server now (it holds nothing worth a graceful exit)."""
@@ -98,7 +116,7 @@ class _Server:
 
 
 def start(preload: Sequence[str] = PRELOAD) -> None:
-    """Start the server for the next local job, if none is waiting and forking can work here."""
+    """Start the server for the next local job, if none is idle and forking can work here."""
     global _server
     if _server is None and available():
         try:
@@ -108,8 +126,13 @@ def start(preload: Sequence[str] = PRELOAD) -> None:
 
 
 def take(preload: Sequence[str] = PRELOAD) -> _Server | None:
-    """The waiting server, else one started now preloading ``preload``; None where only ``spawn`` works."""
+    """The idle server, else one started now preloading ``preload``; None where only ``spawn`` works.
+
+    A job's workers then import what the idle server lacks of ``preload`` themselves."""
     global _server
+    if _server is not None and not _server.process.is_alive():  # killed while idle
+        _server.stop()
+        _server = None
     start(preload)
     server, _server = _server, None
     if server is not None and not server.process.is_alive():
@@ -119,7 +142,8 @@ def take(preload: Sequence[str] = PRELOAD) -> _Server | None:
 
 
 def discard() -> None:
-    """Stop a server no job used (a refused config, an ``mpiexec`` job)."""
+    """Stop the idle server (one a refused config or an ``mpiexec`` job never used, or the last
+    job's); the next local job starts another."""
     global _server
     if _server is not None:
         _server.stop()
@@ -128,12 +152,13 @@ def discard() -> None:
 
 
 def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[ForkedWorker]:
-    """Fork one worker per ``(payload, report_fd)`` from the server, which then exits. ``payload``
-    is ``pickle.dumps((target, args))``: the worker calls ``target(*args, report_connection)``,
-    the write end of its report pipe ``report_fd`` as a ``multiprocessing`` connection.
+    """Fork one worker per ``(payload, report_fd)`` from the server, which then idles as the
+    server of the next job. ``payload`` is ``pickle.dumps((target, args))``: the worker calls
+    ``target(*args, report_connection)``, the write end of its report pipe ``report_fd`` as a
+    ``multiprocessing`` connection.
 
     Raises:
-        OSError: the server died or refused (the caller falls back to ``spawn``).
+        OSError: the server died or refused (the caller stops it and falls back to ``spawn``).
     """
     context = {"environ": dict(os.environ), "path": list(sys.path), "argv": list(sys.argv), "cwd": os.getcwd()}
     try:
@@ -142,23 +167,32 @@ def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[For
             reduction.send_handle(server.conn, fd, server.process.pid)
         if not server.conn.poll(60):
             raise OSError("the fork server did not answer within 60 s")
-        pids = server.conn.recv()
+        answer = server.conn.recv()
     except (EOFError, BrokenPipeError, ConnectionError) as exc:
         server.stop()
         raise OSError(f"the fork server is gone: {exc}") from exc
-    # Once it has exited, its workers are this process's children. Not process.join(): that waits
-    # for a pipe the workers inherited too, i.e. for the whole job.
-    exited = os.pidfd_open(server.process.pid)
-    try:
-        wait_any([exited], 10)
-    finally:
-        os.close(exited)
-    server.stop()
-    if _server is None:  # the workers are ours now; later orphans go where they would without us
-        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
-    if isinstance(pids, BaseException):
-        raise OSError(f"the fork server could not fork the workers: {pids}")
+    if isinstance(answer, BaseException):
+        raise OSError(f"the fork server could not fork the workers: {answer}")
+    leader, pids = answer
+    # Once the leader has exited, its workers are this process's children: only then can they be
+    # waited for. (The server may have reaped it already: then it has exited too.)
+    with contextlib.suppress(ProcessLookupError):
+        exited = os.pidfd_open(leader)
+        try:
+            wait_any([exited], 10)
+        finally:
+            os.close(exited)
+    _keep(server)
     return [ForkedWorker(pid) for pid in pids]
+
+
+def _keep(server: _Server) -> None:
+    """Make ``server`` the idle one for the next job (stop it if another is idle already)."""
+    global _server
+    if _server is None and server.process.is_alive():
+        _server = server
+    else:
+        server.stop()
 
 
 class ForkedWorker:
@@ -208,24 +242,45 @@ class ForkedWorker:
 
 # -- inside the server -------------------------------------------------------------------------
 def _serve(conn, preload: Sequence[str]) -> None:
-    """The server's life: ignore Ctrl-C, preload, fork the one job it is given, exit."""
+    """The server's life: ignore Ctrl-C, preload, then fork a leader for each job it is given
+    until the launcher closes the connection."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # also discards a Ctrl-C that arrived while blocked
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     os.setpgid(0, 0)
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:
         os._exit(0)  # the launcher died already
+    worker_name = _process_name()
+    _prctl(_PR_SET_NAME, SERVER_NAME.encode())
     for name in preload:
         with contextlib.suppress(Exception):  # a worker importing it for real reports the error
             importlib.import_module(name)
     # The preloaded objects out of the collector's reach: a worker's first collection would
     # otherwise touch (and so copy) every page the fork shares with the server.
     gc.freeze()
-    try:
-        context, launcher_pid, payloads = conn.recv()
-        fds = [reduction.recv_handle(conn) for _ in payloads]
-    except (EOFError, OSError):
-        os._exit(0)  # no job: the launcher stopped us or died
+    while True:
+        try:
+            context, launcher_pid, payloads = conn.recv()
+            fds = [reduction.recv_handle(conn) for _ in payloads]
+        except (EOFError, OSError):
+            os._exit(0)  # no more jobs: the launcher stopped us, exited or died
+        try:
+            leader = os.fork()
+        except OSError as exc:
+            conn.send(OSError(f"fork failed: {exc}"))
+            leader = None
+        if leader == 0:
+            _prctl(_PR_SET_NAME, worker_name)
+            _lead(conn, context, launcher_pid, payloads, fds)
+        # The workers hold their report pipes' write ends; a copy left here would hide their death.
+        for fd in fds:
+            os.close(fd)
+        if leader is not None:
+            os.waitpid(leader, 0)  # it exits as soon as the workers are forked
+
+
+def _lead(conn, context: dict, launcher_pid: int, payloads: list, fds: list[int]) -> None:
+    """In the job leader (a fork of the server): fork the workers, send their pids, exit."""
     pids = []
     # A worker must not inherit the server's SIG_IGN for Ctrl-C: an ignored signal is discarded, so
     # one the launcher passes on before the worker installs its handler would be lost (the job would
@@ -238,7 +293,7 @@ def _serve(conn, preload: Sequence[str]) -> None:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)  # still blocked: pending, not acted on
                 _become_worker(conn, context, launcher_pid, payload, fds, rank)
             pids.append(pid)
-        conn.send(pids)
+        conn.send((os.getpid(), pids))
     except BaseException as exc:  # noqa: BLE001 - the launcher must hear why, then kills what started
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
@@ -248,7 +303,7 @@ def _serve(conn, preload: Sequence[str]) -> None:
 
 
 def _become_worker(conn, context: dict, launcher_pid: int, payload: Any, fds: list[int], rank: int) -> None:
-    """In the forked child: drop the server's state, wait to be the launcher's child, run, exit."""
+    """In the forked worker: drop the server's state, wait to be the launcher's child, run, exit."""
     code = 1
     try:
         conn.close()
@@ -256,7 +311,7 @@ def _become_worker(conn, context: dict, launcher_pid: int, payload: Any, fds: li
             if i != rank:
                 os.close(fd)
         deadline = time.monotonic() + _REPARENT_WAIT_S
-        while os.getppid() != launcher_pid:  # the server is still exiting
+        while os.getppid() != launcher_pid:  # the leader is still exiting
             if time.monotonic() > deadline:
                 os._exit(1)
             time.sleep(0.001)

@@ -117,8 +117,9 @@ def spawn_workers(
     procs: list = []
     readers: dict = {}  # the read end of each worker's report pipe -> its rank
     try:
-        # Started now (no caller started one ahead): preload only torch and fn's module, which every
-        # worker imports first anyway; a full preload would delay the job more than it saves.
+        # Where no server is idle (none started ahead, none kept from an earlier job), one starts now,
+        # preloading only torch and fn's module, which every worker imports first anyway; a full
+        # preload would delay the job more than it saves.
         light = ("torch", *([fn.__module__] if fn.__module__ not in ("__main__", "__mp_main__") else []))
         server = forkserver.take(light) if start_method == "forkserver" else None
         procs, readers = _fork(server, jobs) if server is not None else ([], {})

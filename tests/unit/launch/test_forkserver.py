@@ -1,6 +1,7 @@
 """The local launcher's preloaded fork server, through the Python API (real processes): workers
 see the launcher's environment and ``sys.path`` as they are when the job starts, are the
-launcher's own children, and nothing outlives the job."""
+launcher's own children, the next job forks from the same idle server, and nothing but that idle
+server outlives a job."""
 
 from __future__ import annotations
 
@@ -36,8 +37,14 @@ def _fail(rank: int, world_size: int) -> None:
     time.sleep(30)
 
 
+def _idle_server_pid() -> int | None:
+    server = forkserver._server
+    return server.process.pid if server is not None else None
+
+
 def _live_children() -> list[str]:
-    """This process's live children, but multiprocessing's resource tracker (it lives as long as we do)."""
+    """This process's live children, but multiprocessing's resource tracker and the idle fork
+    server (both live as long as we do)."""
     deadline = time.monotonic() + 5
     while True:
         alive = []
@@ -47,7 +54,7 @@ def _live_children() -> list[str]:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue  # ended meanwhile
-            if state != "Z" and "resource_tracker" not in cmdline:
+            if state != "Z" and "resource_tracker" not in cmdline and pid != _idle_server_pid():
                 alive.append(f"{pid} {cmdline[:100]}")
         if not alive or time.monotonic() > deadline:
             return alive
@@ -67,7 +74,44 @@ def test_forked_workers_get_the_launchers_environment_at_job_start(tmp_path, mon
     assert {r["parent"] for r in results} == {os.getpid()}  # children of the launcher, not of the server
     assert {r["module"] for r in results} == {42}
     assert {r["cwd"] for r in results} == {str(tmp_path)}
-    assert _live_children() == [], "the server or a worker outlived the job"
+    assert _live_children() == [], "a worker outlived the job"
+
+
+def _pid_and_late(rank: int, world_size: int) -> tuple[int, int, str | None]:
+    return os.getpid(), os.getppid(), os.environ.get("DDPTRAIN_TEST_LATE")
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_the_next_job_forks_from_the_same_idle_server_with_its_own_environment(monkeypatch):
+    forkserver.discard()
+    spawn_workers(_pid_and_late, 2, threads=1)
+    server = _idle_server_pid()
+    assert server is not None, "no server was kept idle after the job"
+    open_fds = sorted(os.listdir(f"/proc/{server}/fd"))
+    monkeypatch.setenv("DDPTRAIN_TEST_LATE", "second job")
+    second = spawn_workers(_pid_and_late, 3, threads=1)
+    assert _idle_server_pid() == server, "the second job started another server"
+    assert sorted(os.listdir(f"/proc/{server}/fd")) == open_fds, "the server kept descriptors of the job"
+    assert {parent for _, parent, _ in second} == {os.getpid()}
+    assert {late for _, _, late in second} == {"second job"}
+    assert len({pid for pid, _, _ in second}) == 3
+    assert _live_children() == [], "a worker outlived the job"
+    forkserver.discard()
+    assert not Path(f"/proc/{server}").exists() or "Z" in Path(f"/proc/{server}/stat").read_text().rsplit(")", 1)[1][:3]
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_an_idle_server_that_was_killed_is_replaced():
+    spawn_workers(_pid_and_late, 2, threads=1)
+    server = _idle_server_pid()
+    assert server is not None
+    os.kill(server, 9)
+    deadline = time.monotonic() + 5
+    while forkserver._server.process.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    results = spawn_workers(_pid_and_late, 2, threads=1)
+    assert {parent for _, parent, _ in results} == {os.getpid()}
+    assert _idle_server_pid() not in (None, server)
 
 
 def test_a_failing_worker_is_reported_and_nothing_is_left(tmp_path):
@@ -83,7 +127,7 @@ def test_an_unknown_start_method_is_refused():
         spawn_workers(_fail, 2, threads=1, start_method="fork")
 
 
-def test_a_server_no_job_used_is_stopped():
+def test_an_idle_server_is_stopped_by_discard():
     forkserver.start()
     server = forkserver._server
     assert server is not None and server.process.is_alive()
