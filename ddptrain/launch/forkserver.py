@@ -6,9 +6,12 @@ and composes the config), which spawns one server process; it imports torch and 
 trainer modules (:data:`PRELOAD`) and waits. When a job starts, :func:`fork_workers` hands it the
 job: the server forks a short-lived *job leader*, which forks one worker per rank and exits.
 Workers are then children of the launcher itself: the launcher is a Linux *child subreaper*
-(``PR_SET_CHILD_SUBREAPER``) while it has a server, so orphans of the exiting leader are
-re-parented to it. The launcher waits for them, reads their exit status and kills them exactly
-as it does spawned workers (``launcher -> server, rank 0, rank 1``; the server idles).
+(``PR_SET_CHILD_SUBREAPER``) from the moment it hands a job over until that job's leader has
+exited, so the leader's orphans are re-parented to it. Only then: a process that stayed a
+subreaper would adopt (and, never waiting for them, keep as zombies) the orphans of every other
+child it ever starts, such as a killed ``mpiexec``'s ranks. The launcher waits for the workers,
+reads their exit status and kills them exactly as it does spawned workers
+(``launcher -> server, rank 0, rank 1``; the server idles).
 
 What a worker gets from the launcher at fork time, not from the server's start: the launcher's
 whole ``os.environ`` (then its per-rank variables), ``sys.path``, ``sys.argv`` and working
@@ -89,8 +92,6 @@ class _Server:
     """The server process and the launcher's end of its connection."""
 
     def __init__(self, preload: Sequence[str]):
-        if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
-            raise OSError("prctl(PR_SET_CHILD_SUBREAPER) failed")
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(target=_serve, args=(child_conn, tuple(preload)), name="ddptrain-forkserver")
@@ -148,7 +149,6 @@ def discard() -> None:
     if _server is not None:
         _server.stop()
         _server = None
-        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
 
 
 def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[ForkedWorker]:
@@ -161,6 +161,8 @@ def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[For
         OSError: the server died or refused (the caller stops it and falls back to ``spawn``).
     """
     context = {"environ": dict(os.environ), "path": list(sys.path), "argv": list(sys.argv), "cwd": os.getcwd()}
+    if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
+        raise OSError("prctl(PR_SET_CHILD_SUBREAPER) failed: forked workers could not be waited for")
     try:
         server.conn.send((context, os.getpid(), [payload for payload, _ in jobs]))
         for _, fd in jobs:
@@ -169,19 +171,25 @@ def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[For
             raise OSError("the fork server did not answer within 60 s")
         answer = server.conn.recv()
     except (EOFError, BrokenPipeError, ConnectionError) as exc:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
         server.stop()
         raise OSError(f"the fork server is gone: {exc}") from exc
     if isinstance(answer, BaseException):
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
         raise OSError(f"the fork server could not fork the workers: {answer}")
     leader, pids = answer
     # Once the leader has exited, its workers are this process's children: only then can they be
-    # waited for. (The server may have reaped it already: then it has exited too.)
+    # waited for, and only then may this process stop adopting orphans. (The server may have
+    # reaped the leader already: then it has exited too.)
+    handed_over = True
     with contextlib.suppress(ProcessLookupError):
         exited = os.pidfd_open(leader)
         try:
-            wait_any([exited], 10)
+            handed_over = bool(wait_any([exited], 10))
         finally:
             os.close(exited)
+    if handed_over:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
     _keep(server)
     return [ForkedWorker(pid) for pid in pids]
 

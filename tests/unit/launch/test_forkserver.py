@@ -134,3 +134,25 @@ def test_an_idle_server_is_stopped_by_discard():
     forkserver.discard()
     assert not server.process.is_alive()
     assert sys.modules["ddptrain.launch.forkserver"]._server is None
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_after_a_job_the_launcher_adopts_no_other_childs_orphans():
+    """Between jobs the launcher is an ordinary process again: the orphan of a child it started
+    for something else (a killed ``mpiexec``'s ranks, a shell's background job) goes to init, which
+    reaps it, instead of staying this process's zombie forever."""
+    import subprocess
+
+    spawn_workers(_pid_and_late, 2, threads=1)
+    assert _idle_server_pid() is not None  # the server idles for the next job
+    shell = subprocess.run(
+        ["bash", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, timeout=10
+    )
+    orphan = int(shell.stdout)
+    try:
+        parent = int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert parent != os.getpid(), "the launcher adopted another child's orphan after its job had ended"
+    finally:
+        os.kill(orphan, 9)
+        if orphan in children(os.getpid()):
+            os.waitpid(orphan, 0)
