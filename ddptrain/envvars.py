@@ -44,12 +44,8 @@ VARIABLES: dict[str, EnvVar] = {
         EnvVar(
             "DDPTRAIN_DATA_SOURCES",
             "",
-            "Extra directories (os.pathsep-separated) searched for dataset files before downloading.",
-        ),
-        EnvVar(
-            "DDPTRAIN_DATA_SOURCES_ONLY",
-            "0",
-            "1: search only the data root and DDPTRAIN_DATA_SOURCES (not the system's dataset folders).",
+            "Directories (os.pathsep-separated) searched for dataset files after the data root, before the "
+            "system's dataset folders and a download.",
         ),
         EnvVar(
             "DDPTRAIN_CHECK_COLLECTIVES",

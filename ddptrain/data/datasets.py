@@ -1,24 +1,24 @@
 """Datasets: MNIST and Fashion-MNIST from local files, and a synthetic task.
 
-MNIST-style datasets are loaded with torchvision, but ddptrain finds the files itself
-so that offline machines and read-only shared copies work:
+MNIST-style datasets are torchvision's classes, but ddptrain finds their files itself, so that
+offline machines and read-only shared copies work:
 
-1. The data root is ``root`` if given, else ``$DDPTRAIN_DATA``, else ``./data``.
-2. If ``<root>/<Folder>/raw/`` (``MNIST`` or ``FashionMNIST``) already holds the four
-   uncompressed IDX files, they are used.
-3. Otherwise the four files (``.gz`` or uncompressed) are looked for in that folder,
-   then in each directory of ``$DDPTRAIN_DATA_SOURCES`` (``os.pathsep``-separated), then
-   in system locations (Debian's ``/usr/share/datasets/fashion-mnist``);
-   ``DDPTRAIN_DATA_SOURCES_ONLY=1`` skips the system locations. A source directory may hold the files
-   directly or in ``<Folder>/raw/`` or ``<Folder>/``. The first complete set is
-   decompressed into ``<root>/<Folder>/raw/``; sources are never written to.
-4. Otherwise ``download=True`` lets torchvision download them, and failing that a
+1. The data root is ``root`` if given, else ``$DDPTRAIN_DATA``, else ``./data``; torchvision
+   reads the four uncompressed IDX files from ``<root>/<Folder>/raw/`` (``MNIST`` or
+   ``FashionMNIST``). If they are all there, they are used.
+2. Otherwise the four files (``.gz`` or uncompressed) are looked for in that folder, then in each
+   directory of ``$DDPTRAIN_DATA_SOURCES`` (``os.pathsep``-separated; the files directly in it,
+   or in ``<Folder>/raw/`` or ``<Folder>/``), then, for Fashion-MNIST, in Debian's
+   ``/usr/share/datasets/fashion-mnist``. The first complete set is decompressed into
+   ``<root>/<Folder>/raw/``; sources are never written to.
+3. Otherwise ``download=True`` lets torchvision download them; failing that, a
    ``DatasetNotFoundError`` says what to put where.
 
-torchvision's md5 check of the archives is not used (a recompressed but identical
-archive fails it). Instead every file's IDX header, item count and size are checked,
-and the label histogram must match the dataset, which also stops a folder of MNIST
-files from being taken for Fashion-MNIST (the file names are the same).
+Every file is checked before use (IDX header, item count, size), so a truncated or corrupt file
+is refused with its name instead of failing later inside torchvision, and the label histogram
+must be the dataset's: MNIST and Fashion-MNIST have the same file names, and a folder of one is
+never taken for the other. torchvision's md5 check of the archives is not used: a recompressed
+but identical archive fails it.
 """
 
 from __future__ import annotations
@@ -57,10 +57,10 @@ DATA_SOURCES_ENV = "DDPTRAIN_DATA_SOURCES"
 
 
 class DatasetNotFoundError(FileNotFoundError):
-    """The dataset's files are neither in the data root nor in any known source (nor downloaded).
+    """The dataset's files are neither in the data root nor in any source, nor downloaded.
 
     ``str(error)`` speaks Python (``root=``, ``download=True``); :meth:`explain` words the same
-    facts with the knobs of another interface (the command line's ``data.root=``...).
+    facts with another interface's knobs (the command line's ``data.root=``...).
 
     Attributes:
         dataset: the dataset's name. files: the four file names. raw_dir: where they belong.
@@ -103,8 +103,7 @@ class DatasetNotFoundError(FileNotFoundError):
         ]
         if self.apt_hint:
             lines.append(self.apt_hint)
-        searched = ", ".join(str(d) for d in self.searched) or "no existing directory"
-        lines.append(f"Searched: {searched}.")
+        lines.append(f"Searched: {', '.join(str(d) for d in self.searched) or 'no existing directory'}.")
         if self.skipped:
             lines.append("Skipped, another dataset: " + "; ".join(self.skipped))
         return "\n".join(lines)
@@ -114,81 +113,47 @@ class DatasetCorruptError(ValueError):
     """A dataset file exists but is truncated, corrupt, or holds another dataset."""
 
 
-@dataclass(frozen=True)
-class _IdxFile:
-    """One of the four IDX files of an MNIST-style dataset."""
-
-    stem: str
-    train: bool
-    images: bool
-
-    @property
-    def count(self) -> int:
-        return 60000 if self.train else 10000
-
-    @property
-    def magic(self) -> int:
-        # 0x0803: unsigned bytes, 3 dimensions; 0x0801: unsigned bytes, 1 dimension.
-        return 2051 if self.images else 2049
-
-    @property
-    def header_len(self) -> int:
-        return 16 if self.images else 8
-
-    @property
-    def size(self) -> int:
-        return self.header_len + self.count * (28 * 28 if self.images else 1)
-
-
-_FILES = (
-    _IdxFile("train-images-idx3-ubyte", train=True, images=True),
-    _IdxFile("train-labels-idx1-ubyte", train=True, images=False),
-    _IdxFile("t10k-images-idx3-ubyte", train=False, images=True),
-    _IdxFile("t10k-labels-idx1-ubyte", train=False, images=False),
-)
+# The four IDX files of an MNIST-style dataset: name -> (magic number, item count, bytes per item).
+# Magic 2051 (0x0803): unsigned bytes in 3 dimensions, a 16-byte header; 2049 (0x0801): 1 dimension, 8 bytes.
+_FILES = {
+    "train-images-idx3-ubyte": (2051, 60000, 28 * 28),
+    "train-labels-idx1-ubyte": (2049, 60000, 1),
+    "t10k-images-idx3-ubyte": (2051, 10000, 28 * 28),
+    "t10k-labels-idx1-ubyte": (2049, 10000, 1),
+}
+_LABELS = 2049
 
 
 @dataclass(frozen=True)
 class _Spec:
-    """What distinguishes MNIST from Fashion-MNIST for finding and loading files."""
+    """What distinguishes MNIST from Fashion-MNIST for finding and loading its files."""
 
     name: str
     folder: str  # torchvision's class name, which is its folder under the root
     mean: float
     std: float
-    train_label_counts: tuple[int, ...]
-    test_label_counts: tuple[int, ...]
-    extra_layouts: tuple[str, ...] = ()
-    system_dirs: tuple[str, ...] = ()
+    label_counts: dict[int, tuple[int, ...]]  # per item count (60000: train, 10000: test)
+    system_dir: str | None = None
     apt_package: str | None = None
-
-    def layouts(self) -> tuple[str, ...]:
-        return (f"{self.folder}/raw", self.folder, *self.extra_layouts, ".")
-
-    def torchvision_class(self) -> Callable[..., Any]:
-        from torchvision import datasets
-
-        return getattr(datasets, self.folder)
 
 
 _MNIST = _Spec(
-    name="MNIST",
-    folder="MNIST",
-    mean=0.1307,
-    std=0.3081,
-    train_label_counts=(5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
-    test_label_counts=(980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009),
+    "MNIST",
+    "MNIST",
+    0.1307,
+    0.3081,
+    {
+        60000: (5923, 6742, 5958, 6131, 5842, 5421, 5918, 6265, 5851, 5949),
+        10000: (980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009),
+    },
 )
-
 _FASHION_MNIST = _Spec(
-    name="Fashion-MNIST",
-    folder="FashionMNIST",
-    mean=0.2860,
-    std=0.3530,
-    train_label_counts=(6000,) * 10,
-    test_label_counts=(1000,) * 10,
-    extra_layouts=("fashion-mnist",),
-    system_dirs=("/usr/share/datasets/fashion-mnist",),
+    "Fashion-MNIST",
+    "FashionMNIST",
+    0.2860,
+    0.3530,
+    {60000: (6000,) * 10, 10000: (1000,) * 10},
+    system_dir="/usr/share/datasets/fashion-mnist",
     apt_package="dataset-fashion-mnist",
 )
 
@@ -234,9 +199,9 @@ def fashion_mnist(
 ) -> Dataset:
     """Return torchvision's FashionMNIST, found locally like ``mnist``.
 
-    Besides the usual sources, the Debian/Ubuntu package ``dataset-fashion-mnist``
-    (``/usr/share/datasets/fashion-mnist/``) is used. The default transform normalizes
-    with ``(0.2860,), (0.3530,)``.
+    Besides the data root and the sources, the Debian/Ubuntu package ``dataset-fashion-mnist``
+    (``/usr/share/datasets/fashion-mnist/``) is used. The default transform normalizes with
+    ``(0.2860,), (0.3530,)``.
 
     Raises:
         DatasetNotFoundError: No local copy and no (successful) download.
@@ -253,112 +218,137 @@ def _load(
     transform: Callable | None,
     target_transform: Callable | None,
 ) -> Dataset:
-    from torchvision import transforms
+    from torchvision import datasets, transforms
 
     data_root = resolve_data_root(root)
     _prepare_raw_folder(spec, data_root, train, download)
     if transform is None:
         transform = transforms.Compose([transforms.ToTensor(), transforms.Normalize((spec.mean,), (spec.std,))])
-    # download=False: the raw folder is complete and validated, and torchvision's md5
-    # check would reject a recompressed archive.
-    return spec.torchvision_class()(
+    # download=False: the raw folder is complete and checked, and torchvision's md5 check would
+    # reject a recompressed archive.
+    return getattr(datasets, spec.folder)(
         str(data_root), train=train, download=False, transform=transform, target_transform=target_transform
     )
 
 
-def _prepare_raw_folder(spec: _Spec, data_root: Path, train: bool, download: bool) -> Path:
+def _prepare_raw_folder(spec: _Spec, data_root: Path, train: bool, download: bool) -> None:
     raw = data_root / spec.folder / "raw"
-    if all((raw / f.stem).is_file() for f in _FILES):
-        for f in _FILES:
-            _validate_file(spec, f, raw / f.stem)
-        return raw
+    if all((raw / name).is_file() for name in _FILES):
+        for name in _FILES:
+            _check_cached(spec, raw / name)
+        return
     searched: list[Path] = []
     skipped: list[str] = []
-    for candidate in _candidate_dirs(spec, raw):
-        searched.append(candidate)
-        sources = [_find_source(candidate, f) for f in _FILES]
-        if any(s is None for s in sources):
+    for directory in _candidate_dirs(spec, raw):
+        searched.append(directory)
+        sources = [_find(directory, name) for name in _FILES]
+        if None in sources:
             continue
-        problem = _identity_problem(spec, sources)
-        if problem:
-            skipped.append(f"{candidate}: {problem}")
+        problems = [_label_problem(spec, path) for path in sources if _is_labels(path)]
+        if any(problems):
+            skipped.append(f"{directory}: {next(p for p in problems if p)}")
             continue
         _install(spec, sources, raw)
-        return raw
+        return
     if not download:
         raise _not_found(spec, data_root, searched, skipped, None)
     try:
         _torchvision_download(spec, data_root, train)
     except Exception as err:  # any failure (offline, mirror down) means: no dataset
         raise _not_found(spec, data_root, searched, skipped, _short_reason(err)) from err
-    for f in _FILES:
-        _validate_file(spec, f, raw / f.stem)
-    return raw
+    for name in _FILES:
+        _check_cached(spec, raw / name)
 
 
 def _torchvision_download(spec: _Spec, data_root: Path, train: bool) -> None:
-    spec.torchvision_class()(str(data_root), train=train, download=True)
+    from torchvision import datasets
+
+    getattr(datasets, spec.folder)(str(data_root), train=train, download=True)
 
 
 def _candidate_dirs(spec: _Spec, raw: Path) -> list[Path]:
-    bases = [Path(p).expanduser() for p in envvars.get_paths(DATA_SOURCES_ENV)]
-    # DDPTRAIN_DATA_SOURCES_ONLY=1: search nothing but the root and $DDPTRAIN_DATA_SOURCES (to
-    # reproduce an offline machine, or to be sure which copy is used).
-    only_listed = envvars.get_flag("DDPTRAIN_DATA_SOURCES_ONLY")
-    dirs = [raw] + [base / layout for base in bases for layout in spec.layouts()]
-    if not only_listed:
-        dirs += [Path(d) for d in spec.system_dirs]
-    unique: list[Path] = []
-    for d in dirs:
-        d = Path(os.path.normpath(d))
-        if d not in unique and d.is_dir():
-            unique.append(d)
-    return unique
+    """Existing directories to search, in order: the raw folder, the sources, the system's folder."""
+    sources = [Path(p).expanduser() for p in envvars.get_paths(DATA_SOURCES_ENV)]
+    dirs = [raw] + [base / layout for base in sources for layout in (f"{spec.folder}/raw", spec.folder, ".")]
+    dirs += [Path(spec.system_dir)] if spec.system_dir else []
+    unique = dict.fromkeys(Path(os.path.normpath(d)) for d in dirs)
+    return [d for d in unique if d.is_dir()]
 
 
-def _find_source(directory: Path, f: _IdxFile) -> Path | None:
-    for name in (f.stem, f.stem + ".gz"):
-        if (directory / name).is_file():
-            return directory / name
+def _find(directory: Path, name: str) -> Path | None:
+    for path in (directory / name, directory / f"{name}.gz"):
+        if path.is_file():
+            return path
     return None
+
+
+def _stem(path: Path) -> str:
+    return path.name.removesuffix(".gz")
+
+
+def _is_labels(path: Path) -> bool:
+    return _FILES[_stem(path)][0] == _LABELS
 
 
 def _open(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
 
 
-def _identity_problem(spec: _Spec, sources: Sequence[Path]) -> str | None:
-    """Return why these four files are not ``spec``'s dataset, or None if labels match."""
-    for f, path in zip(_FILES, sources):
-        if not f.images:
-            problem = _label_problem(spec, f, path)
-            if problem:
-                return problem
-    return None
+def _label_problem(spec: _Spec, path: Path) -> str | None:
+    """Check a labels file (``.gz`` or not); return why it is not ``spec``'s, or None.
 
-
-def _label_problem(spec: _Spec, f: _IdxFile, path: Path) -> str | None:
-    # The label histogram identifies the dataset: MNIST and Fashion-MNIST share file
-    # names and formats, but Fashion-MNIST has exactly 6000/1000 labels per class.
-    data = _read_all(path)
-    _check_idx(f, data[: f.header_len], len(data), path)
-    labels = torch.frombuffer(bytearray(data[f.header_len :]), dtype=torch.uint8)
-    counts = tuple(torch.bincount(labels, minlength=10).tolist())
-    expected = spec.train_label_counts if f.train else spec.test_label_counts
+    The label histogram tells the datasets apart: Fashion-MNIST has exactly 6000 (train) or
+    1000 (test) labels per class, MNIST its own known counts.
+    """
+    try:
+        with _open(path) as stream:
+            data = stream.read()
+    except (EOFError, OSError, zlib.error) as err:
+        raise _corrupt(path, err) from err
+    _check_idx(path, data[:8], len(data))
+    counts = tuple(torch.bincount(torch.frombuffer(bytearray(data[8:]), dtype=torch.uint8), minlength=10).tolist())
+    expected = spec.label_counts[_FILES[_stem(path)][1]]
     if counts != expected:
         return f"labels per class {list(counts)} in {path.name} are not {spec.name}'s {list(expected)}"
     return None
 
 
-def _read_all(path: Path) -> bytes:
+def _check_cached(spec: _Spec, path: Path) -> None:
+    """Check an uncompressed file of the raw folder, telling how to have it rebuilt."""
     try:
-        with _open(path) as stream:
-            return stream.read()
-    except (EOFError, OSError, zlib.error) as err:
-        raise _corrupt(path, err) from err
+        with open(path, "rb") as stream:
+            _check_idx(path, stream.read(16), path.stat().st_size)
+        problem = _label_problem(spec, path) if _is_labels(path) else None
+        if problem:
+            raise DatasetCorruptError(f"{path} does not hold {spec.name}: {problem}")
+    except DatasetCorruptError as err:
+        raise DatasetCorruptError(f"{err}\nDelete {path} to have it rebuilt from the .gz sources.") from None
+
+
+def _check_idx(path: Path, header: bytes, size: int) -> None:
+    """Refuse an IDX file whose header or size is not that of its name's file (``size``: uncompressed)."""
+    magic, count, item_bytes = _FILES[_stem(path)]
+    kind, header_len = ("labels", 8) if magic == _LABELS else ("images", 16)
+    if len(header) < header_len:
+        raise DatasetCorruptError(f"{path} is truncated: {size} bytes, not even an IDX header ({header_len} bytes)")
+    found_magic, found_count = struct.unpack(">II", header[:8])
+    if found_magic != magic:
+        raise DatasetCorruptError(
+            f"{path} is not an IDX {kind} file: magic number {found_magic}, expected {magic} for {_stem(path)}"
+        )
+    if found_count != count:
+        raise DatasetCorruptError(f"{path} declares {found_count} {kind}, expected {count} for {_stem(path)}")
+    if kind == "images" and struct.unpack(">II", header[8:16]) != (28, 28):
+        raise DatasetCorruptError(f"{path} declares images of {struct.unpack('>II', header[8:16])}, expected (28, 28)")
+    if size != header_len + count * item_bytes:
+        raise DatasetCorruptError(
+            f"{path} holds {size} bytes of IDX data, expected {header_len + count * item_bytes} ({count} {kind}): "
+            f"the file is truncated or corrupt; replace it with a good copy"
+        )
 
 
 def _install(spec: _Spec, sources: Sequence[Path], raw: Path) -> None:
+    """Decompress (or copy) the four checked-to-be sources into ``raw``, keeping files already there."""
     try:
         raw.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -366,67 +356,28 @@ def _install(spec: _Spec, sources: Sequence[Path], raw: Path) -> None:
             f"cannot create the {spec.name} cache folder {raw} ({err}); the data root must be "
             f"writable. Pass another root or set {DATA_ROOT_ENV} to a writable directory."
         ) from err
-    for f, src in zip(_FILES, sources):
-        dest = raw / f.stem
+    for src in sources:
+        dest = raw / _stem(src)
         if dest.is_file():
-            _validate_file(spec, f, dest)
+            _check_cached(spec, dest)
             continue
-        _copy_validated(f, src, dest)
-
-
-def _copy_validated(f: _IdxFile, src: Path, dest: Path) -> None:
-    # Write to a unique temporary file and rename: ranks that start together may all
-    # decompress at once, and an interrupted run must not leave a half file behind.
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{f.stem}.", suffix=".tmp", dir=dest.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
-            try:
-                with _open(src) as stream:
-                    shutil.copyfileobj(stream, out, 1 << 20)
-            except (EOFError, OSError, zlib.error) as err:
-                raise _corrupt(src, err) from err
-        with open(tmp, "rb") as written:
-            header = written.read(f.header_len)
-        _check_idx(f, header, tmp.stat().st_size, src)
-        # mkstemp makes the file private; a shared cache must stay readable to others.
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def _validate_file(spec: _Spec, f: _IdxFile, path: Path) -> None:
-    with open(path, "rb") as stream:
-        header = stream.read(f.header_len)
-    try:
-        _check_idx(f, header, path.stat().st_size, path)
-        if not f.images:
-            problem = _label_problem(spec, f, path)
-            if problem:
-                raise DatasetCorruptError(f"{path} does not hold {spec.name}: {problem}")
-    except DatasetCorruptError as err:
-        raise DatasetCorruptError(f"{err}\nDelete {path} to have it rebuilt from the .gz sources.") from None
-
-
-def _check_idx(f: _IdxFile, header: bytes, size: int, path: Path) -> None:
-    if len(header) < f.header_len:
-        raise DatasetCorruptError(f"{path} is truncated: {size} bytes, not even an IDX header ({f.header_len} bytes)")
-    magic, count = struct.unpack(">II", header[:8])
-    kind = "images" if f.images else "labels"
-    if magic != f.magic:
-        raise DatasetCorruptError(
-            f"{path} is not an IDX {kind} file: magic number {magic}, expected {f.magic} for {f.stem}"
-        )
-    if count != f.count:
-        raise DatasetCorruptError(f"{path} declares {count} {kind}, expected {f.count} for {f.stem}")
-    if f.images and struct.unpack(">II", header[8:16]) != (28, 28):
-        raise DatasetCorruptError(f"{path} declares images of {struct.unpack('>II', header[8:16])}, expected (28, 28)")
-    if size != f.size:
-        raise DatasetCorruptError(
-            f"{path} holds {size} bytes of IDX data, expected {f.size} ({f.count} {kind}): the file is "
-            f"truncated or corrupt; replace it with a good copy"
-        )
+        # A unique temporary file, then a rename: ranks that start together may all decompress at
+        # once, and an interrupted run must not leave a half file behind.
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=raw)
+        tmp = Path(tmp_name)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                try:
+                    with _open(src) as stream:
+                        shutil.copyfileobj(stream, out, 1 << 20)
+                except (EOFError, OSError, zlib.error) as err:
+                    raise _corrupt(src, err) from err
+            with open(tmp, "rb") as written:
+                _check_idx(src, written.read(16), tmp.stat().st_size)
+            os.chmod(tmp, 0o644)  # mkstemp makes it private; a shared cache must stay readable to others
+            os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _corrupt(path: Path, err: BaseException) -> DatasetCorruptError:
@@ -440,15 +391,10 @@ def _not_found(
 ) -> DatasetNotFoundError:
     apt = ""
     if spec.apt_package:
-        apt = f"On Debian/Ubuntu: apt-get install {spec.apt_package} (puts them in {', '.join(spec.system_dirs)})."
+        apt = f"On Debian/Ubuntu: apt-get install {spec.apt_package} (puts them in {spec.system_dir})."
+    files = [f"{name}.gz" for name in _FILES]
     return DatasetNotFoundError(
-        spec.name,
-        [f.stem + ".gz" for f in _FILES],
-        data_root / spec.folder / "raw",
-        searched,
-        skipped,
-        download_error,
-        apt,
+        spec.name, files, data_root / spec.folder / "raw", searched, skipped, download_error, apt
     )
 
 

@@ -1,29 +1,15 @@
-"""A DistributedSampler that also resumes mid-epoch and reports its padding.
+"""A DistributedSampler that also resumes mid-epoch and marks its padding.
 
-The arithmetic is that of ``torch.utils.data.distributed.DistributedSampler``, so the
-same (seed, epoch, world size) give the same indices on every rank as torch does:
+The indices are torch's (``torch.utils.data.distributed.DistributedSampler``): the same
+(seed, epoch, world size) give every rank the same indices as torch. The epoch's order is
+``epoch_order`` (``torch.randperm`` seeded with ``seed + epoch``, or ``range`` without shuffle),
+which does not depend on the world size. It is padded to a multiple of ``num_replicas`` by
+repeating its head (cut instead, with ``drop_last``), and rank ``r`` takes
+``order[r::num_replicas]``: once every rank has taken ``k`` samples, the first
+``k * num_replicas`` of the order are consumed.
 
-1. The epoch's order is ``torch.randperm(dataset_len)`` drawn from a ``torch.Generator``
-   seeded with ``seed + epoch`` (or ``range(dataset_len)`` without shuffle). It depends
-   on neither the rank nor the world size, which is what makes resuming on a different
-   world size possible.
-2. Without ``drop_last`` the order is padded to a multiple of ``num_replicas`` by
-   repeating its first indices; with ``drop_last`` the tail is cut instead.
-3. Rank ``r`` takes the interleaved slice ``indices[r::num_replicas]``, so after every
-   rank has taken ``k`` samples, exactly the first ``k * num_replicas`` of the order
-   are consumed.
-
-Added on top of torch:
-
-* ``state_dict``/``load_state_dict`` to continue an interrupted epoch exactly, refusing
-  a checkpoint from another world size unless told to convert the position.
-* ``num_padded``/``is_padding``/``padding_mask`` so evaluation can ignore the padding
-  duplicates and reduce metrics over exactly ``dataset_len`` samples.
-* A warning when a shuffled sampler is iterated twice in one epoch, the usual symptom of
-  forgetting ``set_epoch``.
-
-This module needs only integers for the rank and world size; it never talks to the
-process group.
+Added to torch's: ``state_dict``/``load_state_dict`` for an exact mid-epoch resume,
+``padding_mask`` for an exact evaluation, and a warning when ``set_epoch`` is forgotten.
 """
 
 from __future__ import annotations
@@ -36,7 +22,9 @@ from typing import Any
 import torch
 from torch.utils.data import Sampler
 
-__all__ = ["DistributedSampler", "STATE_VERSION"]
+from .global_batches import epoch_order
+
+__all__ = ["DistributedSampler", "STATE_VERSION", "world_size_change_refused"]
 
 STATE_VERSION = 1
 """Version of the dictionary written by ``DistributedSampler.state_dict``."""
@@ -55,17 +43,16 @@ class DistributedSampler(Sampler[int]):
                 ...
 
     Every rank yields ``len(sampler)`` indices per epoch. Without ``drop_last`` the last
-    ``num_padded()`` of them are duplicates added so that all ranks take the same number
-    of steps; with ``drop_last`` up to ``num_replicas - 1`` samples are left out.
+    ``num_padded()`` of them repeat earlier samples so that all ranks take the same number of
+    steps; with ``drop_last`` up to ``num_replicas - 1`` samples are left out instead.
 
-    Resuming: ``state_dict()["consumed"]`` counts this rank's indices already handed out
-    in the current epoch. The sampler counts what it yields, but a ``DataLoader`` fetches
-    ahead of the training step (workers, prefetching), so a trainer that knows how many
-    samples it has actually trained on should report that with ``advance(n)`` after each
-    step or ``set_consumed(n)`` before saving; from that call on the sampler stops
-    counting on its own until the next pass. After ``load_state_dict`` the next pass
-    yields exactly the indices of the epoch that remain; calling ``set_epoch`` with the
-    *same* epoch keeps that position, a different epoch starts it fresh.
+    Resuming: ``consumed`` is this rank's position in the epoch, and ``state_dict`` saves it.
+    The sampler counts the indices it yields, but a ``DataLoader`` fetches ahead of training
+    (workers, prefetching), so a trainer reports what it actually trained on with
+    ``advance(n)`` after each step (or ``set_consumed(n)``); from then on the sampler stops
+    counting by itself until its next pass. After ``load_state_dict`` the next pass yields
+    exactly what remains of the saved epoch; ``set_epoch`` with that same epoch keeps the
+    position, and every other pass starts at the beginning of the epoch.
 
     Args:
         dataset_or_len: The dataset (anything with ``len``) or its length.
@@ -74,12 +61,11 @@ class DistributedSampler(Sampler[int]):
         rank: This rank, in ``[0, num_replicas)``. Default: this process's rank in that group.
         shuffle: Draw a new random order every epoch (``set_epoch``).
         seed: Base seed of the shuffle; must be the same on every rank.
-        drop_last: Cut the tail so that ranks need no padding, instead of repeating
-            samples.
+        drop_last: Cut the tail so that ranks need no padding, instead of repeating samples.
 
     Raises:
-        ValueError: If ``num_replicas < 1``, ``rank`` is outside ``[0, num_replicas)``,
-            the dataset is empty, or ``drop_last`` leaves every rank without samples.
+        ValueError: If ``num_replicas < 1``, ``rank`` is outside ``[0, num_replicas)``, the
+            dataset is empty, or ``drop_last`` leaves every rank without samples.
     """
 
     def __init__(
@@ -92,143 +78,111 @@ class DistributedSampler(Sampler[int]):
         drop_last: bool = False,
     ) -> None:
         super().__init__()
-        dataset_len = _length_of(dataset_or_len)
         if num_replicas is None or rank is None:
             group_size, group_rank = _current_group()
             num_replicas = group_size if num_replicas is None else num_replicas
             rank = group_rank if rank is None else rank
-        _validate_replicas(num_replicas, rank)
-        if dataset_len == 0:
-            raise ValueError("DistributedSampler got an empty dataset (length 0); there is nothing to sample")
-        if drop_last and dataset_len < num_replicas:
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas (the world size) must be an int >= 1, got {num_replicas!r}")
+        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
             raise ValueError(
-                f"drop_last=True with a dataset of {dataset_len} samples and num_replicas="
+                f"invalid rank {rank!r}: with num_replicas={num_replicas} the rank must be in [0, {num_replicas - 1}]"
+            )
+        self.dataset = None if isinstance(dataset_or_len, int) else dataset_or_len
+        self.dataset_len = dataset_or_len if isinstance(dataset_or_len, int) else _length_of(dataset_or_len)
+        if self.dataset_len <= 0:
+            raise ValueError(f"DistributedSampler got an empty dataset (length {self.dataset_len})")
+        if drop_last and self.dataset_len < num_replicas:
+            raise ValueError(
+                f"drop_last=True with a dataset of {self.dataset_len} samples and num_replicas="
                 f"{num_replicas} would give every rank 0 samples. Use drop_last=False (samples "
                 f"are repeated to fill every rank) or fewer replicas."
             )
-        self.dataset = None if isinstance(dataset_or_len, int) else dataset_or_len
-        self.dataset_len = dataset_len
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.num_samples = _samples_per_rank(dataset_len, num_replicas, drop_last)
+        self.num_replicas, self.rank = num_replicas, rank
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.num_samples = _samples_per_rank(self.dataset_len, num_replicas, drop_last)
         self.total_size = self.num_samples * num_replicas
         self.epoch = 0
         self._consumed = 0
-        # A position set by load_state_dict, used by the next pass only.
-        self._resume_pending = False
-        # False once the trainer reports progress itself (advance/set_consumed).
-        self._auto_count = True
-        self._pass_start = 0
-        # Generators of an older pass (or epoch) must not update the count.
-        self._pass_id = 0
-        self._passes_this_epoch = 0
-        self._warned_repeat = False
-
-    # ------------------------------------------------------------------ iteration
+        # Where the next pass starts: the position load_state_dict restored, else 0.
+        self._resume_at = 0
+        # The pass whose yields move _consumed; None once progress is reported (or before any pass).
+        # While it is a pass p: _consumed == p.start + the indices p has yielded.
+        self._counting: _Pass | None = None
+        self._warned = False
 
     def __len__(self) -> int:
         """Number of indices this rank yields in a full epoch (padding included)."""
         return self.num_samples
 
     def __iter__(self) -> Iterator[int]:
-        start = self._consumed if self._resume_pending else 0
-        if self.shuffle and not self._resume_pending and self._passes_this_epoch > 0:
+        start, self._resume_at = self._resume_at, 0
+        if start == 0 and self._consumed > 0 and self.shuffle:
             self._warn_repeated_epoch()
-        self._resume_pending = False
-        self._passes_this_epoch += 1
-        self._pass_id += 1
-        self._pass_start = start
         self._consumed = start
-        self._auto_count = True
-        # Set up eagerly (not inside the generator) so that state is right as soon as
-        # iter() returns, before the first next().
-        return self._generate(self.epoch_indices()[start:], start, self._pass_id)
+        # Set up here, not in the generator: the state is right as soon as iter() returns.
+        self._counting = counting = _Pass(start)
+        return self._yield(self.epoch_indices()[start:], counting)
 
-    def _generate(self, indices: list[int], start: int, pass_id: int) -> Iterator[int]:
-        for offset, index in enumerate(indices):
-            if pass_id == self._pass_id and self._auto_count:
-                self._consumed = start + offset + 1
+    def _yield(self, indices: list[int], counting: _Pass) -> Iterator[int]:
+        for index in indices:
+            if self._counting is counting:  # an older pass (or epoch) moves nothing
+                self._consumed += 1
             yield index
 
     def epoch_indices(self) -> list[int]:
-        """Return all of this rank's indices for the current epoch, in order.
-
-        This is what a full pass yields; a resumed pass yields its tail from position
-        ``consumed``.
-        """
-        if self.shuffle:
-            generator = torch.Generator()
-            generator.manual_seed(self.seed + self.epoch)
-            indices = torch.randperm(self.dataset_len, generator=generator).tolist()
-        else:
-            indices = list(range(self.dataset_len))
+        """All of this rank's indices for the current epoch, in order (a resumed pass yields a tail)."""
+        order = epoch_order(self.dataset_len, self.seed, self.epoch, self.shuffle).tolist()
         if self.drop_last:
-            indices = indices[: self.total_size]
+            order = order[: self.total_size]
         else:
-            padding_size = self.total_size - len(indices)
-            # Repeat the whole order when the padding is longer than the dataset
-            # (fewer samples than ranks), as torch does.
-            repeats = math.ceil(padding_size / len(indices)) if padding_size else 0
-            indices += (indices * repeats)[:padding_size]
-        return indices[self.rank : self.total_size : self.num_replicas]
+            # Repeated whole when the padding is longer than the dataset (fewer samples than ranks).
+            order += (order * math.ceil(self.total_size / len(order)))[: self.total_size - len(order)]
+        return order[self.rank :: self.num_replicas]
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch, which seeds the shuffle (``seed + epoch``).
 
-        Call it at the start of every epoch with a new number; otherwise every epoch
-        repeats the same order. A different epoch starts at its beginning; the epoch
-        already set (for example, just restored by ``load_state_dict``) keeps its
-        position.
+        Call it at the start of every epoch with a new number, or every epoch repeats the same
+        order. A new epoch starts at its beginning; the epoch already set (for example, just
+        restored by ``load_state_dict``) keeps its position.
         """
-        if epoch == self.epoch:
-            return
-        self.epoch = epoch
-        self._consumed = 0
-        self._resume_pending = False
-        self._auto_count = True
-        self._pass_start = 0
-        self._pass_id += 1
-        self._passes_this_epoch = 0
+        if epoch != self.epoch:
+            self.epoch, self._consumed, self._resume_at, self._counting = epoch, 0, 0, None
 
     def _warn_repeated_epoch(self) -> None:
-        if self._warned_repeat:
-            return
-        self._warned_repeat = True
-        warnings.warn(
-            f"DistributedSampler (rank {self.rank}) is iterated again in epoch {self.epoch} "
-            f"with shuffle=True, so this pass repeats the previous order exactly. Call "
-            f"sampler.set_epoch(epoch) at the start of each epoch, with a different epoch "
-            f"each time, to get a new shuffle.",
-            UserWarning,
-            stacklevel=3,
-        )
-
-    # ------------------------------------------------------------------ progress
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"DistributedSampler (rank {self.rank}) is iterated again in epoch {self.epoch} "
+                f"with shuffle=True, so this pass repeats the previous order exactly. Call "
+                f"sampler.set_epoch(epoch) at the start of each epoch, with a different epoch "
+                f"each time, to get a new shuffle.",
+                UserWarning,
+                stacklevel=3,
+            )
 
     @property
     def consumed(self) -> int:
-        """This rank's samples already handed out (or reported) in the current epoch."""
+        """This rank's samples of the current epoch already handed out, or reported trained on."""
         return self._consumed
 
     def advance(self, num_samples: int) -> None:
         """Report that this rank trained on ``num_samples`` more samples of this epoch.
 
-        The first call in a pass replaces the sampler's own count (which runs ahead when
-        a DataLoader prefetches) with the start of the pass plus what is reported.
+        The first call in a pass replaces the sampler's own count (which runs ahead when a
+        DataLoader prefetches) with the start of the pass plus what is reported.
 
         Raises:
-            ValueError: If the count would become negative or exceed ``len(self)``.
+            ValueError: If the count would leave ``[0, len(self)]``.
         """
-        base = self._pass_start if self._auto_count else self._consumed
+        base = self._consumed if self._counting is None else self._counting.start
         self.set_consumed(base + num_samples)
 
     def set_consumed(self, num_samples: int) -> None:
         """Set how many of this rank's samples of the current epoch were trained on.
 
-        This changes what ``state_dict`` reports; it does not move the current pass.
+        This changes what ``state_dict`` saves; it does not move the current pass.
 
         Raises:
             ValueError: If ``num_samples`` is outside ``[0, len(self)]``.
@@ -237,52 +191,26 @@ class DistributedSampler(Sampler[int]):
             raise ValueError(
                 f"consumed must be in [0, {self.num_samples}] (this rank's samples per epoch), got {num_samples}"
             )
-        self._auto_count = False
-        self._consumed = num_samples
-
-    # ------------------------------------------------------------------ padding
-
-    def num_real(self) -> int:
-        """Number of this rank's positions per epoch that are not padding."""
-        if self.rank >= self.dataset_len:
-            return 0
-        return min(self.num_samples, math.ceil((self.dataset_len - self.rank) / self.num_replicas))
-
-    def num_padded(self) -> int:
-        """Number of this rank's positions per epoch that repeat an earlier sample.
-
-        Padding positions are always the last ``num_padded()`` of the epoch and do not
-        depend on the epoch. Summed over ranks this is ``total_size - dataset_len``
-        (zero with ``drop_last``).
-        """
-        return self.num_samples - self.num_real()
-
-    def is_padding(self, position: int) -> bool:
-        """Whether this rank's ``position``-th sample of an epoch is a padding duplicate.
-
-        Raises:
-            IndexError: If ``position`` is outside ``[0, len(self))``.
-        """
-        if not 0 <= position < self.num_samples:
-            raise IndexError(f"position must be in [0, {self.num_samples}), got {position}")
-        return self.rank + position * self.num_replicas >= self.dataset_len
+        self._consumed, self._counting = num_samples, None
 
     def padding_mask(self) -> torch.Tensor:
-        """Boolean tensor of length ``len(self)``: True where the position is padding.
+        """Boolean tensor of length ``len(self)``: True where the position repeats an earlier sample.
 
-        Evaluate over a full pass and weigh each sample by ``~padding_mask()`` to reduce
-        metrics over exactly ``dataset_len`` samples across ranks.
+        Padding is always the tail of a rank's epoch and the same in every epoch. Weigh each
+        sample of a full pass by ``~padding_mask()`` to reduce metrics over exactly
+        ``dataset_len`` samples across ranks.
         """
-        positions = torch.arange(self.num_samples)
-        return self.rank + positions * self.num_replicas >= self.dataset_len
+        return self.rank + torch.arange(self.num_samples) * self.num_replicas >= self.dataset_len
 
-    # ------------------------------------------------------------------ checkpointing
+    def num_padded(self) -> int:
+        """Number of this rank's positions per epoch that are padding (0 with ``drop_last``)."""
+        return int(self.padding_mask().sum())
 
     def state_dict(self) -> dict[str, Any]:
-        """Return the position in the epoch as a small, versioned dictionary.
+        """The epoch and this rank's position in it, with what must match to resume it.
 
-        ``rank`` is informational: under data parallelism every rank has consumed the
-        same number of samples, so any rank's state can be loaded on every rank.
+        ``rank`` is informational: every rank has consumed the same number of samples, so any
+        rank's state resumes every rank.
         """
         return {
             "version": STATE_VERSION,
@@ -299,29 +227,24 @@ class DistributedSampler(Sampler[int]):
     def load_state_dict(self, state: Mapping[str, Any], allow_world_size_change: bool = False) -> None:
         """Restore the epoch and position of ``state``; the next pass yields what remains.
 
-        With a different world size the per-rank position is converted into a global
-        one: every rank had consumed ``consumed`` samples, i.e. the first
-        ``consumed * old_num_replicas`` of the epoch's order (which does not depend on
-        the world size). The new ranks resume at ``floor(global / new_num_replicas)``,
-        so this is exact when the division is exact and otherwise up to
-        ``new_num_replicas - 1`` samples of this epoch are seen a second time (none is
-        skipped). The padding or dropped tail of the epoch also differs, as for any run
-        with that world size.
+        With another world size the position is converted: every old rank had consumed
+        ``consumed`` samples, the first ``consumed * old_num_replicas`` of the epoch's order
+        (which does not depend on the world size). The new ranks resume at
+        ``floor(global / new_num_replicas)``: exact when the division is, else up to
+        ``new_num_replicas - 1`` samples of the epoch are seen twice (none is skipped).
 
         Args:
             state: A dictionary from ``state_dict``.
-            allow_world_size_change: Accept a state saved with another ``num_replicas``
-                and convert its position as described above.
+            allow_world_size_change: Accept a state saved with another ``num_replicas``.
 
         Raises:
-            ValueError: If the state has an unknown version, comes from a dataset of
-                another length, another seed/shuffle/drop_last, or (unless allowed)
+            ValueError: If the state has another version, misses a key, or comes from a
+                dataset of another length, another seed/shuffle/drop_last, or (unless allowed)
                 another world size.
         """
-        version = state.get("version")
-        if version != STATE_VERSION:
+        if state.get("version") != STATE_VERSION:
             raise ValueError(
-                f"cannot load DistributedSampler state of version {version!r}; this "
+                f"cannot load DistributedSampler state of version {state.get('version')!r}; this "
                 f"ddptrain reads version {STATE_VERSION}"
             )
         missing = [key for key in self.state_dict() if key not in state and key != "rank"]
@@ -345,9 +268,8 @@ class DistributedSampler(Sampler[int]):
                 + "; ".join(mismatched)
                 + "). Build the DistributedSampler with the saved values to resume."
             )
-        old_replicas = state["num_replicas"]
+        old_replicas, consumed = state["num_replicas"], state["consumed"]
         old_samples = _samples_per_rank(self.dataset_len, old_replicas, self.drop_last)
-        consumed = state["consumed"]
         if not 0 <= consumed <= old_samples:
             raise ValueError(
                 f"corrupt sampler state: consumed={consumed} but each of its {old_replicas} "
@@ -356,28 +278,19 @@ class DistributedSampler(Sampler[int]):
         if old_replicas != self.num_replicas:
             if not allow_world_size_change:
                 raise ValueError(
-                    f"the sampler state was saved with num_replicas={old_replicas}, but this "
-                    f"sampler has num_replicas={self.num_replicas}; a rank's position is only "
-                    f"exact for the same world size. Relaunch with {old_replicas} processes, or "
-                    f"pass allow_world_size_change=True to resume from the equivalent global "
-                    f"position (at most {self.num_replicas - 1} sample(s) of the epoch are seen twice)."
+                    world_size_change_refused(
+                        "the sampler state",
+                        old_replicas,
+                        self.num_replicas,
+                        f"Build the sampler with num_replicas={old_replicas}",
+                        "pass allow_world_size_change=True",
+                    )
                 )
-            consumed = self._convert_position(consumed, old_replicas, old_samples)
-        self.epoch = state["epoch"]
-        self._consumed = consumed
-        self._pass_start = consumed
-        self._resume_pending = True
-        self._auto_count = True
-        self._pass_id += 1
-        self._passes_this_epoch = 0
-
-    def _convert_position(self, consumed: int, old_replicas: int, old_samples: int) -> int:
-        global_consumed = consumed * old_replicas
-        # Only padding (or nothing) was left: the epoch is over for every world size.
-        if consumed == old_samples or global_consumed >= self.dataset_len:
-            return self.num_samples
-        # Floor: repeat a few samples rather than skip any.
-        return min(global_consumed // self.num_replicas, self.num_samples)
+            if consumed == old_samples or consumed * old_replicas >= self.dataset_len:
+                consumed = self.num_samples  # only padding (or nothing) was left: the epoch is over
+            else:
+                consumed = consumed * old_replicas // self.num_replicas  # floor: repeat, never skip
+        self.epoch, self._consumed, self._resume_at, self._counting = state["epoch"], consumed, consumed, None
 
     def __repr__(self) -> str:
         return (
@@ -387,19 +300,36 @@ class DistributedSampler(Sampler[int]):
         )
 
 
-def _length_of(dataset_or_len: Sized | int) -> int:
-    if isinstance(dataset_or_len, bool):
-        raise TypeError("dataset_or_len must be a dataset with len() or an int, got a bool")
-    if isinstance(dataset_or_len, int):
-        if dataset_or_len < 0:
-            raise ValueError(f"dataset length must be >= 0, got {dataset_or_len}")
-        return dataset_or_len
+class _Pass:
+    """One pass over (the rest of) an epoch, from position ``start``; compared by identity."""
+
+    __slots__ = ("start",)
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+
+def world_size_change_refused(what: str, saved: int, current: int, relaunch: str, allow: str) -> str:
+    """Why ``what``, saved with ``saved`` ranks, does not resume exactly on ``current``; and the ways out.
+
+    ``relaunch`` and ``allow`` name the caller's knobs (a sampler's arguments, a run's config keys),
+    e.g. ``"Relaunch with dist.world_size=4"`` and ``"set trainer.allow_world_size_change=true"``.
+    """
+    return (
+        f"{what} was saved with {saved} rank(s), not {current}: a rank's position in the epoch "
+        f"continues exactly only on the same number of ranks. {relaunch}, or {allow} to continue "
+        f"from the same global sample position (at most {current - 1} sample(s) of the epoch are "
+        f"then seen twice)."
+    )
+
+
+def _length_of(dataset: Sized) -> int:
     try:
-        return len(dataset_or_len)
+        return len(dataset)
     except TypeError as err:
         raise TypeError(
             f"DistributedSampler needs a map-style dataset with __len__ (or its length as an "
-            f"int); got {type(dataset_or_len).__name__}, which has no length"
+            f"int); got {type(dataset).__name__}, which has no length"
         ) from err
 
 
@@ -420,17 +350,6 @@ def _current_group() -> tuple[int, int]:
     )
 
 
-def _validate_replicas(num_replicas: int, rank: int) -> None:
-    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
-        raise ValueError(f"num_replicas (the world size) must be an int >= 1, got {num_replicas!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
-        raise ValueError(
-            f"invalid rank {rank!r}: with num_replicas={num_replicas} the rank must be in [0, {num_replicas - 1}]"
-        )
-
-
 def _samples_per_rank(dataset_len: int, num_replicas: int, drop_last: bool) -> int:
-    # Same values as torch: ceil((n - r) / r) == n // r when n % r != 0.
-    if drop_last:
-        return dataset_len // num_replicas
-    return math.ceil(dataset_len / num_replicas)
+    # Torch's values: with drop_last it computes ceil((n - r) / r), which equals n // r.
+    return dataset_len // num_replicas if drop_last else math.ceil(dataset_len / num_replicas)

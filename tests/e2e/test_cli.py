@@ -141,7 +141,7 @@ def test_dataset_missing_offline_is_one_short_error_in_cli_terms(tmp_path):
     # offline machine (and is forbidden here with data.download=false, so it fails the same way online).
     empty = tmp_path / "empty-root"
     empty.mkdir()
-    env = {"DDPTRAIN_DATA_SOURCES": "", "DDPTRAIN_DATA_SOURCES_ONLY": "1"}
+    env = {"DDPTRAIN_DATA_SOURCES": ""}
     started = time.monotonic()
     proc = run_cli(
         "recipe=mnist",
@@ -187,7 +187,6 @@ def test_files_in_data_root_are_used_without_any_download(tmp_path, mnist_root):
     proxy = f"http://127.0.0.1:{listener.getsockname()[1]}"
     env = {
         "DDPTRAIN_DATA_SOURCES": "",
-        "DDPTRAIN_DATA_SOURCES_ONLY": "1",
         "http_proxy": proxy,
         "https_proxy": proxy,
         "HTTP_PROXY": proxy,

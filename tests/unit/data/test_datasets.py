@@ -42,7 +42,7 @@ def no_sources(monkeypatch, tmp_path):
     """Hide every built-in source so that only what a test provides is found."""
     monkeypatch.delenv(ds.DATA_SOURCES_ENV, raising=False)
     monkeypatch.delenv(ds.DATA_ROOT_ENV, raising=False)
-    monkeypatch.setattr(ds, "_FASHION_MNIST", dataclasses.replace(ds._FASHION_MNIST, system_dirs=()))
+    monkeypatch.setattr(ds, "_FASHION_MNIST", dataclasses.replace(ds._FASHION_MNIST, system_dir=None))
 
 
 @pytest.fixture(scope="session")
@@ -58,7 +58,6 @@ def mnist_loaded(tmp_path_factory, mnist_raw):
     before = snapshot(mnist_raw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(ds.DATA_SOURCES_ENV, os.pathsep.join(["/nonexistent", str(mnist_raw)]))
-        mp.setenv("DDPTRAIN_DATA_SOURCES_ONLY", "1")
         train = mnist(root, train=True)
         test = mnist(root, train=False)
     return root, train, test, before, mnist_raw
@@ -80,6 +79,7 @@ def test_mnist_source_untouched_and_cache_written(mnist_loaded):
     assert snapshot(source) == before
     raw = root / "MNIST" / "raw"
     assert sorted(p.name for p in raw.iterdir()) == sorted(n[:-3] for n in GZ_NAMES)  # no temp files left
+    assert all(p.stat().st_mode & 0o444 == 0o444 for p in raw.iterdir())  # a shared cache: readable by all
 
 
 def test_mnist_cache_is_used_without_sources(mnist_loaded, no_sources):
@@ -140,6 +140,29 @@ def test_truncated_gz_gives_clear_error(no_sources, monkeypatch, tmp_path, mnist
         mnist(tmp_path / "root", train=True)
     left = sorted(p.name for p in (tmp_path / "root" / "MNIST" / "raw").iterdir())
     assert "t10k-images-idx3-ubyte" not in left and not any(n.endswith(".tmp") for n in left)
+
+
+def test_truncated_uncompressed_source_gives_clear_error(no_sources, monkeypatch, tmp_path, mnist_raw):
+    images = (mnist_raw / "t10k-images-idx3-ubyte").read_bytes()
+    src = source_with(tmp_path, mnist_raw, {})
+    (src / "t10k-images-idx3-ubyte").unlink()
+    (src / "t10k-images-idx3-ubyte").write_bytes(images[:-784])  # one image short, header intact
+    monkeypatch.setenv(ds.DATA_SOURCES_ENV, str(src))
+    with pytest.raises(DatasetCorruptError, match=r"holds 7839232 bytes of IDX data, expected 7840016 .*truncated"):
+        mnist(tmp_path / "root", train=False)
+    assert not (tmp_path / "root" / "MNIST" / "raw" / "t10k-images-idx3-ubyte").exists()
+
+
+def test_truncated_file_in_the_cache_says_how_to_rebuild_it(no_sources, tmp_path, mnist_raw):
+    raw = tmp_path / "root" / "MNIST" / "raw"
+    raw.mkdir(parents=True)
+    for name in GZ_NAMES:
+        (raw / name[:-3]).symlink_to(mnist_raw / name[:-3])
+    (raw / "train-labels-idx1-ubyte").unlink()
+    (raw / "train-labels-idx1-ubyte").write_bytes((mnist_raw / "train-labels-idx1-ubyte").read_bytes()[:-10])
+    expected = r"(?s)train-labels-idx1-ubyte holds 59998 bytes.*Delete .*train-labels-idx1-ubyte to have it rebuilt"
+    with pytest.raises(DatasetCorruptError, match=expected):
+        mnist(tmp_path / "root", train=False)
 
 
 def test_wrong_item_count_gives_clear_error(no_sources, monkeypatch, tmp_path, mnist_raw):

@@ -66,13 +66,10 @@ def test_padding_is_counted_and_only_repeats():
     union = list(itertools.chain.from_iterable(lists))
     assert set(union) == set(range(n))
     assert sum(s.num_padded() for s in group) == 2 == len(union) - n
-    real = [i for s, lst in zip(group, lists) for pos, i in enumerate(lst) if not s.is_padding(pos)]
+    real = [i for s, lst in zip(group, lists) for pos, i in enumerate(lst) if not s.padding_mask()[pos]]
     assert sorted(real) == list(range(n))
-    for s, lst in zip(group, lists):
-        mask = s.padding_mask()
-        assert mask.tolist() == [s.is_padding(p) for p in range(len(s))]
-        assert int(mask.sum()) == s.num_padded()
-        assert s.num_real() + s.num_padded() == len(lst)
+    tails = [[False] * 3] * 2 + [[False, False, True]] * 2  # ranks 2 and 3 repeat samples 0 and 1
+    assert [s.padding_mask().tolist() for s in group] == tails
 
 
 def test_padding_mask_gives_exact_eval_reduction():
@@ -247,7 +244,8 @@ def test_refuses_world_size_change_by_default():
     s = DistributedSampler(100, 4, 0)
     consume(s, 5)
     t = DistributedSampler(100, 2, 0)
-    with pytest.raises(ValueError, match=r"num_replicas=4.*num_replicas=2.*allow_world_size_change=True"):
+    expected = r"saved with 4 rank\(s\), not 2.*num_replicas=4.*allow_world_size_change=True"
+    with pytest.raises(ValueError, match=expected):
         t.load_state_dict(s.state_dict())
 
 
@@ -279,7 +277,7 @@ def test_world_size_change_resumes_from_global_position(old_ws, new_ws, consumed
         mine = list(s)
         assert mine == s.epoch_indices()[start:]
         rest += mine
-        real_rest += [i for p, i in enumerate(mine, start) if not s.is_padding(p)]
+        real_rest += [i for p, i in enumerate(mine, start) if not s.padding_mask()[p]]
     assert set(done + rest) == set(range(n))  # nothing skipped
     repeats = len(done) + len(real_rest) - n
     assert 0 <= repeats < new_ws
@@ -321,3 +319,37 @@ def test_no_group_and_no_ranks_is_a_clear_error():
         ValueError, match=r"takes them from the current process group, and there is none.*num_replicas="
     ):
         DistributedSampler(range(4))
+
+
+def test_a_version_1_state_written_by_an_earlier_ddptrain_still_resumes():
+    # Literally what checkpoints hold (rank 1's state; any rank's state resumes every rank).
+    saved = {
+        "version": 1,
+        "epoch": 2,
+        "seed": 3,
+        "num_replicas": 4,
+        "rank": 1,
+        "shuffle": True,
+        "drop_last": False,
+        "dataset_len": 50,
+        "consumed": 6,
+    }
+    s = DistributedSampler(50, 4, 2, seed=3)
+    s.load_state_dict(saved)
+    s.set_epoch(2)
+    g = torch.Generator().manual_seed(3 + 2)
+    order = torch.randperm(50, generator=g).tolist()
+    order += order[:2]  # 52 slots for 50 samples
+    assert list(s) == order[2::4][6:]
+    assert s.state_dict() == {**saved, "rank": 2, "consumed": 13}
+
+
+def test_another_epoch_set_after_a_resume_starts_at_its_beginning():
+    s = DistributedSampler(40, 2, 0)
+    s.set_epoch(3)
+    consume(s, 5)
+    resumed = DistributedSampler(40, 2, 0)
+    resumed.load_state_dict(s.state_dict())
+    resumed.set_epoch(4)  # the restored position belongs to epoch 3 only
+    assert resumed.consumed == 0
+    assert list(resumed) == resumed.epoch_indices()
