@@ -1,4 +1,4 @@
-"""Checkpoint state (ddptrain/trainer/checkpointing.py): what a checkpoint holds, restoring it,
+"""The Checkpointer (ddptrain/trainer/checkpoint/checkpointer.py): what a checkpoint holds, restoring it,
 the world-size rule, and the epoch position read from its one owner, the sampler."""
 
 import random
@@ -8,10 +8,18 @@ import torch
 from torch import nn
 
 from ddptrain.data import DistributedSampler
+from ddptrain.rundir import RunDir
 from ddptrain.testing import run_threaded
 from ddptrain.trainer import CheckpointError, Config
-from ddptrain.trainer.checkpoint_io import NothingToResumeError, checkpoint_name, load_checkpoint
-from ddptrain.trainer.checkpointing import Checkpointer, TrainState, check_world_size, elastic_restart_resume
+from ddptrain.trainer.checkpoint import (
+    Checkpointer,
+    NothingToResumeError,
+    TrainState,
+    check_world_size,
+    checkpoint_name,
+    elastic_restart_resume,
+    load_checkpoint,
+)
 from ddptrain.trainer.metrics import TrainingMetrics
 from ddptrain.trainer.optimizers import OptimizerSet, Schedule
 
@@ -79,7 +87,7 @@ class Run:
             process_group=dist.get_process_group(),
             device=torch.device("cpu"),
             config=config,
-            directory=tmp_path / "checkpoints",
+            run_dir=RunDir(tmp_path),
             trainer_class="tests.Trainer",
         )
 
