@@ -21,36 +21,9 @@ from typing import Any
 from torch import nn
 
 from .config import Config, ConfigError, locate
-from .rundir import BEST_DIR, RunDir
-from .trainer.checkpoint_io import CheckpointError, load_checkpoint, resolve_resume_path
+from .trainer.checkpoint import find_checkpoint, load_checkpoint
 
 __all__ = ["load_model", "find_checkpoint"]
-
-WHICH = ("best", "latest")
-
-
-def find_checkpoint(source: str | Path, which: str = "latest") -> Path:
-    """The checkpoint file ``source`` designates: a file as is; a run directory, its
-    ``checkpoints/`` or its ``checkpoints/best``: the newest valid (``latest``) or the best by the
-    stored monitored value (``best``).
-
-    Raises:
-        CheckpointError: nothing there, or ``best`` in a run that kept no best checkpoints.
-    """
-    if which not in WHICH:
-        raise ValueError(f"which={which!r} must be 'best' or 'latest'")
-    path = Path(source).expanduser()
-    if path.is_file():
-        return path
-    if not path.is_dir():
-        raise CheckpointError(f"{source}: no such file or directory (pass a run directory or a checkpoint file)")
-    if path.name == BEST_DIR or which == "latest":
-        found = resolve_resume_path(str(path), path, key=f"load_model({which!r})")
-    else:
-        found = resolve_resume_path("best", RunDir.checkpoints_in(path), key=f"load_model({str(path)!r}, which)")
-    if found is None:
-        raise CheckpointError(f"{source}: no checkpoint found")
-    return found
 
 
 def load_model(
@@ -70,7 +43,7 @@ def load_model(
         CheckpointError: no such checkpoint, or a corrupt one.
         ConfigError: the Trainer class cannot be imported here (pass ``trainer_class``).
     """
-    path = find_checkpoint(source, which)
+    path = find_checkpoint(source, which)  # the one resolver of trainer.resume, trainer.init_from, test()
     checkpoint = load_checkpoint(path, map_location=map_location)
     cls = _trainer_class(trainer_class or checkpoint.get("trainer_class"), path)
     trainer = cls(Config.from_dict(checkpoint["config"]))

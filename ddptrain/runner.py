@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from .launch.env import ClusterEnvironment, detect_environment
 from .logs import setup_logging
 from .preflight import check_device, resolve_backend, validate
 from .rundir import RunDir
-from .trainer.checkpoint_io import latest_valid_checkpoint, load_checkpoint, resolve_resume_path
+from .trainer.checkpoint import preflight_resume, resume_after_restart
 
 __all__ = ["run", "load_trainer_class"]
 
@@ -110,10 +109,10 @@ def run(config: Config) -> dict[str, Any]:
 
 def _resume_from_latest(config: Config) -> Config:
     """The config of a restart: resume from this run's newest valid checkpoint, if it has one."""
-    checkpoints = RunDir(config.trainer.output_dir or ".").checkpoints
-    if latest_valid_checkpoint(checkpoints) is None:
+    resume = resume_after_restart(RunDir(config.trainer.output_dir or "."))
+    if resume is None:
         return config  # nothing written yet: start again as the first attempt did
-    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume="latest"))
+    return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, resume=resume))
 
 
 def _start_workers(config: Config, world_size: int) -> list:
@@ -132,23 +131,6 @@ def _start_workers(config: Config, world_size: int) -> list:
         )
     except MpiexecNotFoundError as exc:
         raise ConfigError(f"dist.backend=mpi: {exc}") from None
-
-
-def preflight_resume(config: Config, world_size: int) -> None:
-    """Refuse a missing, corrupt or wrong-world-size checkpoint (``trainer.resume``), or a missing or
-    corrupt one to start from (``trainer.init_from``), before any worker starts."""
-    from .trainer.checkpointing import check_world_size
-
-    resume, init_from = config.trainer.resume, config.trainer.init_from
-    checkpoints = RunDir(config.trainer.output_dir or ".").checkpoints
-    with warnings.catch_warnings():  # rank 0 repeats any warning when it resumes for real
-        warnings.simplefilter("ignore")
-        path = resolve_resume_path(resume, checkpoints, recipe=config.recipe.name) if resume else None
-        if path is not None:
-            ckpt = load_checkpoint(path)
-            check_world_size(ckpt["world_size"], world_size, config.trainer.allow_world_size_change, path)
-        elif init_from:
-            load_checkpoint(resolve_resume_path(init_from, checkpoints, "trainer.init_from"))
 
 
 def _check_launcher(config: Config, env: ClusterEnvironment) -> None:

@@ -24,8 +24,7 @@ from .callbacks import (
     TrainerView,
     WandbLogger,
 )
-from .checkpoint_io import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
-from .checkpointing import TrainState
+from .checkpoint import CheckpointError, CheckpointWarning, TrainState, latest_valid_checkpoint, load_checkpoint
 from .metrics import SmokeCheckError
 from .trainer import Trainer
 

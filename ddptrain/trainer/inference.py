@@ -34,8 +34,7 @@ from torch import nn
 
 from ..comm.objects import all_gather_object
 from ..data import DistributedSampler
-from .checkpoint_io import CheckpointError, load_checkpoint
-from .checkpointing import agree_on_checkpoint
+from .checkpoint import CheckpointError, agree_on_checkpoint, load_checkpoint
 from .data import batch_size_of, make_batches, move_to
 from .dataloaders import LoaderParts, split_loader
 from .metrics import ExactMean

@@ -12,6 +12,8 @@ evaluations and epoch ends the trainer asks with a blocking all-reduce of the sa
 (:meth:`GracefulStop.agreed`), so a decision taken there stops before the next step. One rank
 voting is enough. SIGINT (the user at a terminal) wins over SIGTERM. A second signal, a moment
 after the first, raises ``KeyboardInterrupt`` as Python's default handler would.
+The checkpoint a stopped run leaves is the Checkpointer's
+(:meth:`~ddptrain.trainer.checkpoint.Checkpointer.save_at_stop`).
 """
 
 from __future__ import annotations
@@ -19,17 +21,14 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from pathlib import Path
 
 import torch
 
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
 from ..launch.signals import SECOND_SIGNAL_AFTER_S, restore_signals, take_stop_signals
-from .callbacks import CheckpointCallback, TrainerView
-from .checkpoint_io import checkpoint_name
 
-__all__ = ["GracefulStop", "checkpoint_now"]
+__all__ = ["GracefulStop"]
 
 _log = logging.getLogger("ddptrain.trainer")
 # The votes' order; a signal listed first wins when ranks got different ones.
@@ -81,17 +80,3 @@ class GracefulStop:
         process_group.label_next_collective("stop votes")
         process_group.all_reduce(votes, ReduceOp.SUM).wait()
         return self.decide(votes.tolist())
-
-
-def checkpoint_now(trainer: TrainerView, callbacks: list) -> Path:
-    """A checkpoint of the current step, written unless one exists (collective; after a signal).
-
-    Through the run's :class:`CheckpointCallback` when it has one (it skips a step it already
-    saved and prunes old ones), else straight into ``trainer.checkpoint_dir``: a run stopped by a
-    signal always leaves something to resume from.
-    """
-    path = trainer.checkpoint_dir / checkpoint_name(trainer.state.step)
-    callback = next((c for c in callbacks if isinstance(c, CheckpointCallback)), None)
-    if callback is None:
-        return trainer.save_checkpoint(path)
-    return callback.save(trainer) or callback.directory / checkpoint_name(trainer.state.step)

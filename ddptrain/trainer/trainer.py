@@ -20,7 +20,7 @@ and the user hooks (Lightning's names) ``configure_model``, ``configure_optimize
 ``configure_callbacks``, ``test_dataloader`` / ``test_step`` / ``predict_step`` and the class
 method ``prepare_data`` (runs once, before workers start). The rest lives in objects of its own:
 joining in :mod:`ddptrain.launch.join`, how a step becomes an update in :mod:`.steps`, checkpoint
-state in :mod:`.checkpointing`, logging, final metrics and the smoke check in :mod:`.metrics`,
+state and files in :mod:`.checkpoint`, logging, final metrics and the smoke check in :mod:`.metrics`,
 ``test`` / ``predict`` in :mod:`.inference`. The epoch and the position in it belong to the
 training sampler; the loop reports each step's samples to it (``advance``).
 
@@ -57,7 +57,7 @@ from ..rundir import RunDir
 from .building import agree_on_directory, join_job, wrap_model
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
-from .checkpointing import Checkpointer, TrainState, check_world_size
+from .checkpoint import Checkpointer, TrainState
 from .data import default_dataset, make_batches, num_batches, plan_epochs
 from .dataloaders import resolve_data_hooks
 from .evaluation import validation_pass
@@ -69,10 +69,9 @@ from .precision import Precision
 from .profiling import StepPhases
 from .rng import seed_everything
 from .steps import DataParallelSteps, StepStrategy
-from .stopping import GracefulStop, checkpoint_now
+from .stopping import GracefulStop
 
-# check_world_size: runner.preflight_resume imports it from here.
-__all__ = ["Trainer", "TrainState", "SmokeCheckError", "check_world_size"]
+__all__ = ["Trainer", "TrainState", "SmokeCheckError"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -97,9 +96,10 @@ class Trainer:
     ``train_set``, ``val_set``, ``train_sampler``, ``val_sampler``, ``batch_size``
     (per rank per micro-batch), ``steps_per_epoch``, ``total_steps``, ``state``
     (:class:`TrainState`), ``output_dir``, ``callbacks``, ``metrics`` (:class:`.metrics.TrainingMetrics`),
-    ``checkpointer`` (:class:`.checkpointing.Checkpointer`), ``callback_metrics`` (the latest value
-    of every reduced metric), ``should_stop`` (set it to stop; see :meth:`fit`), ``stopped_early``
-    (True once the ranks agreed to stop for ``should_stop``), ``phases``
+    ``checkpointer`` (:class:`.checkpoint.Checkpointer`: every checkpoint of the fit),
+    ``callback_metrics`` (the latest value of every reduced metric), ``should_stop`` (set it to
+    stop; see :meth:`fit`), ``stopped_early`` (True once the ranks agreed to stop for
+    ``should_stop``), ``phases``
     (:class:`.profiling.StepPhases`: every step's phases, announced to listeners such as the doctor).
     """
 
@@ -534,7 +534,7 @@ class Trainer:
         self.model.sync_buffers()  # the digest is of the model rank 0 checkpoints, on every rank
         final = self.metrics.final(module, step=step, epoch=epoch, fit_s=fit_s)  # collective
         if stopped:
-            final.update(stopped_by=self.stopped_by, checkpoint=str(checkpoint_now(self, self.callbacks)))
+            final.update(stopped_by=self.stopped_by, checkpoint=str(self.checkpointer.save_at_stop()))
         final["stopped_early"] = self.stopped_early
         if self.is_main:
             self.run_dir.metrics.write_text(json.dumps(final, indent=2) + "\n")

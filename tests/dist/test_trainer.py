@@ -15,7 +15,7 @@ import torch
 from ddptrain import Config, Trainer
 from ddptrain.testing import run_distributed
 from ddptrain.trainer import CheckpointError
-from ddptrain.trainer.checkpoint_io import list_checkpoints, load_checkpoint
+from ddptrain.trainer.checkpoint import list_checkpoints, load_checkpoint
 
 # One pytest-xdist worker for the module (scripts/test.sh runs --dist loadgroup): two_rank_runs is made once.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240), pytest.mark.xdist_group("dist-trainer")]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ddptrain.trainer.checkpoint_io import load_checkpoint
+from ddptrain.trainer.checkpoint import load_checkpoint
 from tests.conftest import run_cli
 
 # One pytest-xdist worker for the module (scripts/test.sh runs --dist loadgroup): gloo_runs is made once.

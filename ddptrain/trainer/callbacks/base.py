@@ -23,7 +23,7 @@ import torch
 
 from ...config import Config
 from ...rundir import RunDir
-from ..checkpointing import TrainState
+from ..checkpoint import Checkpointer, TrainState
 
 
 @runtime_checkable
@@ -47,6 +47,8 @@ class TrainerView(Protocol):
             same step (after the next step when set during a step; before the next step when set
             at an evaluation or an epoch end).
         process_group: the ranks of the job (for a callback that must agree on a decision).
+        checkpointer: the fit's checkpoints (:class:`~ddptrain.trainer.checkpoint.Checkpointer`:
+            ``save_step``, ``save_best``...), set before ``on_fit_start``.
     """
 
     config: Config
@@ -59,6 +61,7 @@ class TrainerView(Protocol):
     callback_metrics: dict[str, float]
     should_stop: bool
     process_group: Any
+    checkpointer: Checkpointer
 
     @property
     def is_main(self) -> bool:

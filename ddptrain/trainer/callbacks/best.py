@@ -7,7 +7,9 @@ an epoch's ``train/epoch_loss``, or anything else the trainer hands to ``on_log`
 ``best/step_<step>.pt`` with ``{"monitor": {"name", "mode", "value"}}`` inside the checkpoint,
 and the checkpoint it pushes out is deleted. So the directory holds exactly the ``k`` best,
 each carrying its value: ``trainer.resume=best`` and ``ddptrain.load_model(run, which="best")``
-pick from it by that value. The last checkpoints (``keep_last``) are kept beside it, independently.
+pick from it by that value. This callback keeps the ranking; writing, verifying and deleting the
+files are the :class:`~ddptrain.trainer.checkpoint.Checkpointer`'s. The last checkpoints
+(``keep_last``) are kept beside it, independently.
 
 Rank 0 keeps the ranking (rebuilt from the files at the start of a fit, so a resumed run goes on
 with its earlier best) and its decision to save is broadcast, so every rank saves together.
@@ -24,14 +26,6 @@ from typing import Any
 
 from ...comm.objects import broadcast_object
 from ...config import ConfigError
-from ..checkpoint_io import (
-    checkpoint_name,
-    list_checkpoints,
-    load_checkpoint,
-    load_step,
-    monitor_entry,
-    remove_checkpoint,
-)
 from ..topk import Ranked, TopK
 from .base import Callback, EpochOrderedLines, TrainerView
 
@@ -67,24 +61,23 @@ class BestCheckpoints(Callback):
     def on_fit_start(self, trainer: TrainerView) -> None:
         self._reset()
         if self.directory is None:
-            self.directory = trainer.run_dir.best_checkpoints
+            self.directory = trainer.checkpointer.best_dir
         if trainer.is_main:
-            self._load_standings()
+            self._load_standings(trainer)
 
-    def _load_standings(self) -> None:
+    def _load_standings(self, trainer: TrainerView) -> None:
         """The ranking of the best checkpoints already on disk (a resumed run, a rerun in the same directory)."""
-        for path in list_checkpoints(self.directory):
-            entry = monitor_entry(path)
+        for path, step, entry in trainer.checkpointer.best_on_disk(self.directory):
             if entry is None or (entry["name"], entry["mode"]) != (self.monitor, self.mode):
                 log.warning(
                     "%s is not a best checkpoint of %s (%s); left out of the ranking", path, self.monitor, entry
                 )
                 continue
-            value, step = float(entry["value"]), load_step(path)
+            value = float(entry["value"])
             if self.ranking.accepts(value, step):
-                self._evict(self.ranking.add(Ranked(value, step, path)))
+                self._evict(trainer, self.ranking.add(Ranked(value, step, path)))
             else:
-                self._evict([Ranked(value, step, path)])
+                self._evict(trainer, [Ranked(value, step, path)])
 
     def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         self.logged = True
@@ -119,17 +112,16 @@ class BestCheckpoints(Callback):
 
     def _save(self, trainer: TrainerView, value: float, step: int) -> None:
         entry = {"name": self.monitor, "mode": self.mode, "value": value}
-        path = trainer.save_checkpoint(self.directory / checkpoint_name(step), extra={"monitor": entry})
+        path = trainer.checkpointer.save_best(self.directory, entry)  # verified on disk
         if not trainer.is_main:
             return
-        load_checkpoint(path)  # verify what reached the disk before deleting anything
-        self._evict(self.ranking.add(Ranked(value, step, path)))
+        self._evict(trainer, self.ranking.add(Ranked(value, step, path)))
         kept = ", ".join(f"step {r.step}: {r.value:.6g}" for r in self.ranking.kept)
         self.lines.info(trainer, "best checkpoints by %s (%s): %s", self.monitor, self.mode, kept)
 
-    def _evict(self, evicted: list[Ranked]) -> None:
+    def _evict(self, trainer: TrainerView, evicted: list[Ranked]) -> None:
         for old in evicted:
-            remove_checkpoint(old.path)
+            trainer.checkpointer.delete(old.path)
             log.debug("deleted best checkpoint %s (%s=%s)", old.path, self.monitor, old.value)
 
     def _check_produced(self) -> None:

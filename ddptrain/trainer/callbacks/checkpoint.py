@@ -1,24 +1,21 @@
-"""Periodic checkpoints: every N epochs and/or steps and at the end, last k kept, rank 0 writes.
+"""Periodic checkpoints: *when* to save (every N epochs and/or steps, and at the end).
 
-Saving is collective (every rank contributes its RNG state), so this callback runs on every
-rank; only rank 0 touches the disk. Older checkpoints are deleted only after the new one is
-written and verified, so a failed write never costs the previous checkpoint.
+*How* (the file's name, the collective write, verifying it, pruning old ones, never rewriting the
+state a run resumed from) is the :class:`~ddptrain.trainer.checkpoint.Checkpointer`'s
+``save_step``; this callback only decides when to call it. Saving is collective, so this callback
+runs on every rank.
 """
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
-from ..checkpoint_io import checkpoint_name, load_checkpoint, prune_checkpoints
 from .base import Callback, TrainerView
-
-log = logging.getLogger("ddptrain.checkpoint")
 
 
 class CheckpointCallback(Callback):
-    """Write ``<directory>/step_<step>.pt`` (+ ``.sha256``) through ``Trainer.save_checkpoint``.
+    """Write ``<directory>/step_<step>.pt`` (+ ``.sha256``) through ``trainer.checkpointer.save_step``.
 
     Args:
         directory: where checkpoints go (default: the trainer's ``checkpoint_dir``).
@@ -41,14 +38,11 @@ class CheckpointCallback(Callback):
         self.every_steps = every_steps
         self.at_end = at_end
         self.keep_last = keep_last
-        self.last_saved: tuple[int, int, int] | None = None
         self.saved: list[Path] = []
 
     def on_fit_start(self, trainer: TrainerView) -> None:
-        if self.directory is None:
-            self.directory = trainer.checkpoint_dir
-        # A resumed run does not rewrite the checkpoint it started from.
-        self.last_saved = trainer.state.position()
+        trainer.checkpointer.keep_step_checkpoints(self.directory, self.keep_last)
+        self.directory = trainer.checkpointer.steps_dir
 
     def on_train_batch_end(self, trainer: TrainerView, loss: float) -> None:
         if self.every_steps and trainer.state.step % self.every_steps == 0:
@@ -63,14 +57,8 @@ class CheckpointCallback(Callback):
             self.save(trainer)
 
     def save(self, trainer: TrainerView) -> Path | None:
-        """Save now (a collective: every rank must call it at the same step)."""
-        if self.last_saved == trainer.state.position():
-            return None
-        path = trainer.save_checkpoint(self.directory / checkpoint_name(trainer.state.step))
-        self.last_saved = trainer.state.position()
-        if trainer.is_main:
-            load_checkpoint(path)  # verify what reached the disk before deleting anything older
+        """Save now, unless this state is already saved (a collective: every rank must call it at the same step)."""
+        path = trainer.checkpointer.save_step()
+        if path is not None:
             self.saved.append(path)
-            for old in prune_checkpoints(self.directory, self.keep_last):
-                log.debug("deleted old checkpoint %s", old)
         return path

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from ddptrain import Callback, ConfigError
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.checkpoint_io import CheckpointError, list_checkpoints, resolve_resume_path
+from ddptrain.trainer.checkpoint import CheckpointError, list_checkpoints, resolve_checkpoint
 from ddptrain.trainer.topk import Ranked, TopK
 
 from .test_trainer import TinyTrainer, _config
@@ -89,12 +89,12 @@ def test_a_fit_keeps_exactly_the_k_best_each_with_its_value(tmp_path, monitor, m
             assert _val_loss(state["model"]) == pytest.approx(state["monitor"]["value"], rel=1e-5)
     assert len(list_checkpoints(tmp_path / "checkpoints")) == 3  # the last ones, kept beside them
     best_step = _reference_top(values, 1, mode)[0]
-    assert resolve_resume_path("best", tmp_path / "checkpoints").name == f"step_{best_step:09d}.pt"
-    assert resolve_resume_path(str(best_dir), tmp_path).name == f"step_{best_step:09d}.pt"
+    assert resolve_checkpoint("best", tmp_path / "checkpoints").name == f"step_{best_step:09d}.pt"
+    assert resolve_checkpoint(str(best_dir), tmp_path).name == f"step_{best_step:09d}.pt"
     last = list_checkpoints(tmp_path / "checkpoints")[-1]
     assert (
-        resolve_resume_path("last", tmp_path / "checkpoints")
-        == resolve_resume_path("latest", tmp_path / "checkpoints")
+        resolve_checkpoint("last", tmp_path / "checkpoints")
+        == resolve_checkpoint("latest", tmp_path / "checkpoints")
         == last
     )
 

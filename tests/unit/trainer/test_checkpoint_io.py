@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from ddptrain.trainer.checkpoint_io import (
+from ddptrain.trainer.checkpoint import (
     FORMAT_VERSION,
     CheckpointError,
     CheckpointWarning,
@@ -18,7 +18,7 @@ from ddptrain.trainer.checkpoint_io import (
     list_checkpoints,
     load_checkpoint,
     prune_checkpoints,
-    resolve_resume_path,
+    resolve_checkpoint,
     save_checkpoint,
 )
 from ddptrain.trainer.rng import capture_rng_state, restore_rng_state
@@ -122,22 +122,22 @@ def test_latest_falls_back_to_newest_valid_with_a_warning(tmp_path):
         latest_valid_checkpoint(tmp_path)
 
 
-def test_resolve_resume_path(tmp_path):
+def test_resolve_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
-    assert resolve_resume_path("auto", run_dir / "checkpoints") is None  # nothing yet: start fresh
+    assert resolve_checkpoint("auto", run_dir / "checkpoints") is None  # nothing yet: start fresh
     with pytest.raises(NothingToResumeError, match="trainer.resume=latest: no checkpoint in .*trainer.resume=auto"):
-        resolve_resume_path("latest", run_dir / "checkpoints")  # never a silent fresh start
+        resolve_checkpoint("latest", run_dir / "checkpoints")  # never a silent fresh start
     _write(run_dir / "checkpoints", 4)
     _write(run_dir / "checkpoints", 8)
-    assert resolve_resume_path("latest", run_dir / "checkpoints").name == checkpoint_name(8)
-    assert resolve_resume_path(str(run_dir), tmp_path / "elsewhere").name == checkpoint_name(8)
+    assert resolve_checkpoint("latest", run_dir / "checkpoints").name == checkpoint_name(8)
+    assert resolve_checkpoint(str(run_dir), tmp_path / "elsewhere").name == checkpoint_name(8)
     explicit = run_dir / "checkpoints" / checkpoint_name(4)
-    assert resolve_resume_path(str(explicit), tmp_path) == explicit
+    assert resolve_checkpoint(str(explicit), tmp_path) == explicit
     with pytest.raises(CheckpointError, match="no such file or directory"):
-        resolve_resume_path(str(tmp_path / "missing.pt"), tmp_path)
+        resolve_checkpoint(str(tmp_path / "missing.pt"), tmp_path)
     (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
-        resolve_resume_path(str(tmp_path / "empty"), tmp_path)
+        resolve_checkpoint(str(tmp_path / "empty"), tmp_path)
 
 
 def test_resume_latest_in_a_fresh_default_run_dir_takes_the_newest_run_of_the_recipe(tmp_path):
@@ -148,14 +148,14 @@ def test_resume_latest_in_a_fresh_default_run_dir_takes_the_newest_run_of_the_re
     os.utime(newest, (time.time() + 60, time.time() + 60))  # written last, whatever the step
     fresh = runs / "2026-01-01_12-30-00"
     fresh.mkdir()
-    assert resolve_resume_path("latest", fresh / "checkpoints", recipe="mnist") == newest
-    assert resolve_resume_path("auto", fresh / "checkpoints", recipe="mnist") is None  # auto: this run only
+    assert resolve_checkpoint("latest", fresh / "checkpoints", recipe="mnist") == newest
+    assert resolve_checkpoint("auto", fresh / "checkpoints", recipe="mnist") is None  # auto: this run only
     (tmp_path / "outputs" / "fashion" / "new").mkdir(parents=True)
     with pytest.raises(NothingToResumeError, match="nor in any run of recipe fashion under"):
-        resolve_resume_path("latest", tmp_path / "outputs" / "fashion" / "new" / "checkpoints", recipe="fashion")
+        resolve_checkpoint("latest", tmp_path / "outputs" / "fashion" / "new" / "checkpoints", recipe="fashion")
     named = tmp_path / "myrun"  # not under outputs/<recipe>/: only its own checkpoints count
     with pytest.raises(NothingToResumeError):
-        resolve_resume_path("latest", named / "checkpoints", recipe="mnist")
+        resolve_checkpoint("latest", named / "checkpoints", recipe="mnist")
 
 
 def test_prune_keeps_the_newest(tmp_path):
@@ -179,7 +179,7 @@ class _Payload:
 def test_checkpoint_carrying_pickled_code_is_refused(tmp_path):
     import torch
 
-    from ddptrain.trainer.checkpoint_io import CheckpointError, load_checkpoint
+    from ddptrain.trainer.checkpoint import CheckpointError, load_checkpoint
 
     path = tmp_path / "step_000000001.pt"
     torch.save({"format_version": 1, "model": {}, "evil": _Payload()}, path)

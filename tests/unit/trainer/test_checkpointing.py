@@ -1,17 +1,27 @@
-"""Checkpoint state (ddptrain/trainer/checkpointing.py): what a checkpoint holds, restoring it,
+"""The Checkpointer (ddptrain/trainer/checkpoint/checkpointer.py): what a checkpoint holds, restoring it,
 the world-size rule, and the epoch position read from its one owner, the sampler."""
 
 import random
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
 from ddptrain.data import DistributedSampler
+from ddptrain.rundir import RunDir
 from ddptrain.testing import run_threaded
 from ddptrain.trainer import CheckpointError, Config
-from ddptrain.trainer.checkpoint_io import NothingToResumeError, checkpoint_name, load_checkpoint
-from ddptrain.trainer.checkpointing import Checkpointer, TrainState, check_world_size, elastic_restart_resume
+from ddptrain.trainer.checkpoint import (
+    Checkpointer,
+    CheckpointWarning,
+    NothingToResumeError,
+    TrainState,
+    check_world_size,
+    checkpoint_name,
+    elastic_restart_resume,
+    load_checkpoint,
+)
 from ddptrain.trainer.metrics import TrainingMetrics
 from ddptrain.trainer.optimizers import OptimizerSet, Schedule
 
@@ -79,7 +89,7 @@ class Run:
             process_group=dist.get_process_group(),
             device=torch.device("cpu"),
             config=config,
-            directory=tmp_path / "checkpoints",
+            run_dir=RunDir(tmp_path),
             trainer_class="tests.Trainer",
         )
 
@@ -192,3 +202,128 @@ def test_a_missing_checkpoint_fails_every_rank(tmp_path):
         return None
 
     assert all(r and "no such file or directory" in r for r in run_threaded(body, 2, timeout_s=60))
+
+
+# == the owner alone: step checkpoints, the stop checkpoint, best ones, the one resolver ==========
+
+
+def _files(directory):
+    return sorted(p.name for p in directory.iterdir() if p.is_file())
+
+
+def test_step_checkpoints_are_named_verified_and_pruned_to_keep_last(tmp_path):
+    def body(rank, world_size):
+        run = Run(tmp_path, rank, world_size)
+        run.checkpointer.keep_step_checkpoints(tmp_path / "elsewhere", keep_last=2)
+        written = []
+        for _ in range(4):
+            run.train(1)
+            written.append(run.checkpointer.save_step())
+        return written
+
+    written = run_threaded(body, 2, timeout_s=60)
+    assert written[0] == written[1]  # every rank gets the path rank 0 wrote
+    assert [p.name for p in written[0]] == [checkpoint_name(s) for s in (1, 2, 3, 4)]
+    assert _files(tmp_path / "elsewhere") == [
+        n for s in (3, 4) for n in (checkpoint_name(s), checkpoint_name(s) + ".sha256")
+    ]
+    assert load_checkpoint(written[0][-1])["step"] == 4
+
+
+def test_a_step_checkpoint_that_does_not_verify_deletes_nothing_older(tmp_path, monkeypatch):
+    import ddptrain.trainer.checkpoint.checkpointer as owner
+    from ddptrain.trainer.checkpoint.files import save_checkpoint
+
+    def body(rank, world_size):
+        run = Run(tmp_path, rank, world_size)
+        run.checkpointer.keep_step_checkpoints(keep_last=1)
+        run.train(1)
+        run.checkpointer.save_step()
+        run.train(1)
+        run.checkpointer.save_step()  # written with a digest that does not match
+        return None
+
+    def corrupt_after_writing(path, state):
+        save_checkpoint(path, state)
+        path.write_bytes(path.read_bytes()[:-10])  # what a full disk or a dying NFS server leaves
+
+    monkeypatch.setattr(
+        owner, "save_checkpoint", lambda p, s: save_checkpoint(p, s) if s["step"] == 1 else corrupt_after_writing(p, s)
+    )
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        run_threaded(body, 1, timeout_s=60)
+    assert (tmp_path / "checkpoints" / checkpoint_name(1)).is_file()  # the previous one survives
+    assert load_checkpoint(tmp_path / "checkpoints" / checkpoint_name(1))["step"] == 1
+
+
+def test_the_stop_checkpoint_is_not_written_twice_and_always_names_a_file(tmp_path):
+    def body(rank, world_size):
+        run = Run(tmp_path, rank, world_size)
+        fresh = run.checkpointer.save_at_stop()  # a stop before the first step: step 0 is written
+        run.train(2)
+        periodic = run.checkpointer.save_step()
+        mtime = periodic.stat().st_mtime_ns
+        stop = run.checkpointer.save_at_stop()  # the same state: named, not written again
+        again = run.checkpointer.save_step()
+        return fresh, periodic, stop, again, mtime == periodic.stat().st_mtime_ns
+
+    fresh, periodic, stop, again, untouched = run_threaded(body, 1, timeout_s=60)[0]
+    assert fresh.name == checkpoint_name(0) and fresh.is_file()
+    assert stop == periodic and again is None and untouched
+    assert _files(tmp_path / "checkpoints").count(checkpoint_name(2)) == 1
+
+
+def test_a_resumed_state_is_not_rewritten_and_a_stop_names_the_file_it_came_from(tmp_path):
+    run_threaded(_save, 1, tmp_path, 3, timeout_s=60)
+    source = tmp_path / "checkpoints" / checkpoint_name(3)
+    before = source.stat().st_mtime_ns
+
+    def body(rank, world_size):
+        run = Run(tmp_path / "next", rank, world_size)
+        run.checkpointer.resume(str(source))
+        return run.checkpointer.save_step(), run.checkpointer.save_at_stop()
+
+    assert run_threaded(body, 1, timeout_s=60) == [(None, source)]
+    assert source.stat().st_mtime_ns == before and not (tmp_path / "next" / "checkpoints").exists()
+
+
+def test_best_checkpoints_carry_their_value_and_are_listed_and_deleted_by_the_owner(tmp_path):
+    def body(rank, world_size):
+        run = Run(tmp_path, rank, world_size)
+        run.train(2)
+        path = run.checkpointer.save_best(run.checkpointer.best_dir, {"name": "eval/loss", "mode": "min", "value": 0.5})
+        listed = run.checkpointer.best_on_disk(run.checkpointer.best_dir)
+        return path, listed
+
+    (path, listed), _ = run_threaded(body, 2, timeout_s=60)
+    assert path == tmp_path / "checkpoints" / "best" / checkpoint_name(2)
+    assert listed == [(path, 2, {"name": "eval/loss", "mode": "min", "value": 0.5})]
+    assert load_checkpoint(path)["monitor"]["value"] == 0.5
+    Checkpointer.delete(path)
+    assert _files(path.parent) == []
+
+
+def test_the_launcher_the_workers_and_load_model_resolve_to_the_same_file(tmp_path):
+    """One resolver: with the newest checkpoint corrupt, every caller falls back to the same older one."""
+    from ddptrain.trainer.checkpoint import find_checkpoint, preflight_resume, resume_after_restart
+
+    assert resume_after_restart(RunDir(tmp_path)) is None
+    run_threaded(_save, 2, tmp_path, 2, timeout_s=60)
+    run_threaded(_save, 2, tmp_path, 4, timeout_s=60)
+    newest = tmp_path / "checkpoints" / checkpoint_name(4)
+    newest.write_bytes(newest.read_bytes()[:-10])
+    older = tmp_path / "checkpoints" / checkpoint_name(2)
+
+    def body(rank, world_size):
+        return Run(tmp_path, rank, world_size).checkpointer.resolve("latest")
+
+    with pytest.warns(CheckpointWarning, match="skipping checkpoint"):
+        assert find_checkpoint(tmp_path) == older
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)  # named again by each caller
+        assert run_threaded(body, 2, timeout_s=60) == [str(older)] * 2
+        config = Config.from_dict({"trainer": {"output_dir": str(tmp_path), "resume": "latest"}})
+        preflight_resume(config, 2)  # the launcher accepts the older one...
+        with pytest.raises(CheckpointError, match=r"2 rank\(s\), but this job has 3"):
+            preflight_resume(config, 3)  # ...and refuses it at another world size, as the workers would
+        assert resume_after_restart(RunDir(tmp_path)) == "latest"

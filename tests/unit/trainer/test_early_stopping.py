@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from ddptrain import Callback, ConfigError
 from ddptrain.testing import run_threaded
 from ddptrain.trainer import EarlyStopping
-from ddptrain.trainer.checkpoint_io import load_checkpoint
+from ddptrain.trainer.checkpoint import load_checkpoint
 
 from .test_trainer import TinyTrainer, _config
 

@@ -10,7 +10,7 @@ import ddptrain
 import ddptrain.loading  # used as ddptrain.loading.find_checkpoint: import it, not rely on others
 from ddptrain import Callback, ConfigError
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.checkpoint_io import CheckpointError, list_checkpoints
+from ddptrain.trainer.checkpoint import CheckpointError, list_checkpoints
 
 from .test_trainer import TinyTrainer, _config
 
@@ -114,7 +114,7 @@ def test_init_from_a_model_that_does_not_fit_says_so(tmp_path):
 
 
 def test_a_missing_init_from_is_refused_before_any_worker_starts(tmp_path):
-    from ddptrain.runner import preflight_resume
+    from ddptrain.trainer.checkpoint import preflight_resume
 
     config = _config(tmp_path, init_from=str(tmp_path / "nowhere"))
     with pytest.raises(CheckpointError, match=r"trainer.init_from=.*nowhere: no such file or directory"):

@@ -9,7 +9,7 @@ from torch import nn
 
 from ddptrain import ConfigError
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.checkpoint_io import load_checkpoint
+from ddptrain.trainer.checkpoint import load_checkpoint
 
 from .test_trainer import TinyTrainer, _config
 

@@ -10,7 +10,7 @@ from ddptrain import Callback, ConfigError
 from ddptrain.config import Config
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.checkpoint_io import load_checkpoint
+from ddptrain.trainer.checkpoint import load_checkpoint
 from ddptrain.trainer.precision import Precision
 
 from .test_trainer import FixedInitTrainer, _config

@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ddptrain import Config, Trainer
-from ddptrain.trainer.checkpoint_io import load_checkpoint
+from ddptrain.trainer.checkpoint import load_checkpoint
 from ddptrain.trainer.steps import DataParallelSteps
 
 

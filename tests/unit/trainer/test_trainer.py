@@ -9,7 +9,7 @@ from torch.utils.data import Dataset, TensorDataset
 
 from ddptrain import Callback, Config, SmokeCheckError, Trainer, comm
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.checkpoint_io import load_checkpoint
+from ddptrain.trainer.checkpoint import load_checkpoint
 
 
 def _config(tmp_path, data=None, optimizer=None, **trainer):

@@ -1,30 +1,42 @@
-"""Checkpoint state: what a checkpoint holds, how a running fit goes into one and comes back, and
-the world-size rule. (Files on disk, atomic writes and integrity: :mod:`.checkpoint_io`.)
+"""The Checkpointer: the one owner of a fit's checkpoints, and the rules that go with them.
 
-A checkpoint is a dict of plain types and tensors, so it loads with ``torch.load(weights_only=True)``:
+What a checkpoint holds is a dict of plain types and tensors, so it loads with
+``torch.load(weights_only=True)``:
 
-- ``format_version``: :data:`.checkpoint_io.FORMAT_VERSION`;
+- ``format_version``: :data:`.files.FORMAT_VERSION`;
 - ``step``: optimizer steps done; ``epoch`` and ``samples_in_epoch``: where the epoch stands,
   copied from ``sampler`` for readers of the file (on resume, ``sampler`` is what counts);
 - ``world_size``: ranks of the job that wrote it (see :func:`check_world_size`);
 - ``model``, ``optimizer``, ``scheduler``: state dicts (``scheduler`` is ``None`` without one;
-  lists, in ``configure_optimizers``' order, with several: :meth:`.optimizers.OptimizerSet.state_dict`);
+  lists, in ``configure_optimizers``' order, with several: :meth:`..optimizers.OptimizerSet.state_dict`);
 - ``callbacks``: ``{"<class name>[#n]": state}`` of the callbacks that have a ``state_dict``;
 - ``grad_scaler``: the ``GradScaler``'s state under ``trainer.precision=16-mixed``, else ``None``;
-- ``strategy``: the step strategy's own state (:meth:`.steps.StepStrategy.state_dict`; ``{}`` for
+- ``strategy``: the step strategy's own state (:meth:`..steps.StepStrategy.state_dict`; ``{}`` for
   plain DDP and invariant mode);
 - ``sampler``: the training sampler's state, the one owner of the epoch and the position in it;
 - ``rng``: every rank's generator states, in rank order;
-- ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`.metrics.TrainingMetrics.state_dict`;
+- ``metrics``, ``loss_history``, ``smoke_probe_start``: see :meth:`..metrics.TrainingMetrics.state_dict`;
 - ``config`` and ``trainer_class``: what wrote it (a resume uses the new run's config;
   ``ddptrain.load_model`` builds the model through them);
 - ``monitor`` (best checkpoints only): ``{"name", "mode", "value"}`` of the monitored metric.
+
+Where they go (:class:`~ddptrain.rundir.RunDir`): ``<run>/checkpoints/step_<step>.pt`` (the step
+checkpoints: :meth:`Checkpointer.save_step`, also the one taken at a stop signal,
+:meth:`Checkpointer.save_at_stop`) and ``<run>/checkpoints/best/step_<step>.pt``
+(:meth:`Checkpointer.save_best`). Each is verified on disk before anything older is deleted.
+*When* to save is the callbacks' business (:class:`~ddptrain.trainer.CheckpointCallback`: every N
+steps or epochs and at the end; :class:`~ddptrain.trainer.BestCheckpoints`: the top k by a metric).
+
+Which file ``trainer.resume`` / ``trainer.init_from`` mean: :mod:`.resolve`. A checkpoint of
+another world size is refused unless ``trainer.allow_world_size_change`` (:func:`check_world_size`),
+in the workers and, before they start, in the launcher (:func:`preflight_resume`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,26 +45,41 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..comm.objects import all_gather_object, broadcast_object
-from ..comm.process_group import ProcessGroup
-from ..config import Config
-from ..data import DistributedSampler
-from .checkpoint_io import (
+from ...comm.objects import all_gather_object
+from ...comm.process_group import ProcessGroup
+from ...config import Config
+from ...data import DistributedSampler
+from ...rundir import RunDir
+from ..metrics import TrainingMetrics
+from ..optimizers import OptimizerSet
+from ..precision import Precision
+from ..rng import capture_rng_state, restore_rng_state, seed_everything
+from ..steps import StepStrategy
+from .files import (
     FORMAT_VERSION,
     CheckpointError,
-    NothingToResumeError,
+    checkpoint_name,
+    list_checkpoints,
     load_checkpoint,
-    resolve_resume_path,
+    load_step,
+    monitor_entry,
+    prune_checkpoints,
+    remove_checkpoint,
     save_checkpoint,
 )
-from .metrics import TrainingMetrics
-from .optimizers import OptimizerSet
-from .precision import Precision
-from .rng import capture_rng_state, restore_rng_state, seed_everything
+from .resolve import agree_on_checkpoint, latest_valid_checkpoint, resolve_checkpoint
 
-__all__ = ["TrainState", "Checkpointer", "check_world_size", "elastic_restart_resume", "agree_on_checkpoint"]
+__all__ = [
+    "TrainState",
+    "Checkpointer",
+    "check_world_size",
+    "elastic_restart_resume",
+    "resume_after_restart",
+    "preflight_resume",
+]
 
 log = logging.getLogger("ddptrain.trainer")
+_files_log = logging.getLogger("ddptrain.checkpoint")
 
 
 @dataclass
@@ -110,43 +137,51 @@ def elastic_restart_resume() -> str | None:
     return None
 
 
-def agree_on_checkpoint(
-    process_group: ProcessGroup, value: str, directory: Path, key: str, recipe: str | None = None
-) -> str | None:
-    """Rank 0 resolves ``value`` (``key``'s: a file, a directory, ``latest``, ``auto``, ``best``; see
-    :func:`.checkpoint_io.resolve_resume_path`) and every rank gets its answer, or its error (collective)."""
-    if process_group.rank() == 0:
-        try:
-            found, error = resolve_resume_path(value, directory, key, recipe), None
-        except CheckpointError as exc:
-            found, error = None, (type(exc) is NothingToResumeError, str(exc))
-        choice = (None if found is None else str(found), error)
-    else:
-        choice = None
-    path, error = broadcast_object(process_group, choice, 0)
-    if error:
-        nothing_to_resume, message = error
-        raise (NothingToResumeError if nothing_to_resume else CheckpointError)(message)
-    return path
+def resume_after_restart(run_dir: RunDir) -> str | None:
+    """What the local launcher's restart (``launcher.max_restarts``) resumes from: ``"latest"``
+    once the run has a valid checkpoint, else ``None`` (start again as the first attempt did)."""
+    return "latest" if latest_valid_checkpoint(run_dir.checkpoints) is not None else None
+
+
+def preflight_resume(config: Config, world_size: int) -> None:
+    """Refuse, in the launcher and before any worker starts, what the workers' resume would refuse:
+    a missing, corrupt or wrong-world-size checkpoint (``trainer.resume``), or a missing or corrupt
+    one to start from (``trainer.init_from``). The same resolution and rules as
+    :meth:`Checkpointer.resume_if_asked`, without the collectives."""
+    resume, init_from = config.trainer.resume, config.trainer.init_from
+    checkpoints = RunDir(config.trainer.output_dir or ".").checkpoints
+    with warnings.catch_warnings():  # rank 0 repeats any warning when it resumes for real
+        warnings.simplefilter("ignore")
+        path = resolve_checkpoint(resume, checkpoints, recipe=config.recipe.name) if resume else None
+        if path is not None:
+            checkpoint = load_checkpoint(path)
+            check_world_size(checkpoint["world_size"], world_size, config.trainer.allow_world_size_change, path)
+        elif init_from:
+            load_checkpoint(resolve_checkpoint(init_from, checkpoints, "trainer.init_from"))
 
 
 class Checkpointer:
-    """Moves a running fit into a checkpoint and back; every method is called on every rank.
+    """A fit's checkpoints: what goes into one, writing, verifying and pruning them, resuming.
+
+    Every method that writes or resumes is collective (every rank calls it at the same step:
+    each contributes its RNG state, rank 0 alone touches the disk and the others get its answers).
 
     Args:
         model: the bare module (not the DDP wrapper).
-        optimizers: the fit's optimizers and schedulers (:class:`.optimizers.OptimizerSet`).
-        precision: the fit's :class:`.precision.Precision` (its gradient scaler's state, under 16-mixed).
-        strategy: the fit's :class:`.steps.StepStrategy` (its own state, if it keeps any).
+        optimizers: the fit's optimizers and schedulers (:class:`..optimizers.OptimizerSet`).
+        precision: the fit's :class:`..precision.Precision` (its gradient scaler's state, under 16-mixed).
+        strategy: the fit's :class:`..steps.StepStrategy` (its own state, if it keeps any).
         callbacks: the fit's callbacks; those with ``state_dict``/``load_state_dict`` (e.g.
             ``EarlyStopping``) travel in the checkpoint's ``callbacks`` entry.
         sampler: the training sampler (the epoch and the position in it).
         state: the fit's :class:`TrainState` (its ``step`` is restored in place).
-        metrics: the fit's :class:`.metrics.TrainingMetrics`.
+        metrics: the fit's :class:`..metrics.TrainingMetrics`.
         process_group: the ranks that save and resume together.
         device: this rank's device (for CUDA generator states).
-        config: the run's configuration (seed, ``allow_world_size_change``; stored for reading).
-        directory: where ``trainer.resume=latest`` looks.
+        config: the run's configuration (seed, resume, ``allow_world_size_change``; stored for reading).
+        run_dir: the run's directory: step checkpoints go to its ``checkpoints/`` (unless
+            :meth:`keep_step_checkpoints` says otherwise), best ones to ``checkpoints/best/``, and
+            ``trainer.resume=latest`` looks in ``checkpoints/``.
         trainer_class: dotted name of the Trainer subclass (stored for reading).
     """
 
@@ -156,7 +191,7 @@ class Checkpointer:
         model: nn.Module,
         optimizers: OptimizerSet,
         precision: Precision | None = None,
-        strategy: Any = None,  # a .steps.StepStrategy (not imported: steps -> stopping -> callbacks -> here)
+        strategy: StepStrategy | None = None,
         callbacks: Sequence[Any] = (),
         sampler: DistributedSampler,
         state: TrainState,
@@ -164,14 +199,22 @@ class Checkpointer:
         process_group: ProcessGroup,
         device: torch.device,
         config: Config,
-        directory: Path,
+        run_dir: RunDir,
         trainer_class: str,
     ):
         self.model, self.optimizers, self.precision, self.strategy = model, optimizers, precision, strategy
         self.callbacks = list(callbacks)
         self.sampler, self.state, self.metrics = sampler, state, metrics
         self.process_group, self.device, self.config = process_group, device, config
-        self.directory, self.trainer_class = directory, trainer_class
+        self.run_dir, self.trainer_class = run_dir, trainer_class
+        self.steps_dir: Path = run_dir.checkpoints
+        """Where :meth:`save_step` writes (see :meth:`keep_step_checkpoints`)."""
+        self.keep_last = 0
+        """How many step checkpoints :meth:`save_step` keeps in ``steps_dir`` (0: all)."""
+        self.last_saved: Path | None = None
+        """The step checkpoint that holds the current state: the one resumed from, or the last
+        :meth:`save_step` wrote; ``None`` while the state is in no file."""
+        self._saved_position: tuple[int, int, int] | None = None  # the position last_saved holds
 
     @classmethod
     def of(cls, trainer: Any) -> Checkpointer:
@@ -188,7 +231,7 @@ class Checkpointer:
             process_group=trainer.process_group,
             device=trainer.device,
             config=trainer.config,
-            directory=trainer.checkpoint_dir,
+            run_dir=trainer.run_dir,
             trainer_class=f"{type(trainer).__module__}.{type(trainer).__qualname__}",
         )
 
@@ -196,6 +239,12 @@ class Checkpointer:
     def is_main(self) -> bool:
         return self.process_group.rank() == 0
 
+    @property
+    def best_dir(self) -> Path:
+        """Where best checkpoints go by default: the run's ``checkpoints/best``."""
+        return self.run_dir.best_checkpoints
+
+    # == what a checkpoint holds ==================================================================
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly. Collective: gathers every rank's RNG states."""
         rng_states = all_gather_object(self.process_group, capture_rng_state(self.device))
@@ -216,15 +265,6 @@ class Checkpointer:
             "config": self.config.to_dict(),
             "trainer_class": self.trainer_class,
         }
-
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
-        """Write a checkpoint plus ``extra`` entries (collective; rank 0 writes, atomically). Returns ``path``."""
-        checkpoint = {**self.state_dict(), **(extra or {})}
-        path = Path(path)
-        if self.is_main:
-            save_checkpoint(path, checkpoint)
-            log.info("checkpoint saved: %s (step %d)", path, self.state.step)
-        return path
 
     def load_state_dict(self, checkpoint: dict[str, Any], path: str | Path = "<checkpoint>") -> None:
         """Restore weights, optimizer, schedule, sampler position, step, metrics and this rank's RNG."""
@@ -249,6 +289,70 @@ class Checkpointer:
         else:
             seed_everything(self.config.trainer.seed + rank + 1_000_003 * checkpoint["step"])
 
+    # == writing ==================================================================================
+    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+        """Write a checkpoint plus ``extra`` entries to ``path``; returns ``path``. Collective: rank 0
+        writes, atomically, with its digest (:func:`.files.save_checkpoint`)."""
+        checkpoint = {**self.state_dict(), **(extra or {})}
+        path = Path(path)
+        if self.is_main:
+            save_checkpoint(path, checkpoint)
+            log.info("checkpoint saved: %s (step %d)", path, self.state.step)
+        return path
+
+    def keep_step_checkpoints(self, directory: str | Path | None = None, keep_last: int = 0) -> None:
+        """Where the step checkpoints go (``None``: the run's ``checkpoints/``) and how many of them
+        stay (0: all). :class:`~ddptrain.trainer.CheckpointCallback` sets them at the start of a
+        fit; the checkpoint taken at a stop follows them."""
+        self.steps_dir = self.run_dir.checkpoints if directory is None else Path(directory)
+        self.keep_last = keep_last
+
+    def save_step(self) -> Path | None:
+        """The current step's checkpoint, ``<steps_dir>/step_<step>.pt`` (collective).
+
+        Skipped (``None``) when the current state is already in a file (:attr:`last_saved`: this
+        position was saved, or resumed from). Rank 0 verifies the file on disk, then deletes
+        the older ones beyond ``keep_last``: a failed write never costs the previous checkpoint.
+        """
+        position = self.state.position()
+        if self.last_saved is not None and self._saved_position == position:
+            return None
+        path = self.save(self.steps_dir / checkpoint_name(self.state.step))
+        self.last_saved, self._saved_position = path, position
+        if self.is_main:
+            load_checkpoint(path)  # verify what reached the disk before deleting anything older
+            for old in prune_checkpoints(self.steps_dir, self.keep_last):
+                _files_log.debug("deleted old checkpoint %s", old)
+        return path
+
+    def save_at_stop(self) -> Path:
+        """The checkpoint of a run stopped by a signal (collective): the current step's, written
+        unless the state is already in a file; the path either way, so a stopped run always
+        leaves something to resume from."""
+        written = self.save_step()
+        return self.last_saved if written is None else written
+
+    def save_best(self, directory: str | Path, monitor: dict[str, Any]) -> Path:
+        """The current step's checkpoint as a best one, ``<directory>/step_<step>.pt`` with
+        ``monitor`` (``{"name", "mode", "value"}``) inside (collective). Rank 0 verifies it on disk
+        before returning, so the caller may then delete the one it pushes out (:meth:`delete`)."""
+        path = self.save(Path(directory) / checkpoint_name(self.state.step), extra={"monitor": monitor})
+        if self.is_main:
+            load_checkpoint(path)  # verify what reached the disk before anything is deleted
+        return path
+
+    @staticmethod
+    def best_on_disk(directory: str | Path) -> list[tuple[Path, int, dict[str, Any] | None]]:
+        """``(path, step, monitor entry or None)`` of each checkpoint in a best directory, by step
+        (reads no tensor). What a resumed run's ranking starts from."""
+        return [(path, load_step(path), monitor_entry(path)) for path in list_checkpoints(directory)]
+
+    @staticmethod
+    def delete(path: str | Path) -> None:
+        """Delete a checkpoint and its digest (rank 0; either may already be gone)."""
+        remove_checkpoint(path)
+
+    # == resuming =================================================================================
     def resume_if_asked(self) -> bool:
         """Resume from ``trainer.resume``, or from the latest checkpoint after a torchrun restart;
         failing that (nothing to resume), start from ``trainer.init_from``'s weights if set."""
@@ -258,14 +362,16 @@ class Checkpointer:
         init_from = self.config.trainer.init_from
         return self.init_weights(init_from) if init_from else False
 
-    def _agree_on_path(self, value: str, key: str) -> str | None:
-        return agree_on_checkpoint(self.process_group, value, self.directory, key, self.config.recipe.name)
+    def resolve(self, value: str, key: str = "trainer.resume") -> str | None:
+        """The file ``value`` (``key``'s: a file, a directory, ``latest``, ``auto``, ``best``) means
+        for this run, as rank 0 resolves it (:func:`.resolve.resolve_checkpoint`; collective)."""
+        return agree_on_checkpoint(self.process_group, value, self.run_dir.checkpoints, key, self.config.recipe.name)
 
     def init_weights(self, source: str) -> bool:
         """Fine-tuning: load only the model weights of ``source`` (``trainer.init_from``: a file, a run
         or checkpoint directory, a ``best`` directory); the optimizer, schedule, step and data
         position start fresh. Every rank loads the same file."""
-        path = self._agree_on_path(source, "trainer.init_from")
+        path = self.resolve(source, "trainer.init_from")
         if path is None:
             raise CheckpointError(f"trainer.init_from={source}: there is no checkpoint to start from")
         checkpoint = load_checkpoint(path)
@@ -286,12 +392,15 @@ class Checkpointer:
 
         Rank 0 picks the file and every rank loads it, so all agree (or all fail together).
         """
-        path = self._agree_on_path(resume, "trainer.resume")
+        path = self.resolve(resume, "trainer.resume")
         if path is None:
             if self.is_main:
-                log.info("trainer.resume=auto: no checkpoint in %s yet; starting from scratch", self.directory)
+                log.info(
+                    "trainer.resume=auto: no checkpoint in %s yet; starting from scratch", self.run_dir.checkpoints
+                )
             return False
         self.load_state_dict(load_checkpoint(path), path)
+        self.last_saved, self._saved_position = Path(path), self.state.position()  # not rewritten by save_step
         if self.is_main:
             log.info("resumed from %s: step %d, epoch %d", path, self.state.step, self.state.epoch + 1)
         return True
