@@ -348,22 +348,31 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
             "without torchrun/mpirun/srun, or launch one job per sweep point"
         )
         return _error(message, EXIT_BAD_CONFIG), True
-    # Imported here: --help, --cfg and configuration errors then answer without importing torch.
+    from ..config import ConfigError
+    from ..preflight import validate
+    from .app import to_config
+
+    full_error = envvars.get_flag("DDPTRAIN_FULL_ERROR") or os.environ.get("HYDRA_FULL_ERROR") == "1"
+    env = detect_environment()
+    # Raised by run() itself, not by a rank, these refuse the run before any rank starts (local launcher).
+    before_start = not env.is_launched_externally()
+    try:
+        config = to_config(cfg, run_dir)
+        # The config's own rules first, before torch is imported: a value error answers in a
+        # fraction of a second. run() checks again, for callers of the Python API.
+        validate(config, env.world_size if env.is_launched_externally() else config.dist.world_size)
+    except ConfigError as exc:
+        if full_error:
+            raise
+        return _error(str(exc), EXIT_BAD_CONFIG), True
     with _stop_signals_deferred():  # torch's C++ import code cannot take a KeyboardInterrupt
-        from ..config import ConfigError
         from ..data import DatasetCorruptError, DatasetNotFoundError
         from ..launch import LaunchTimeoutError, WorkerFailedError
         from ..runner import run
         from ..trainer import CheckpointError, SmokeCheckError
-        from .app import to_config
-
-    full_error = envvars.get_flag("DDPTRAIN_FULL_ERROR") or os.environ.get("HYDRA_FULL_ERROR") == "1"
-    # Raised by run() itself, not by a rank, these refuse the run before any rank starts (local launcher).
-    before_start = not detect_environment().is_launched_externally()
     try:
-        config = to_config(cfg, run_dir)
         metrics = run(config)
-    except ConfigError as exc:
+    except ConfigError as exc:  # what needs the job: a checkpoint to resume, the data, a plug-in
         if full_error:
             raise
         return _error(str(exc), EXIT_BAD_CONFIG), True
@@ -384,7 +393,7 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
             raise
         refused = before_start and isinstance(exc, (DatasetCorruptError, CheckpointError))
         return _error(f"{type(exc).__name__}: {exc}", EXIT_FAILED), refused
-    if detect_environment().rank != 0:
+    if env.rank != 0:
         return _exit_status(metrics), False
     _print_summary(config, metrics, argv)
     return _exit_status(metrics), False

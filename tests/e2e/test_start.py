@@ -48,6 +48,10 @@ def _run_reporting_torch(*args: str, cwd: Path) -> tuple[subprocess.CompletedPro
     [
         (["recipe=synthetic", "trainer.max_stepz=1"], 2, ["Did you mean trainer.max_steps?"]),
         (["recipe=synthetic", "trainer.epochs=abc"], 2, ["trainer.epochs=abc"]),
+        # a value the schema's rule or the job refuses: the rule is checked before torch is imported
+        (["recipe=synthetic", "trainer.max_steps=0"], 2, ["trainer.max_steps=0 must be at least 1"]),
+        (["recipe=mnist", "trainer.precision=16-mixed"], 2, ["trainer.precision=16-mixed needs trainer.device=cuda"]),
+        (["recipe=synthetic", "data.global_batch_size=10", "dist.world_size=3"], 2, ["is not divisible by"]),
         (["--help"], 0, ["recipe: fashion_mnist, mnist, mnist_fast, synthetic"]),
         (["--help", "trainer.max_steps"], 0, ["trainer.max_steps"]),
         (["--version"], 0, ["ddptrain"]),
