@@ -388,8 +388,8 @@ class ZeroOptimizer:
         full: dict[int, dict[str, Any]] = {}
         for other in everyone:
             keys.update(other["keys"])
-            for i, entries in other["scalars"].items():
-                full.setdefault(i, {}).update(entries)
+            for i, entries in other["scalars"].items():  # one tensor per parameter: optimizers update them in place
+                full.setdefault(i, {}).update((k, v.clone() if torch.is_tensor(v) else v) for k, v in entries.items())
         for b, g, key in sorted(keys):  # the same order on every rank
             bucket, layout = self._buckets[b], self._layouts[b]
             flat = torch.zeros(layout.padded_numel, dtype=getattr(torch, keys[(b, g, key)]), device=bucket.device)
