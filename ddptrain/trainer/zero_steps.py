@@ -16,6 +16,7 @@ config cannot combine with ZeRO is refused before any process starts (:mod:`ddpt
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,8 @@ from ..ddp.zero import ZeroOptimizer
 from .steps import DataParallelSteps
 
 __all__ = ["ZeroSteps"]
+
+log = logging.getLogger("ddptrain.trainer")
 
 
 class ZeroSteps(DataParallelSteps):
@@ -42,6 +45,15 @@ class ZeroSteps(DataParallelSteps):
             self.zero = ZeroOptimizer(trainer.model, trainer.optimizer, dist.zero_stage, dist.algorithm)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        held = sum(hi - lo for ranges in self.zero.shard_gradient_elements().values() for lo, hi in ranges)
+        total = sum(p.numel() for p in trainer.model.reducer.params)
+        log.info(
+            "ZeRO stage %d (%s reduce-scatter): this rank steps %d of %d parameter elements",
+            dist.zero_stage,
+            dist.algorithm,
+            held,
+            total,
+        )
 
     def optimizer_step(self) -> None:
         t = self.trainer
