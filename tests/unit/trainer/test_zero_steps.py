@@ -102,6 +102,7 @@ def test_a_zero_checkpoint_is_plain_and_resumes_at_another_world_size(tmp_path):
         ),
         ({"dist": {"gradient_as_bucket_view": True}}, "cannot be combined with dist.gradient_as_bucket_view=true"),
         ({"dist": {"bucket_cap_mb": "auto"}}, "cannot be combined with dist.bucket_cap_mb=auto"),
+        ({"trainer": {"doctor": True}}, "cannot be combined with trainer.doctor=true: the doctor's model"),
     ],
 )
 def test_incompatible_settings_are_refused_with_the_reason(override, message):
