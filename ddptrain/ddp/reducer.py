@@ -35,8 +35,9 @@ when no bucket ends in a flat run, they travel in one small all-reduce of their 
 after the last bucket.
 
 **Sharded gradients** (:meth:`Reducer.shard_gradients`, ZeRO: :mod:`.zero`): every gradient goes
-through the flat buffer (padded as :class:`~.shards.ShardLayout` says), the launch divides the
-buffer by the world size (as the ring comm hook does) and *reduce-scatters* it, and the write back
+through the flat buffer (padded as :class:`~.shards.ShardLayout` says), divided by the world size
+on its way in (a division, as the ring comm hook's, not a multiplication by the inverse, which
+rounds differently); the launch *reduce-scatters* the buffer, and the write back
 keeps only this rank's chunk, in :attr:`Reducer.shard_grads`: parameters' ``.grad`` are set to
 ``None`` as soon as they are staged. Stage 2 also frees each bucket's flat buffer once its chunk is
 taken (allocated again at the next synchronised backward), so no full-size gradient outlives
@@ -414,6 +415,8 @@ class Reducer:
         """Copy ``grad`` into its slot, averaged in the same pass (without a comm hook)."""
         if grad is None:
             view.zero_()
+        elif self.shard_comm is not None:  # divided, as the ring comm hook divides its buffer: the same bits
+            torch.div(grad, self.world_size, out=view)
         elif grad.data_ptr() == view.data_ptr():  # gradient_as_bucket_view: it already lives there
             if self._scale != 1.0:
                 view.mul_(self._scale)
@@ -434,9 +437,7 @@ class Reducer:
                 self._post_sideband(it, b)  # into the buffer's tail, before it travels
             self.pg.label_next_collective(f"DDP bucket {b}")
             if self.shard_comm is not None:
-                buffer = self._flat_of(b).buffer
-                buffer.div_(self.world_size)  # as the ring comm hook does: the same bits as dist.algorithm=ring
-                it.work[b] = self.shard_comm.reduce_scatter(buffer, self.shard_layouts[b])
+                it.work[b] = self.shard_comm.reduce_scatter(self._flat_of(b).buffer, self.shard_layouts[b])
             elif self.comm_hook is not None:
                 it.work[b] = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
             else:  # already averaged while staging

@@ -203,9 +203,9 @@ class ZeroOptimizer:
         iteration, ``bucket_cap_mb=auto``): every rank does, so this is collective."""
         if self._layout_version == self.reducer.layout_version:
             return
-        full = self._gather_full_state()
+        scalars, entries = self._gathered_state()  # in the old layout, consumed after the build
         self._build()
-        self._split_full_state(full)
+        self._place(scalars, entries)
 
     # -- the step ----------------------------------------------------------------------------
     def _take_grads(self) -> bool:
@@ -270,14 +270,17 @@ class ZeroOptimizer:
         for shard in self._shards:
             by_bucket.setdefault(shard.bucket, []).append(shard)
         for b, (bucket, layout) in enumerate(zip(self._buckets, self._layouts)):
-            flat = torch.zeros(layout.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            # Only the owned chunk is read by the all-gather; padding past numel is never read back.
+            flat = torch.empty(layout.padded_numel, dtype=bucket.dtype, device=bucket.device)
             chunk = flat[layout.start : layout.stop]
-            for i, offset in zip(bucket.params, bucket.offsets):  # elements no group trains stay as they are
-                param = reducer.params[i].detach().reshape(-1)
-                lo, hi = max(offset, layout.start), min(offset + param.numel(), layout.stop)
-                if lo < hi:
-                    chunk[lo - layout.start : hi - layout.start].copy_(param[lo - offset : hi - offset])
-            for shard in by_bucket.get(b, []):
+            shards = by_bucket.get(b, [])
+            if sum(p.size for shard in shards for p in shard.pieces) < layout.size:
+                for i, offset in zip(bucket.params, bucket.offsets):  # elements no group trains stay as they are
+                    param = reducer.params[i].detach().reshape(-1)
+                    lo, hi = max(offset, layout.start), min(offset + param.numel(), layout.stop)
+                    if lo < hi:
+                        chunk[lo - layout.start : hi - layout.start].copy_(param[lo - offset : hi - offset])
+            for shard in shards:
                 at = 0
                 for piece in shard.pieces:
                     chunk[piece.chunk_lo : piece.chunk_lo + piece.size].copy_(shard.tensor[at : at + piece.size])
@@ -350,29 +353,68 @@ class ZeroOptimizer:
 
     def _split_full_state(self, full: dict[int, dict[str, Any]]) -> None:
         """Give each shard tensor the slice of the per-parameter ``full`` state it covers."""
+        scalars = {
+            i: {k: v for k, v in st.items() if not _is_elementwise(v, self.reducer.params[i])} for i, st in full.items()
+        }
+        entries = (
+            (i, key, value)
+            for i, state in full.items()
+            for key, value in state.items()
+            if _is_elementwise(value, self.reducer.params[i])
+        )
+        self._place(scalars, entries)
+
+    def _place(self, scalars: dict[int, dict[str, Any]], entries) -> None:
+        """Set the shards' optimizer state from per-parameter state: ``scalars[i]`` (entries such
+        as ``step``, the same for every piece of parameter ``i``) and ``entries``, an iterable of
+        ``(i, key, tensor shaped like parameter i)`` consumed one at a time."""
         if self._shard_optimizer is None:
+            for _ in entries:  # every rank takes part in the collectives behind the iterable
+                pass
             return
+        where: dict[int, list[tuple[_Shard, int, _Piece]]] = {}  # parameter -> (shard, offset in it, piece)
+        for shard in self._shards:
+            at = 0
+            for piece in shard.pieces:
+                where.setdefault(piece.param, []).append((shard, at, piece))
+                at += piece.size
+        state: dict[torch.Tensor, dict[str, Any]] = {}
+        for i, key, value in entries:
+            for shard, at, piece in where.get(i, ()):
+                into = state.setdefault(shard.tensor, {})
+                if key not in into:
+                    into[key] = torch.zeros(shard.tensor.numel(), dtype=value.dtype, device=shard.tensor.device)
+                into[key][at : at + piece.size].copy_(value.reshape(-1)[piece.lo : piece.hi])
+        for shard in self._shards:
+            first = scalars.get(shard.pieces[0].param)
+            if first:  # stepped before: one tensor per shard, optimizers update them in place
+                into = state.setdefault(shard.tensor, {})
+                into.update((k, v.clone() if torch.is_tensor(v) else v) for k, v in first.items())
         self._shard_optimizer.state.clear()
         for shard in self._shards:
-            first = full.get(shard.pieces[0].param)
-            if not first:
-                continue  # not stepped yet
-            state = {}
-            for key, value in first.items():
-                if _is_elementwise(value, self.reducer.params[shard.pieces[0].param]):
-                    state[key] = self._gather_pieces(shard.pieces, lambda i, k=key: full[i][k]).clone()
-                else:
-                    state[key] = value.clone() if torch.is_tensor(value) else value
-            self._shard_optimizer.state[shard.tensor] = state
+            if shard.tensor in state:  # keys in the order the optimizer made them: step first
+                ordered = dict(
+                    sorted(state[shard.tensor].items(), key=lambda kv: torch.is_tensor(kv[1]) and kv[1].dim() > 0)
+                )
+                self._shard_optimizer.state[shard.tensor] = ordered
 
     def _gather_full_state(self) -> dict[int, dict[str, Any]]:
-        """Every trained parameter's full optimizer state (per parameter index), on every rank.
+        """Every trained parameter's full optimizer state (per parameter index), on every rank."""
+        scalars, entries = self._gathered_state()
+        full = {i: dict(state) for i, state in scalars.items()}
+        for i, key, value in entries:
+            full.setdefault(i, {})[key] = value.clone()
+        return {i: state for i, state in full.items() if state}
 
-        Element-wise entries are all-gathered bucket by bucket (in the layout the shards were built
-        for); other entries (Adam's ``step``) are the same for every piece of a parameter and
-        travel as objects.
+    def _gathered_state(self):
+        """This layout's optimizer state, per parameter: ``(scalars, entries)`` as :meth:`_place` takes.
+
+        Element-wise entries are all-gathered one (bucket, group, key) at a time, in the layout the
+        shards were built for, as ``entries`` is consumed (a view of one bucket-sized buffer each:
+        so re-splitting holds one bucket of full state at a time); other entries (Adam's ``step``)
+        are the same for every piece of a parameter and travel as objects, now. Collective: every
+        rank must consume ``entries`` to the end.
         """
-        reducer = self.reducer
         mine: dict[tuple[int, int, str], str] = {}  # (bucket, group, key) -> dtype, of element-wise entries
         scalars: dict[int, dict[str, Any]] = {}
         states = {} if self._shard_optimizer is None else self._shard_optimizer.state
@@ -385,15 +427,18 @@ class ZeroOptimizer:
                         scalars.setdefault(piece.param, {})[key] = value.cpu() if torch.is_tensor(value) else value
         everyone = all_gather_object(self.process_group, {"keys": mine, "scalars": scalars})
         keys: dict[tuple[int, int, str], str] = {}
-        full: dict[int, dict[str, Any]] = {}
+        merged: dict[int, dict[str, Any]] = {}
         for other in everyone:
             keys.update(other["keys"])
             for i, entries in other["scalars"].items():  # one tensor per parameter: optimizers update them in place
-                full.setdefault(i, {}).update((k, v.clone() if torch.is_tensor(v) else v) for k, v in entries.items())
+                merged.setdefault(i, {}).update((k, v.clone() if torch.is_tensor(v) else v) for k, v in entries.items())
+        return merged, self._all_gathered(keys, list(self._shards), self._buckets, list(self._layouts), dict(states))
+
+    def _all_gathered(self, keys, shards, buckets, layouts, states):
         for b, g, key in sorted(keys):  # the same order on every rank
-            bucket, layout = self._buckets[b], self._layouts[b]
+            bucket, layout = buckets[b], layouts[b]
             flat = torch.zeros(layout.padded_numel, dtype=getattr(torch, keys[(b, g, key)]), device=bucket.device)
-            for shard in self._shards:
+            for shard in shards:
                 value = states.get(shard.tensor, {}).get(key)
                 if (shard.bucket, shard.group) != (b, g) or value is None:
                     continue
@@ -402,12 +447,11 @@ class ZeroOptimizer:
                     start = layout.start + piece.chunk_lo
                     flat[start : start + piece.size].copy_(value[at : at + piece.size])
                     at += piece.size
-            reducer.shard_comm.all_gather(flat, layout)
+            self.reducer.shard_comm.all_gather(flat, layout)
             for i, offset in zip(bucket.params, bucket.offsets):
                 if self._group_of.get(i) == g:
-                    param = reducer.params[i]
-                    full.setdefault(i, {})[key] = flat[offset : offset + param.numel()].view_as(param).clone()
-        return {i: state for i, state in full.items() if state}
+                    param = self.reducer.params[i]
+                    yield i, key, flat[offset : offset + param.numel()].view_as(param)
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
