@@ -18,12 +18,13 @@ How one step goes:
    Parameters' ``.grad`` is ``None`` afterwards, at both stages. Stage 1 keeps the buckets' flat
    gradient buffers allocated between steps (one full-size gradient, as plain DDP); stage 2 frees
    each once its chunk is taken, so after backward a rank holds only its shard's gradient elements.
-2. **Step.** For each (bucket, parameter group) this rank holds a contiguous *shard tensor*: the
-   elements of its chunk that belong to that group's parameters. A second instance of the
-   optimizer's own class, with the same hyper-parameters (``foreach``/``fused`` included: the same
-   implementation), steps those shard tensors; their state (momentum, Adam's moments) is
-   ``1/W`` of the full state. Before every step the groups' hyper-parameters are copied from the
-   wrapped optimizer, so learning-rate schedulers attached to it keep working.
+2. **Step.** The elements of a parameter that lie in this rank's chunk are one contiguous slice of
+   it; a second instance of the optimizer's own class, with the same hyper-parameters
+   (``foreach``/``fused`` included: the same implementation), steps those slices — views of the
+   parameters, each in its parameter's group, with views of the averaged chunk as gradients — so
+   its state (momentum, Adam's moments) is ``1/W`` of the full state and nothing is copied. Before
+   every step the groups' hyper-parameters are copied from the wrapped optimizer, so
+   learning-rate schedulers attached to it keep working.
 3. **All-gather.** Bucket by bucket, the updated chunks travel to every rank and are copied into
    the parameters.
 
@@ -51,7 +52,6 @@ this rank's shards. Both are collective.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +102,8 @@ class _Piece:
 
 @dataclass
 class _Shard:
-    """One (bucket, parameter group) shard tensor of this rank and the pieces it is made of."""
+    """One tensor the shards' optimizer steps: a view of the elements of one parameter that lie in
+    this rank's chunk of their bucket (``pieces`` holds that one piece)."""
 
     bucket: int
     group: int
@@ -183,7 +184,9 @@ class ZeroOptimizer:
                     piece = _Piece(i, lo - offset, hi - offset, lo - layout.start)
                     by_group.setdefault(self._group_of[i], []).append(piece)
             for g, pieces in sorted(by_group.items()):
-                shards.append(_Shard(b, g, pieces, self._gather_pieces(pieces, lambda i: reducer.params[i].detach())))
+                for piece in pieces:  # a view: the optimizer updates the parameter where it lies
+                    view = reducer.params[piece.param].detach().view(-1)[piece.lo : piece.hi]
+                    shards.append(_Shard(b, g, [piece], view))
         self._shards = shards
         groups = [
             {**_hyper(group), "params": [s.tensor for s in shards if s.group == g]}
@@ -193,10 +196,6 @@ class ZeroOptimizer:
         # A rank whose chunks hold no trained element (tiny models, many ranks) steps nothing.
         self._shard_optimizer = _same_kind(self.optimizer, groups) if groups else None
         self._layout_version = reducer.layout_version
-
-    @staticmethod
-    def _gather_pieces(pieces: list[_Piece], full: Callable[[int], torch.Tensor]) -> torch.Tensor:
-        return torch.cat([full(p.param).reshape(-1)[p.lo : p.hi] for p in pieces])
 
     def _follow_layout(self) -> None:
         """Re-split the state when DDP laid its buckets out again (its rebuild after the first
@@ -217,9 +216,9 @@ class ZeroOptimizer:
         if self._grads_of_iteration == done:
             return True
         self._follow_layout()
-        for shard in self._shards:
-            grads = self.reducer.shard_grads[shard.bucket]
-            shard.tensor.grad = torch.cat([grads[p.chunk_lo : p.chunk_lo + p.size] for p in shard.pieces])
+        for shard in self._shards:  # views of this rank's chunk of the averaged gradients
+            (piece,) = shard.pieces
+            shard.tensor.grad = self.reducer.shard_grads[shard.bucket][piece.chunk_lo : piece.chunk_lo + piece.size]
         self._grads_of_iteration = done
         return True
 
@@ -251,8 +250,6 @@ class ZeroOptimizer:
             raise ValueError("ZeroOptimizer.step takes no closure (closure optimizers such as LBFGS are refused)")
         if not self._take_grads():
             return
-        for shard in self._shards:  # the parameters are the truth (a checkpoint may have loaded them)
-            shard.tensor.copy_(self._gather_pieces(shard.pieces, lambda i: self.reducer.params[i].detach()))
         if self._shard_optimizer is not None:
             for shard_group, group in zip(self._shard_optimizer.param_groups, self._groups_in_use()):
                 shard_group.update(_hyper(group))
@@ -265,26 +262,16 @@ class ZeroOptimizer:
         return [self.optimizer.param_groups[g] for g in used]
 
     def _all_gather_params(self) -> None:
+        """Every rank's updated chunk of every bucket into the parameters, bucket by bucket."""
         reducer = self.reducer
-        by_bucket: dict[int, list[_Shard]] = {}
-        for shard in self._shards:
-            by_bucket.setdefault(shard.bucket, []).append(shard)
-        for b, (bucket, layout) in enumerate(zip(self._buckets, self._layouts)):
+        for bucket, layout in zip(self._buckets, self._layouts):
             # Only the owned chunk is read by the all-gather; padding past numel is never read back.
             flat = torch.empty(layout.padded_numel, dtype=bucket.dtype, device=bucket.device)
-            chunk = flat[layout.start : layout.stop]
-            shards = by_bucket.get(b, [])
-            if sum(p.size for shard in shards for p in shard.pieces) < layout.size:
-                for i, offset in zip(bucket.params, bucket.offsets):  # elements no group trains stay as they are
-                    param = reducer.params[i].detach().reshape(-1)
-                    lo, hi = max(offset, layout.start), min(offset + param.numel(), layout.stop)
-                    if lo < hi:
-                        chunk[lo - layout.start : hi - layout.start].copy_(param[lo - offset : hi - offset])
-            for shard in shards:
-                at = 0
-                for piece in shard.pieces:
-                    chunk[piece.chunk_lo : piece.chunk_lo + piece.size].copy_(shard.tensor[at : at + piece.size])
-                    at += piece.size
+            for i, offset in zip(bucket.params, bucket.offsets):
+                param = reducer.params[i].detach().reshape(-1)
+                lo, hi = max(offset, layout.start), min(offset + param.numel(), layout.stop)
+                if lo < hi:
+                    flat[lo:hi].copy_(param[lo - offset : hi - offset])
             reducer.shard_comm.all_gather(flat, layout)
             for i, offset in zip(bucket.params, bucket.offsets):
                 param = reducer.params[i]
