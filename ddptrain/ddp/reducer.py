@@ -224,7 +224,10 @@ class Reducer:
         else:
             tail = {} if self._sideband_bucket is None else {self._sideband_bucket: self._sideband_size}
         self._tail = tail
-        self.flat: list[FlatBuffer | None] = allocate(self.plan, tail)
+        if self.zero_stage == 2:  # allocated as gradients arrive, freed once their chunk is kept
+            self.flat: list[FlatBuffer | None] = [None] * len(self.plan.buckets)
+        else:
+            self.flat = allocate(self.plan, tail)
         self.layout_version += 1
         if self.as_view:  # existing gradients move into the new buffers
             for i, p in enumerate(self.params):

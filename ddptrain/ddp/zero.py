@@ -202,7 +202,8 @@ class ZeroOptimizer:
         iteration, ``bucket_cap_mb=auto``): every rank does, so this is collective."""
         if self._layout_version == self.reducer.layout_version:
             return
-        scalars, entries = self._gathered_state()  # in the old layout, consumed after the build
+        # In the old layout, consumed after the build; each old entry is dropped once gathered.
+        scalars, entries = self._gathered_state(release=True)
         self._build()
         self._place(scalars, entries)
 
@@ -393,14 +394,15 @@ class ZeroOptimizer:
             full.setdefault(i, {})[key] = value.clone()
         return {i: state for i, state in full.items() if state}
 
-    def _gathered_state(self):
+    def _gathered_state(self, release: bool = False):
         """This layout's optimizer state, per parameter: ``(scalars, entries)`` as :meth:`_place` takes.
 
         Element-wise entries are all-gathered one (bucket, group, key) at a time, in the layout the
         shards were built for, as ``entries`` is consumed (a view of one bucket-sized buffer each:
         so re-splitting holds one bucket of full state at a time); other entries (Adam's ``step``)
-        are the same for every piece of a parameter and travel as objects, now. Collective: every
-        rank must consume ``entries`` to the end.
+        are the same for every piece of a parameter and travel as objects, now. ``release``: drop
+        each shard's entry once it is in the bucket's buffer (a re-split: the old shards' state is
+        not needed after). Collective: every rank must consume ``entries`` to the end.
         """
         mine: dict[tuple[int, int, str], str] = {}  # (bucket, group, key) -> dtype, of element-wise entries
         scalars: dict[int, dict[str, Any]] = {}
@@ -419,9 +421,9 @@ class ZeroOptimizer:
             keys.update(other["keys"])
             for i, entries in other["scalars"].items():  # one tensor per parameter: optimizers update them in place
                 merged.setdefault(i, {}).update((k, v.clone() if torch.is_tensor(v) else v) for k, v in entries.items())
-        return merged, self._all_gathered(keys, list(self._shards), self._buckets, list(self._layouts), dict(states))
+        return merged, self._all_gathered(keys, list(self._shards), self._buckets, list(self._layouts), states, release)
 
-    def _all_gathered(self, keys, shards, buckets, layouts, states):
+    def _all_gathered(self, keys, shards, buckets, layouts, states, release: bool):
         for b, g, key in sorted(keys):  # the same order on every rank
             bucket, layout = buckets[b], layouts[b]
             flat = torch.zeros(layout.padded_numel, dtype=getattr(torch, keys[(b, g, key)]), device=bucket.device)
@@ -434,6 +436,8 @@ class ZeroOptimizer:
                     start = layout.start + piece.chunk_lo
                     flat[start : start + piece.size].copy_(value[at : at + piece.size])
                     at += piece.size
+                if release:  # re-splitting: the old shard's entry is in flat now, and no longer needed
+                    del states[shard.tensor][key]
             self.reducer.shard_comm.all_gather(flat, layout)
             for i, offset in zip(bucket.params, bucket.offsets):
                 if self._group_of.get(i) == g:
