@@ -255,6 +255,9 @@ class ZeroOptimizer:
             for shard_group, group in zip(self._shard_optimizer.param_groups, self._groups_in_use()):
                 shard_group.update(_hyper(group))
             self._shard_optimizer.step()
+        # Every .grad of the wrapped optimizer is None, so for torch's optimizers this steps nothing;
+        # its step hooks run, and a learning-rate scheduler sees that the optimizer stepped.
+        self.optimizer.step()
         self._consumed_iteration = self._grads_of_iteration
         self._all_gather_params()
 

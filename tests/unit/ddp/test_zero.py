@@ -292,3 +292,28 @@ def test_refusals_name_what_why_and_the_fix(what, message):
         run_threaded(_refusal, 2, what, timeout_s=30)
     assert message in str(err.value)
     assert "dist.zero_stage=0" in str(err.value) or "Use plain DDP" in str(err.value) or what == "foreign"
+
+
+# -- schedulers attached to the wrapped optimizer ------------------------------------------------------
+def _scheduled(rank, world_size):
+    template = _template()
+    pg = comm_api.get_process_group()
+    runs = []
+    for zero in (False, True):
+        model = copy.deepcopy(template)
+        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+        optimizer = _optimizer("sgd", model)
+        if zero:
+            opt = ZeroOptimizer(ddp, optimizer, stage=2, algorithm="ring")
+        else:
+            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
+            opt = optimizer
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.3)
+        runs.append(_train(ddp, lambda o=opt, s=schedule: (o.step(), s.step()), opt.zero_grad, rank, 30))
+    return runs
+
+
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)` before")  # it sees the steps
+def test_a_scheduler_on_the_wrapped_optimizer_drives_the_shards():
+    for plain, zero in run_threaded(_scheduled, 3, timeout_s=120):
+        assert all(torch.equal(a, b) for a, b in zip(plain, zero))
