@@ -53,6 +53,12 @@ def _tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def _state_bytes(state) -> int:
+    import torch
+
+    return sum(_tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in state.values())
+
+
 def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, steps: int, warmup: int) -> dict:
     import torch
 
@@ -70,16 +76,16 @@ def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, st
             tdist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
-        state_of = lambda: opt.optim.state  # noqa: E731 - this rank's local optimizer
+        state_bytes = lambda: _state_bytes(opt.optim.state)  # noqa: E731 - this rank's local optimizer
         step, zero_grad = opt.step, lambda: opt.zero_grad(set_to_none=True)
     else:
         ddp = DistributedDataParallel(model)
         adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
         if setup == "ddptrain DDP":
-            opt, state_of = adamw, (lambda: adamw.state)
+            opt, state_bytes = adamw, (lambda: _state_bytes(adamw.state))
         else:
             opt = ZeroOptimizer(ddp, adamw, stage=1 if setup == "ZeRO-1" else 2)
-            state_of = lambda: opt._shard_optimizer.state if opt._shard_optimizer else {}  # noqa: E731
+            state_bytes = opt.state_bytes
         step, zero_grad = opt.step, lambda: opt.zero_grad(set_to_none=True)
 
     g = torch.Generator().manual_seed(rank)
@@ -98,9 +104,8 @@ def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, st
         zero_grad()
         if i >= warmup:
             times.append(time.perf_counter() - started)
-    state_bytes = sum(_tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in state_of().values())
     return {
-        "optim MB": state_bytes / MB,
+        "optim MB": state_bytes() / MB,
         "grad MB": grad_bytes / MB,
         "peak RSS MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step ms": 1000 * statistics.median(times),
