@@ -24,7 +24,9 @@ How one step goes:
    parameters, each in its parameter's group, with views of the averaged chunk as gradients — so
    its state (momentum, Adam's moments) is ``1/W`` of the full state and nothing is copied. Before
    every step the groups' hyper-parameters are copied from the wrapped optimizer, so
-   learning-rate schedulers attached to it keep working.
+   learning-rate schedulers attached to it keep working; the wrapped optimizer's own ``step()``
+   then runs with every ``.grad`` ``None`` (nothing to update: its step hooks and a scheduler's
+   bookkeeping see the step).
 3. **All-gather.** Bucket by bucket, the updated chunks travel to every rank and are copied into
    the parameters.
 
@@ -33,8 +35,8 @@ that DDP's ``dist.algorithm=ring`` uses, on the same chunks, so every element ge
 average, and an element-wise optimizer gives it the same update: the parameters equal plain DDP's
 bit for bit. With ``algorithm="native"`` (the backend's ``reduce_scatter``/``all_gather``) that
 holds where the backend's reduction order matches its all-reduce's (W=2: one addition).
-Gradient clipping computes the norm from shards (a different summation order): within ~1e-7
-relative of plain DDP's, not bitwise.
+Gradient clipping computes the norm from shards (a different summation order): within 1e-6
+relative of plain DDP's (tested), not bitwise.
 
 **Optimizers** must update each element from that element alone: SGD, Adam, AdamW, RMSprop,
 Adagrad, Adamax, NAdam, RAdam, ASGD are known to; your own optimizer declares it with a class
