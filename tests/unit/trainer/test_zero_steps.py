@@ -103,6 +103,10 @@ def test_a_zero_checkpoint_is_plain_and_resumes_at_another_world_size(tmp_path):
         ({"dist": {"gradient_as_bucket_view": True}}, "cannot be combined with dist.gradient_as_bucket_view=true"),
         ({"dist": {"bucket_cap_mb": "auto"}}, "cannot be combined with dist.bucket_cap_mb=auto"),
         ({"trainer": {"doctor": True}}, "cannot be combined with trainer.doctor=true: the doctor's model"),
+        (
+            {"trainer": {"precision": "16-mixed", "device": "cuda"}},
+            "cannot be combined with trainer.precision=16-mixed: its gradient scaler",
+        ),
     ],
 )
 def test_incompatible_settings_are_refused_with_the_reason(override, message):
@@ -130,4 +134,18 @@ def test_an_optimizer_that_couples_elements_is_refused_by_name(tmp_path):
         LbfgsTask(_config(tmp_path, 1)).fit()
 
     with pytest.raises(ConfigError, match="ZeRO cannot shard the optimizer LBFGS"):
+        run_threaded(body, 2, timeout_s=60)
+
+
+class TwoOptimizersTask(Task):
+    def configure_optimizers(self, model):
+        first, second = model[0], model[2]
+        return [torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.Adam(second.parameters())]
+
+
+def test_more_than_one_optimizer_is_refused_with_the_count(tmp_path):
+    def body(rank, world_size):
+        TwoOptimizersTask(_config(tmp_path, 2)).fit()
+
+    with pytest.raises(ConfigError, match="shards one optimizer, and configure_optimizers returned 2"):
         run_threaded(body, 2, timeout_s=60)
