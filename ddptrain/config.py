@@ -53,10 +53,11 @@ __all__ = [
 DEFAULT_BUCKET_CAP_MB = 25.0
 
 
-def one_of(default: str, choices: tuple[str, ...], fold_case: bool = False) -> Any:
-    """A dataclass field that takes one of ``choices``. :func:`check_fields` enforces it, with a
-    "did you mean"; ``--help KEY`` lists the choices. ``fold_case``: :meth:`Config.from_dict` lowers
-    the value first (``trainer.progress=False`` on a command line arrives as the string ``False``)."""
+def one_of(default: Any, choices: tuple, fold_case: bool = False) -> Any:
+    """A dataclass field that takes one of ``choices`` (strings, or numbers such as a stage).
+    :func:`check_fields` enforces it, with a "did you mean"; ``--help KEY`` lists the choices.
+    ``fold_case``: :meth:`Config.from_dict` lowers the value first (``trainer.progress=False``
+    on a command line arrives as the string ``False``)."""
     assert default in choices, (default, choices)
     return field(default=default, metadata={"choices": choices, "fold_case": fold_case})
 
@@ -127,6 +128,13 @@ class DistConfig:
     """Make gradients views into DDP's buckets (saves one copy and memory)."""
     broadcast_buffers: bool = True
     """Broadcast rank 0's buffers (e.g. BatchNorm statistics) before every forward."""
+    zero_stage: int = one_of(0, (0, 1, 2))
+    """Shard the optimizer over the ranks (ZeRO, ``docs/zero.md``): ``0`` plain DDP; ``1`` each
+    rank keeps the optimizer state of one ``1/world_size`` shard of every gradient bucket (buckets
+    are reduce-scattered, the shard stepped, the parameters all-gathered); ``2`` also keeps only
+    that shard's gradients after backward. With ``dist.algorithm=ring`` the parameters equal plain
+    ring DDP's bit for bit. Needs an element-wise optimizer (SGD, Adam, AdamW, ...); checkpoints
+    stay in the plain format, loadable at any world size."""
 
     def ddp_options(self) -> dict[str, Any]:
         """The keyword arguments of ``DistributedDataParallel`` that these settings choose."""
@@ -409,7 +417,7 @@ def field_type_text(f: dataclasses.Field) -> str:
     """A schema field's type with its rule, as ``--help`` shows it: ``one of: sgd, adam, adamw``,
     ``int, >= 1``, ``float | None, > 0`` or just ``bool``."""
     if "choices" in f.metadata:
-        return "one of: " + ", ".join(f.metadata["choices"])
+        return "one of: " + ", ".join(map(str, f.metadata["choices"]))
     bound = f.metadata.get("bound")
     if bound is None:
         return str(f.type)
@@ -431,9 +439,9 @@ def check_fields(obj: Any, prefix: str = "") -> None:
         elif "choices" in f.metadata:
             allowed = f.metadata["choices"]
             if value not in allowed:
-                close = difflib.get_close_matches(str(value), allowed, n=1)
+                close = difflib.get_close_matches(str(value), list(map(str, allowed)), n=1)
                 hint_text = f" (did you mean {close[0]}?)" if close else ""
-                raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{hint_text}")
+                raise ConfigError(f"{key}={value!r} is not one of {', '.join(map(str, allowed))}{hint_text}")
         elif "check" in f.metadata:  # a rule of its own, written as a function next to the field
             f.metadata["check"](key, value)
         elif "bound" in f.metadata and value is not None:

@@ -2,9 +2,10 @@
 
 :mod:`ddptrain.config` owns the schema and each field's own rule; this module owns what needs more
 than one field and the job: how the global batch splits over the world size, the rules
-world-size-invariant mode adds, which backend ``dist.backend=auto`` becomes, and whether this
-machine has the device asked for. Every refusal is a :class:`~ddptrain.config.ConfigError` that
-names the knob and the fix. torch is imported only to ask about CUDA.
+world-size-invariant mode adds, what ZeRO (``dist.zero_stage``) cannot be combined with, which
+backend ``dist.backend=auto`` becomes, and whether this machine has the device asked for. Every
+refusal is a :class:`~ddptrain.config.ConfigError` that names the knob and the fix. torch is
+imported only to ask about CUDA.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ import os
 
 from .config import Config, ConfigError, check_fields, check_precision
 
-__all__ = ["validate", "per_rank_batch_size", "resolve_backend", "check_device", "check_world_size_invariant"]
+__all__ = [
+    "validate",
+    "per_rank_batch_size",
+    "resolve_backend",
+    "check_device",
+    "check_world_size_invariant",
+    "check_zero_stage",
+]
 
 
 def validate(config: Config, world_size: int) -> None:
@@ -26,6 +34,7 @@ def validate(config: Config, world_size: int) -> None:
     _positive("dist.world_size", world_size)  # the job's: an external launcher's wins over the key
     check_precision(config.trainer.precision, config.trainer.device)
     check_world_size_invariant(config, world_size)  # first: its error names the rule that mode adds
+    check_zero_stage(config)
     per_rank_batch_size(config, world_size)
     check_device(config)
 
@@ -83,6 +92,56 @@ def check_world_size_invariant(config: Config, world_size: int) -> None:
             "trainer.world_size_invariant=true takes every sample once (the last global batch may be "
             "short), so data.drop_last=true is refused: set data.drop_last=false"
         )
+
+
+def check_zero_stage(config: Config) -> None:
+    """Refuse what ZeRO (``dist.zero_stage=1|2``) cannot be combined with, saying why."""
+    stage = config.dist.zero_stage
+    if not stage:
+        return
+    t, d = config.trainer, config.dist
+    conflicts = [
+        (
+            t.world_size_invariant,
+            "trainer.world_size_invariant=true",
+            "invariant mode sums exact integer gradients on the bare module, outside DDP's buckets, "
+            "so there is no reduce-scatter to shard",
+        ),
+        (
+            d.find_unused_parameters,
+            "dist.find_unused_parameters=true",
+            "a parameter without a gradient would still be stepped (with a zero gradient) in its shard, "
+            "while plain DDP skips it",
+        ),
+        (
+            d.gradient_as_bucket_view,
+            "dist.gradient_as_bucket_view=true",
+            "ZeRO keeps no full-size gradient for .grad to be a view of",
+        ),
+        (
+            check_precision(t.precision, t.device) == "16-mixed",
+            "trainer.precision=16-mixed",
+            "its gradient scaler unscales and checks for inf in the optimizer's .grad, and under ZeRO "
+            "each rank holds only its shard's gradients (use trainer.precision=bf16-mixed)",
+        ),
+        (
+            t.doctor,
+            "trainer.doctor=true",
+            "the doctor's model of a step predicts bucket all-reduces and does not yet account for "
+            "ZeRO's reduce-scatter and all-gather (diagnose the same run at zero stage 0)",
+        ),
+        (
+            d.bucket_cap_mb == "auto",
+            "dist.bucket_cap_mb=auto",
+            "the autotuner times all-reduces, and ZeRO reduce-scatters (give a size in MiB)",
+        ),
+    ]
+    for on, what, why in conflicts:
+        if on:
+            raise ConfigError(
+                f"dist.zero_stage={stage} cannot be combined with {what}: {why}. "
+                f"Drop {what.split('=')[0]}, or train with dist.zero_stage=0."
+            )
 
 
 def check_device(config: Config, local_world_size: int = 1) -> None:

@@ -40,43 +40,82 @@ def _fold(op: ReduceOp, acc: torch.Tensor, incoming: torch.Tensor) -> None:
     _FOLD[op](acc, incoming)
 
 
+def ring_chunk_owned(rank: int, world_size: int) -> int:
+    """The chunk that :func:`ring_reduce_scatter` leaves fully reduced on ``rank``: ``(rank+1) % p``."""
+    return (rank + 1) % world_size
+
+
 def ring_all_reduce(group: ProcessGroup, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
-    """All-reduce ``tensor`` in place across ``group`` with the ring algorithm; returns it."""
+    """All-reduce ``tensor`` in place across ``group`` with the ring algorithm; returns it.
+
+    It is :func:`ring_reduce_scatter` then :func:`ring_all_gather`, so a reduce-scatter alone
+    leaves each rank's chunk with exactly the bits this all-reduce gives it."""
     op = to_reduce_op(op)
     check_avg_dtype(op, tensor, "ring_all_reduce")
     group.check_alive("ring_all_reduce")
-    p, rank = group.size(), group.rank()
+    p = group.size()
     if p == 1 or tensor.numel() == 0:
         return tensor
     work_tensor = tensor if tensor.is_contiguous() else tensor.contiguous()
-    chunks = list(torch.tensor_split(work_tensor.view(-1), p))
-    scratch = torch.empty_like(chunks[0])
-    right, left = (rank + 1) % p, (rank - 1) % p
-
-    def exchange(send_idx: int, recv_into: torch.Tensor) -> None:
-        works = []
-        if chunks[send_idx].numel():
-            works.append(group.send(chunks[send_idx], right, RING_TAG))
-        if recv_into.numel():
-            works.append(group.recv(recv_into, left, RING_TAG))
-        for w in works:
-            w.wait()
-
-    for step in range(p - 1):  # reduce-scatter
-        send_idx, recv_idx = (rank - step) % p, (rank - step - 1) % p
-        incoming = scratch[: chunks[recv_idx].numel()]
-        exchange(send_idx, incoming)
-        if incoming.numel():
-            _fold(op, chunks[recv_idx], incoming)
-    for step in range(p - 1):  # all-gather: received chunks land in place
-        send_idx, recv_idx = (rank + 1 - step) % p, (rank - step) % p
-        exchange(send_idx, chunks[recv_idx])
-
+    ring_reduce_scatter(group, work_tensor, op)
+    ring_all_gather(group, work_tensor)
     if op is ReduceOp.AVG:
         work_tensor.div_(p)
     if work_tensor is not tensor:
         tensor.copy_(work_tensor)
     return tensor
+
+
+def ring_chunks(tensor: torch.Tensor, world_size: int) -> list[torch.Tensor]:
+    """The ring's chunks of a contiguous ``tensor``: ``torch.tensor_split`` of its flat view into
+    ``world_size`` parts (the first ``numel % world_size`` one element longer)."""
+    return list(torch.tensor_split(tensor.view(-1), world_size))
+
+
+def ring_reduce_scatter(group: ProcessGroup, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> int:
+    """The ring's first phase, in place on a contiguous ``tensor``: afterwards chunk
+    :func:`ring_chunk_owned` of :func:`ring_chunks` holds the reduction over every rank (AVG: the
+    sum; the caller divides); the other chunks hold partial results. Returns that chunk's index.
+
+    Chunk ``c`` is folded rank after rank starting at rank ``c``, in ``p-1`` steps in which every
+    rank sends one chunk to its right neighbour: the same order, so the same bits, on every call."""
+    p, rank = group.size(), group.rank()
+    owned = ring_chunk_owned(rank, p)
+    if p == 1 or tensor.numel() == 0:
+        return owned
+    chunks = ring_chunks(tensor, p)
+    scratch = torch.empty_like(chunks[0])
+    for step in range(p - 1):
+        send_idx, recv_idx = (rank - step) % p, (rank - step - 1) % p
+        incoming = scratch[: chunks[recv_idx].numel()]
+        _exchange(group, chunks[send_idx], incoming)
+        if incoming.numel():
+            _fold(op, chunks[recv_idx], incoming)
+    return owned
+
+
+def ring_all_gather(group: ProcessGroup, tensor: torch.Tensor) -> None:
+    """The ring's second phase, in place on a contiguous ``tensor`` whose chunk
+    :func:`ring_chunk_owned` is this rank's: afterwards every chunk holds its owner's values."""
+    p, rank = group.size(), group.rank()
+    if p == 1 or tensor.numel() == 0:
+        return
+    chunks = ring_chunks(tensor, p)
+    for step in range(p - 1):  # received chunks land in place
+        send_idx, recv_idx = (rank + 1 - step) % p, (rank - step) % p
+        _exchange(group, chunks[send_idx], chunks[recv_idx])
+
+
+def _exchange(group: ProcessGroup, send: torch.Tensor, recv_into: torch.Tensor) -> None:
+    """Send ``send`` to the right neighbour while receiving ``recv_into`` from the left one."""
+    p, rank = group.size(), group.rank()
+    works = []
+    if send.numel():
+        works.append(group.send(send, (rank + 1) % p, RING_TAG))
+    if recv_into.numel():
+        works.append(group.recv(recv_into, (rank - 1) % p, RING_TAG))
+    for w in works:
+        w.wait()
 
 
 class RingAllReducer:

@@ -11,6 +11,7 @@ from .comm_hooks import (
 )
 from .module import DistributedDataParallel
 from .reducer import IterationStats
+from .zero import ZeroOptimizer
 
 __all__ = [
     "DistributedDataParallel",
@@ -23,4 +24,5 @@ __all__ = [
     "PowerSGDState",
     "powerSGD_hook",
     "ring_allreduce_hook",
+    "ZeroOptimizer",
 ]

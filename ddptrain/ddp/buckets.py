@@ -246,12 +246,14 @@ class FlatBuffer:
 def allocate(plan: BucketPlan, tail: dict[int, int] | None = None) -> list[FlatBuffer]:
     """One zeroed flat buffer per bucket of ``plan``; bucket ``b`` gets ``tail[b]`` more elements
     after its gradients (the reducer's sideband rides there), which no view covers."""
-    out = []
-    for b in plan.buckets:
-        buffer = torch.zeros(b.numel + (tail or {}).get(b.index, 0), dtype=b.dtype, device=b.device)
-        views = tuple(buffer[off : off + _numel(shape)].view(shape) for off, shape in zip(b.offsets, b.shapes))
-        out.append(FlatBuffer(buffer, views))
-    return out
+    return [allocate_bucket(b, (tail or {}).get(b.index, 0)) for b in plan.buckets]
+
+
+def allocate_bucket(bucket: Bucket, tail: int = 0) -> FlatBuffer:
+    """One zeroed flat buffer for ``bucket``, ``tail`` elements longer than its gradients."""
+    buffer = torch.zeros(bucket.numel + tail, dtype=bucket.dtype, device=bucket.device)
+    views = tuple(buffer[off : off + _numel(shape)].view(shape) for off, shape in zip(bucket.offsets, bucket.shapes))
+    return FlatBuffer(buffer, views)
 
 
 class GradBucket:

@@ -34,6 +34,15 @@ when that bucket launches, during backward, after the forward and the loss. With
 when no bucket ends in a flat run, they travel in one small all-reduce of their own, launched
 after the last bucket.
 
+**Sharded gradients** (:meth:`Reducer.shard_gradients`, ZeRO: :mod:`.zero`): every gradient goes
+through the flat buffer (padded as :class:`~.shards.ShardLayout` says), divided by the world size
+on its way in (a division, as the ring comm hook's, not a multiplication by the inverse, which
+rounds differently); the launch *reduce-scatters* the buffer, and the write back
+keeps only this rank's chunk, in :attr:`Reducer.shard_grads`: parameters' ``.grad`` are set to
+``None`` as soon as they are staged. Stage 2 also frees each bucket's flat buffer once its chunk is
+taken (allocated again at the next synchronised backward), so no full-size gradient outlives
+backward; stage 1 keeps the buffers.
+
 The next forward (:meth:`Reducer.prepare_for_forward`) refuses to go on if a backward left a
 bucket unlaunched (a parameter got no gradient), and after the first iteration rebuilds the
 buckets once, in the order gradients actually arrived on rank 0 (broadcast, so ranks agree).
@@ -68,14 +77,17 @@ from .buckets import (
     FIRST_BUCKET_CAP_MB,
     MB,
     BucketPlan,
+    FlatBuffer,
     FlatRun,
     GradBucket,
     ParamSpec,
     Transfer,
     allocate,
+    allocate_bucket,
     assign_buckets,
     plan_buckets,
 )
+from .shards import ShardComm, ShardLayout
 
 # Gradients at least this big are all-reduced in place instead of through the flat buffer.
 DIRECT_MIN_BYTES = 1 << 20
@@ -173,6 +185,11 @@ class Reducer:
         self._sideband_bucket: int | None = None  # the bucket it rides in (None: its own all-reduce)
         self.sideband: list[float] | None = None  # the sums of the latest synchronised backward
         self._specs = [ParamSpec.of(p) for p in self.params]
+        self.shard_comm: ShardComm | None = None  # set by shard_gradients (ZeRO)
+        self.zero_stage = 0
+        self.shard_layouts: list[ShardLayout] = []  # per bucket, while sharded
+        self.shard_grads: list[torch.Tensor] = []  # per bucket: this rank's chunk of the averaged gradients
+        self.layout_version = 0  # counts installed layouts: a sharded optimizer re-splits when it changes
         self._install(self._assign())
         self.iteration = 0
         self.rebuilt = False
@@ -192,12 +209,26 @@ class Reducer:
         return assign_buckets(sizes, keys, self.bucket_cap_bytes if cap_bytes is None else cap_bytes, **kwargs)
 
     def _install(self, assignment: list[list[int]]) -> None:
-        """Plan ``assignment``, allocate its buffers; a comm hook gets raw sums and the whole buffer."""
-        self._scale = 1.0 if self.comm_hook is not None else 1.0 / self.world_size
+        """Plan ``assignment``, allocate its buffers; a comm hook gets raw sums and the whole buffer
+        (so does a sharded launch, which divides before it reduce-scatters)."""
+        self._scale = 1.0 if (self.comm_hook is not None or self.shard_comm is not None) else 1.0 / self.world_size
         self.plan = plan_buckets(self._specs, assignment, self._in_place_min())
         self._sideband_bucket = self._sideband_carrier()
-        tail = {} if self._sideband_bucket is None else {self._sideband_bucket: self._sideband_size}
-        self.flat = allocate(self.plan, tail)
+        if self.shard_comm is not None:
+            self.shard_layouts = [self.shard_comm.layout(b.numel) for b in self.plan.buckets]
+            self.shard_grads = [
+                torch.zeros(lay.size, dtype=b.dtype, device=b.device)
+                for lay, b in zip(self.shard_layouts, self.plan.buckets)
+            ]
+            tail = {b.index: lay.padded_numel - b.numel for b, lay in zip(self.plan.buckets, self.shard_layouts)}
+        else:
+            tail = {} if self._sideband_bucket is None else {self._sideband_bucket: self._sideband_size}
+        self._tail = tail
+        if self.zero_stage == 2:  # allocated as gradients arrive, freed once their chunk is kept
+            self.flat: list[FlatBuffer | None] = [None] * len(self.plan.buckets)
+        else:
+            self.flat = allocate(self.plan, tail)
+        self.layout_version += 1
         if self.as_view:  # existing gradients move into the new buffers
             for i, p in enumerate(self.params):
                 if p.grad is not None:
@@ -228,8 +259,8 @@ class Reducer:
 
     def _sideband_carrier(self) -> int | None:
         """The bucket the sideband rides in: the last whose last all-reduce is a flat run (None: none
-        does, or a comm hook, which may compress its buffer, sends the buckets)."""
-        if not self._sideband_size or self.comm_hook is not None:
+        does, or a comm hook, which may compress its buffer, or a reduce-scatter sends the buckets)."""
+        if not self._sideband_size or self.comm_hook is not None or self.shard_comm is not None:
             return None
         ends_flat = [b.index for b in self.plan.buckets if isinstance(b.transfers[-1], FlatRun)]
         return ends_flat[-1] if ends_flat else None
@@ -251,11 +282,40 @@ class Reducer:
         return sums
 
     def _in_place_min(self) -> int | None:
-        return None if (self.comm_hook is not None or self.as_view) else self.in_place_min_bytes
+        sends_buffer = self.comm_hook is not None or self.as_view or self.shard_comm is not None
+        return None if sends_buffer else self.in_place_min_bytes
 
     def set_comm_hook(self, hook: CommHook, state: object) -> None:
         """Send buckets through ``hook(state, GradBucket)``; the layout is planned again for it."""
+        if self.shard_comm is not None:
+            raise RuntimeError(_SHARDED_REFUSES.format(what="a comm hook", why="the buckets are reduce-scattered"))
         self.comm_hook, self.comm_hook_state = hook, state
+        self._install(self.plan.assignment)
+
+    def shard_gradients(self, comm: ShardComm, stage: int) -> None:
+        """Reduce-scatter the buckets instead of all-reducing them (ZeRO ``stage`` 1 or 2; module doc).
+
+        After each synchronised backward, :attr:`shard_grads` ``[b]`` holds the average over ranks
+        of this rank's chunk (:attr:`shard_layouts` ``[b]``) of bucket ``b``, and every parameter's
+        ``.grad`` is ``None``. Call before the first backward, once.
+        """
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage must be 1 or 2 to shard gradients, got {stage}")
+        if self.shard_comm is not None or self.iteration > 0:
+            raise RuntimeError("shard_gradients must be called once, before the first backward")
+        for what, why, on in (
+            ("a comm hook", "the buckets are reduce-scattered, not all-reduced", self.comm_hook is not None),
+            ("gradient_as_bucket_view=True", "no full-size gradient is kept to be a view of", self.as_view),
+            (
+                "find_unused_parameters=True",
+                "a parameter without a gradient would still be stepped (with a zero gradient) in its "
+                "shard, while plain DDP skips it",
+                self.find_unused,
+            ),
+        ):
+            if on:
+                raise RuntimeError(_SHARDED_REFUSES.format(what=what, why=why))
+        self.shard_comm, self.zero_stage = comm, stage
         self._install(self.plan.assignment)
 
     def _rebuild(self) -> None:
@@ -334,21 +394,32 @@ class Reducer:
             it.stats.ready_times.append((i, time.perf_counter()))
         it.used[i] = used
         slot = self.plan.slots[i]
-        view = self.flat[slot.bucket].views[slot.position]
+        view = self._flat_of(slot.bucket).views[slot.position]
         grad = self.params[i].grad
         known = self.shares_storage is not None and i not in self.shares_storage  # None: still learning
         if slot.in_place and used and known and _may_change_in_place(grad, view):
             it.in_place[i] = grad if self._scale == 1.0 else grad.mul_(self._scale)
         else:  # the flat buffer; an in-place slot's view stands in for a gradient we may not change
             self._stage_in_buffer(i, grad, view)
+            if self.shard_comm is not None:
+                self.params[i].grad = None  # its bucket's reduce-scatter owns it now (module doc)
         it.pending[slot.bucket] -= 1
         if it.pending[slot.bucket] == 0:
             self._launch_ready_buckets(it)
+
+    def _flat_of(self, b: int) -> FlatBuffer:
+        """Bucket ``b``'s flat buffer, allocated again if ZeRO-2 freed it after the last backward."""
+        flat = self.flat[b]
+        if flat is None:
+            flat = self.flat[b] = allocate_bucket(self.plan.buckets[b], self._tail.get(b, 0))
+        return flat
 
     def _stage_in_buffer(self, i: int, grad: torch.Tensor | None, view: torch.Tensor) -> None:
         """Copy ``grad`` into its slot, averaged in the same pass (without a comm hook)."""
         if grad is None:
             view.zero_()
+        elif self.shard_comm is not None:  # divided, as the ring comm hook divides its buffer: the same bits
+            torch.div(grad, self.world_size, out=view)
         elif grad.data_ptr() == view.data_ptr():  # gradient_as_bucket_view: it already lives there
             if self._scale != 1.0:
                 view.mul_(self._scale)
@@ -368,7 +439,9 @@ class Reducer:
             if b == self._sideband_bucket:
                 self._post_sideband(it, b)  # into the buffer's tail, before it travels
             self.pg.label_next_collective(f"DDP bucket {b}")
-            if self.comm_hook is not None:
+            if self.shard_comm is not None:
+                it.work[b] = self.shard_comm.reduce_scatter(self._flat_of(b).buffer, self.shard_layouts[b])
+            elif self.comm_hook is not None:
                 it.work[b] = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
             else:  # already averaged while staging
                 it.work[b] = [
@@ -424,7 +497,10 @@ class Reducer:
             self._collect(b, it.work[b])
             if self.track_completion and it.stats.done_times[b] is None:
                 it.stats.done_times[b] = time.perf_counter()
-            self._write_back(b, it, unused)
+            if self.shard_comm is not None:
+                self._keep_shard(b)
+            else:
+                self._write_back(b, it, unused)
         if it.sideband is not None:
             _wait(it.sideband_work)
             self.sideband = it.sideband.tolist()
@@ -473,9 +549,18 @@ class Reducer:
         it.stats.find_unused_s += it.stats.find_unused_comm_s
         return frozenset(i for i, n in enumerate(used.cpu().tolist()) if n == 0)
 
+    def _keep_shard(self, b: int) -> None:
+        """Keep this rank's chunk of bucket ``b``'s averaged gradients; ZeRO-2 frees the bucket."""
+        layout = self.shard_layouts[b]
+        self.shard_grads[b].copy_(self.flat[b].buffer[layout.start : layout.stop])
+        if self.zero_stage == 2:
+            self.flat[b] = None
+
     def _collect(self, b: int, work: object) -> None:
         """Wait for bucket ``b``; a comm hook's result lands in the flat buffer."""
         result = _wait(work)
+        if self.shard_comm is not None:
+            return  # the reduce-scatter wrote its chunk in place
         buffer = self.flat[b].buffer
         if isinstance(result, torch.Tensor) and result.data_ptr() != buffer.data_ptr():
             buffer.copy_(result.view_as(buffer))
@@ -497,6 +582,10 @@ class Reducer:
     # -- join support ------------------------------------------------------------------------
     def shadow_iteration(self) -> None:
         """Issue the collectives of one synchronised backward with zero gradients (for join)."""
+        if self.shard_comm is not None:
+            raise RuntimeError(
+                _SHARDED_REFUSES.format(what="join()", why="a joined rank would have to step its shard too")
+            )
         it = _Iteration(self.plan, len(self.params), self.iteration, sync=False)
         it.pending = [0] * len(self.plan.buckets)
         for flat in self.flat:
@@ -511,6 +600,11 @@ class Reducer:
         for h in self._hook_handles:
             h.remove()
         self._hook_handles = []
+
+
+_SHARDED_REFUSES = (
+    "ZeRO (sharded gradients) does not work with {what}: {why}. Use plain DDP (zero stage 0) for that, or drop {what}."
+)
 
 
 def _may_change_in_place(grad: torch.Tensor | None, like: torch.Tensor) -> bool:

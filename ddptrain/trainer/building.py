@@ -51,8 +51,9 @@ def agree_on_directory(process_group: ProcessGroup, mine: str) -> Path:
 
 
 def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -> DistributedDataParallel:
-    """``module`` (already on its device) in our DDP, with the ring comm hook if ``dist.algorithm=ring``."""
+    """``module`` (already on its device) in our DDP, with the ring comm hook if ``dist.algorithm=ring``
+    (under ZeRO the step strategy reduce-scatters the buckets over the ring instead)."""
     model = DistributedDataParallel(module, process_group=process_group, **config.dist.ddp_options())
-    if config.dist.algorithm == "ring":
+    if config.dist.algorithm == "ring" and not config.dist.zero_stage:
         model.register_comm_hook(RingAllReducer(process_group), ring_allreduce_hook)
     return model

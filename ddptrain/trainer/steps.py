@@ -13,22 +13,26 @@ which one it has. Per optimizer step it calls, in this order:
 5. :meth:`StepStrategy.take_votes`: the stop votes summed over ranks in that step's reduction
    (``None`` when the step carried none: the loop then agrees with a collective of its own).
 
-State a strategy keeps across steps (none today) goes into checkpoints through
-:meth:`StepStrategy.state_dict` / :meth:`StepStrategy.load_state_dict`.
+State a strategy keeps across steps goes into checkpoints through
+:meth:`StepStrategy.state_dict` / :meth:`StepStrategy.load_state_dict`; the optimizers' and
+schedules' entries through :meth:`StepStrategy.optimizer_state_dict` /
+:meth:`StepStrategy.load_optimizer_state_dict` (a sharded optimizer consolidates them there).
 
-Two strategies exist:
+Three strategies exist:
 
 - :class:`DataParallelSteps`: plain DDP. All micro-batches but the last run under ``no_sync()``;
   the last one's backward all-reduces the gradients in buckets, and the stop votes ride in that
   all-reduce (:meth:`ddptrain.ddp.DistributedDataParallel.register_sideband`).
 - :class:`.invariant.InvariantSteps` (``trainer.world_size_invariant=true``): fixed shards and an
   exact integer sum, the same bits at any world size.
+- :class:`.zero_steps.ZeroSteps` (``dist.zero_stage=1|2``): plain DDP's backward with the buckets
+  reduce-scattered; ``optimizer_step`` steps this rank's shard and all-gathers the parameters, and
+  ``optimizer_state_dict`` consolidates the shards.
 
-The next strategies plug in at the same seams: sharded optimizer state replaces
-``optimizer_step`` (reduce-scatter, step the shard, all-gather) and ``state_dict`` (each rank's
-shard); local SGD / DiLoCo replaces ``forward_backward`` (no reduction) and ``optimizer_step``
-(an outer step every H steps); in-place elasticity rebuilds a strategy over the new group between
-two steps, which is why a strategy holds no state that the checkpoint does not capture.
+The next strategies plug in at the same seams: local SGD / DiLoCo replaces ``forward_backward`` (no
+reduction) and ``optimizer_step`` (an outer step every H steps); in-place elasticity rebuilds a
+strategy over the new group between two steps, which is why a strategy holds no state that the
+checkpoint does not capture.
 """
 
 from __future__ import annotations
@@ -90,6 +94,15 @@ class StepStrategy(ABC):
         step = t.state.step + 1  # the step being completed
         t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
         t.optimizer_set.zero_grad()
+
+    def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
+        """The checkpoint's ``optimizer`` and ``scheduler`` entries, from ``optimizers`` (the fit's
+        :class:`.optimizers.OptimizerSet`): its own ``state_dict`` by default. Collective."""
+        return optimizers.state_dict()
+
+    def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
+        """Restore :meth:`optimizer_state_dict`'s entries of ``checkpoint`` into ``optimizers``."""
+        optimizers.load_state_dict(checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
         """What this strategy keeps across steps, for a checkpoint (nothing by default)."""

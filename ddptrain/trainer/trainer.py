@@ -70,6 +70,7 @@ from .profiling import StepPhases
 from .rng import seed_everything
 from .steps import DataParallelSteps, StepStrategy
 from .stopping import GracefulStop
+from .zero_steps import ZeroSteps
 
 __all__ = ["Trainer", "TrainState", "SmokeCheckError"]
 
@@ -219,10 +220,11 @@ class Trainer:
     def configure_step_strategy(self, votes: Callable[[], list[float]]) -> StepStrategy:
         """How a step's micro-batches become a parameter update (:mod:`.steps`), given this rank's
         stop votes to carry in the step's reduction. Default: invariant mode's shards and exact sums
-        under ``trainer.world_size_invariant``, else plain DDP. Called once per fit, after the
-        model, data and optimizers are built."""
-        strategy = InvariantSteps if self.config.trainer.world_size_invariant else DataParallelSteps
-        return strategy(self, votes)
+        under ``trainer.world_size_invariant``, ZeRO's sharded optimizer under ``dist.zero_stage``
+        1 or 2, else plain DDP. Called once per fit, after the model, data and optimizers are built."""
+        if self.config.trainer.world_size_invariant:
+            return InvariantSteps(self, votes)
+        return ZeroSteps(self, votes) if self.config.dist.zero_stage else DataParallelSteps(self, votes)
 
     def configure_callbacks(self) -> list[Callback]:
         """The built-in callbacks the config asks for: progress, TensorBoard, checkpoints."""

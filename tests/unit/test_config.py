@@ -152,7 +152,9 @@ def test_the_schema_states_the_rules_of_its_choice_and_count_keys():
 def test_every_rule_of_the_schema_refuses_a_value_just_outside_it_and_takes_its_edge(key, field):
     rule_broken = re.compile(rf"^{re.escape(key)}=\S+ (must be|is not one of)")
     if "choices" in field.metadata:
-        bad, edge = field.default + "x", field.metadata["choices"][-1]
+        choices = field.metadata["choices"]
+        bad = field.default + "x" if isinstance(field.default, str) else max(choices) + 1  # a stage, say
+        edge = choices[-1]
     else:
         low, above = field.metadata["bound"]["at_least"], field.metadata["bound"]["above"]
         bad, edge = (low - 1, low) if low is not None else (above, above + 0.5)

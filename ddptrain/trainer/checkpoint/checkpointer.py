@@ -255,7 +255,7 @@ class Checkpointer:
             "samples_in_epoch": self.state.samples_in_epoch,
             "world_size": self.process_group.size(),
             "model": self.model.state_dict(),
-            **self.optimizers.state_dict(),  # optimizer, scheduler
+            **self._optimizer_entries(),  # optimizer, scheduler
             "grad_scaler": None if self.precision is None else self.precision.state_dict(),
             "strategy": {} if self.strategy is None else self.strategy.state_dict(),
             "callbacks": {key: cb.state_dict() for key, cb in _stateful(self.callbacks).items()},
@@ -266,13 +266,22 @@ class Checkpointer:
             "trainer_class": self.trainer_class,
         }
 
+    def _optimizer_entries(self) -> dict[str, Any]:
+        """``optimizer`` and ``scheduler``: through the strategy, which consolidates a sharded optimizer."""
+        if self.strategy is None:
+            return self.optimizers.state_dict()
+        return self.strategy.optimizer_state_dict(self.optimizers)
+
     def load_state_dict(self, checkpoint: dict[str, Any], path: str | Path = "<checkpoint>") -> None:
         """Restore weights, optimizer, schedule, sampler position, step, metrics and this rank's RNG."""
         allow = self.config.trainer.allow_world_size_change
         rank, world_size = self.process_group.rank(), self.process_group.size()
         check_world_size(checkpoint["world_size"], world_size, allow, path)
         self.model.load_state_dict(checkpoint["model"])
-        self.optimizers.load_state_dict(checkpoint)
+        if self.strategy is None:
+            self.optimizers.load_state_dict(checkpoint)
+        else:  # a sharded optimizer cuts the consolidated state into its shards
+            self.strategy.load_optimizer_state_dict(self.optimizers, checkpoint)
         if self.precision is not None:
             self.precision.load_state_dict(checkpoint.get("grad_scaler"))
         if self.strategy is not None:

@@ -1,0 +1,117 @@
+"""How a bucket's flat buffer is split over the ranks, and the two collectives that move the shards.
+
+ZeRO (:mod:`.zero`) cuts each gradient bucket's flat buffer into ``W`` contiguous chunks, one
+per rank: a rank reduce-scatters the bucket (it ends up with the average of its own chunk only)
+and, after its optimizer stepped that chunk's parameters, all-gathers the parameters bucket by
+bucket. Two ways to do it, chosen with ``algorithm``:
+
+* ``ring``: ddptrain's ring (:mod:`ddptrain.comm.ring`) — its reduce-scatter phase, then its
+  all-gather phase. The chunks are the ring's (``torch.tensor_split``: unequal when ``W`` does not
+  divide the bucket) and rank ``r`` owns chunk ``(r+1) % W``, the one the ring finishes on it. So
+  each owned chunk gets exactly the bits DDP's ``dist.algorithm=ring`` all-reduce gives it.
+* ``native``: the backend's own ``reduce_scatter`` and ``all_gather`` (gloo, nccl, mpi and the
+  threaded test group all have them). They need equal chunks, so the buffer is padded to
+  ``W * ceil(numel / W)`` elements; rank ``r`` owns chunk ``r``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.process_group import ProcessGroup
+from ..comm.ring import ring_all_gather, ring_chunk_owned, ring_reduce_scatter
+from ..comm.types import FutureWork, ReduceOp, Work
+
+ALGORITHMS = ("native", "ring")
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Which elements ``[start, stop)`` of one bucket's ``numel`` gradients this rank owns.
+
+    ``padded_numel`` is the length the bucket's flat buffer needs for the collectives (the
+    elements past ``numel`` are padding, always zero); ``chunk`` is the owned chunk's index.
+    """
+
+    numel: int
+    padded_numel: int
+    chunk: int
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @classmethod
+    def of(cls, numel: int, rank: int, world_size: int, algorithm: str) -> ShardLayout:
+        if algorithm == "ring":
+            chunk = ring_chunk_owned(rank, world_size)
+            base, extra = divmod(numel, world_size)  # torch.tensor_split's sizes
+            start = chunk * base + min(chunk, extra)
+            return cls(numel, numel, chunk, start, start + base + (1 if chunk < extra else 0))
+        if algorithm == "native":
+            per_rank = -(-numel // world_size)
+            start, stop = min(rank * per_rank, numel), min((rank + 1) * per_rank, numel)
+            return cls(numel, per_rank * world_size, rank, start, stop)
+        raise ValueError(f"unknown shard algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+
+
+class ShardComm:
+    """Reduce-scatter and all-gather of flat bucket buffers laid out by :class:`ShardLayout`.
+
+    ``reduce_scatter`` is asynchronous (it runs during backward); afterwards the owned chunk of
+    the buffer, ``buffer[layout.start:layout.stop]``, holds the SUM over ranks. ``all_gather``
+    blocks; before it this rank's chunk holds its values, after it every chunk does. Every rank
+    must make the same calls in the same order.
+    """
+
+    def __init__(self, group: ProcessGroup, algorithm: str):
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown shard algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+        self.group = group
+        self.algorithm = algorithm
+        # The ring runs its point-to-point steps on one thread of its own, in call order, so
+        # backward goes on and every rank runs the same rings in the same order.
+        self._ring_pool = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddptrain-zero-ring")
+            if algorithm == "ring"
+            else None
+        )
+
+    def layout(self, numel: int) -> ShardLayout:
+        return ShardLayout.of(numel, self.group.rank(), self.group.size(), self.algorithm)
+
+    def reduce_scatter(self, buffer: torch.Tensor, layout: ShardLayout) -> Work:
+        """Start summing ``buffer`` (``layout.padded_numel`` elements) into its owned chunk."""
+        if self._ring_pool is not None:
+            return self._in_ring_thread("ring_reduce_scatter", buffer, lambda: ring_reduce_scatter(self.group, buffer))
+        chunks = list(buffer.view(self.group.size(), -1))
+        out = torch.empty_like(chunks[layout.chunk])  # no backend is asked to alias input and output
+        work = self.group.reduce_scatter(out, chunks, ReduceOp.SUM)
+        work.add_post_processing(lambda: chunks[layout.chunk].copy_(out))
+        return work
+
+    def all_gather(self, buffer: torch.Tensor, layout: ShardLayout) -> None:
+        """Give every rank every rank's chunk of ``buffer``, in place."""
+        if self._ring_pool is not None:
+            self._in_ring_thread("ring_all_gather", buffer, lambda: ring_all_gather(self.group, buffer)).wait()
+            return
+        chunks = list(buffer.view(self.group.size(), -1))
+        self.group.all_gather(chunks, chunks[layout.chunk].clone()).wait()
+
+    def _in_ring_thread(self, name: str, buffer: torch.Tensor, run) -> Work:
+        fut: torch.futures.Future = torch.futures.Future()
+
+        def body():
+            try:
+                run()
+                fut.set_result([buffer])
+            except BaseException as exc:  # noqa: BLE001 - surfaces in the waiter
+                fut.set_exception(exc)
+
+        self._ring_pool.submit(body)
+        return FutureWork(name, [buffer], fut, self.group.timeout, describe=f"on group {self.group.name!r} ")

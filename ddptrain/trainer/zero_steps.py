@@ -1,0 +1,73 @@
+"""ZeRO as a step strategy (``dist.zero_stage=1|2``): plain DDP's micro-batches, a sharded optimizer.
+
+Forward and backward are :class:`.steps.DataParallelSteps`' (``no_sync`` for all micro-batches
+but the last; the stop votes ride in the reduction, in an all-reduce of their own). What changes:
+
+- **the update**: :class:`ddptrain.ddp.zero.ZeroOptimizer` steps this rank's shard of every
+  bucket and all-gathers the parameters; ``trainer.grad_clip_norm`` clips by the global norm
+  over every rank's shard (one small all-reduce);
+- **checkpoints**: the ``optimizer`` entry is consolidated, in torch's per-parameter format, so a
+  checkpoint loads in plain DDP and at any world size (the shards are cut again on resume).
+
+The trainer's ``optimizer`` keeps its ``param_groups`` (what schedulers and ``train/lr`` use) but
+never holds state: the shards' optimizer does. Refused here: more than one optimizer. What the
+config cannot combine with ZeRO is refused before any process starts (:mod:`ddptrain.preflight`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from ..config import ConfigError
+from ..ddp.zero import ZeroOptimizer
+from .steps import DataParallelSteps
+
+__all__ = ["ZeroSteps"]
+
+log = logging.getLogger("ddptrain.trainer")
+
+
+class ZeroSteps(DataParallelSteps):
+    """Plain DDP's forward and backward, a ZeRO update (see the module docstring)."""
+
+    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+        super().__init__(trainer, votes)
+        dist = trainer.config.dist
+        if len(trainer.optimizers) != 1:
+            raise ConfigError(
+                f"dist.zero_stage={dist.zero_stage} shards one optimizer, and configure_optimizers returned "
+                f"{len(trainer.optimizers)}: return a single optimizer (parameter groups may differ in "
+                "hyper-parameters), or train with dist.zero_stage=0"
+            )
+        try:
+            self.zero = ZeroOptimizer(trainer.model, trainer.optimizer, dist.zero_stage, dist.algorithm)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        held = sum(hi - lo for ranges in self.zero.shard_gradient_elements().values() for lo, hi in ranges)
+        total = sum(p.numel() for p in trainer.model.reducer.params)
+        log.info(
+            "ZeRO stage %d (%s reduce-scatter): this rank steps %d of %d parameter elements",
+            dist.zero_stage,
+            dist.algorithm,
+            held,
+            total,
+        )
+
+    def optimizer_step(self) -> None:
+        t = self.trainer
+        clip = t.config.trainer.grad_clip_norm
+        if clip is not None:
+            self.zero.clip_grad_norm_(clip)
+        self.zero.step()
+        step = t.state.step + 1  # the step being completed
+        t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
+        self.zero.zero_grad()
+
+    def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
+        return {**optimizers.state_dict(), "optimizer": self.zero.state_dict()}
+
+    def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
+        optimizers.load_state_dict(checkpoint)  # the full state into the trainer's optimizer, schedules
+        self.zero.shard_loaded_state()  # ... then cut into this rank's shards

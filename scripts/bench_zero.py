@@ -1,0 +1,153 @@
+"""What ZeRO saves and costs: memory and step time per rank of an MLP trained with AdamW on gloo.
+
+Four setups, each in a job of its own (so each rank's peak RSS is its own), at each world size:
+
+- ``ddptrain DDP``: our DDP, plain (``dist.zero_stage=0``): the anchor every ratio is against;
+- ``ZeRO-1`` / ``ZeRO-2``: our DDP with :class:`ddptrain.ddp.ZeroOptimizer` (native reduce-scatter);
+- ``torch DDP + ZeRO``: ``torch.nn.parallel.DistributedDataParallel`` with
+  ``torch.distributed.optim.ZeroRedundancyOptimizer`` (whole parameters assigned to ranks).
+
+Per rank (rank 0's figures; the ranks differ by at most one bucket's chunk):
+
+- ``optim MB``: bytes of optimizer state the rank holds after the first step;
+- ``grad MB``: bytes of gradient the rank holds after a backward — ``.grad`` tensors plus our
+  DDP's bucket buffers and shard gradients (torch DDP's own buckets are not visible: its figure is
+  a lower bound);
+- ``peak RSS MB``: the process's peak resident memory (``ru_maxrss``), start-up included;
+- ``step ms``: median wall time of one step (forward, backward, optimizer step, zero_grad) after
+  ``--warmup`` steps.
+
+    .venv/bin/python scripts/bench_zero.py                         # ~50M parameters, W=2 and 4
+    .venv/bin/python scripts/bench_zero.py --layers 4 --steps 20   # ~17M parameters: the speed run
+
+Measured figures go to benchmarks/README.md with the command and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SETUPS = ("ddptrain DDP", "ZeRO-1", "ZeRO-2", "torch DDP + ZeRO")
+MB = 1024 * 1024
+
+
+def _model(width: int, layers: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*blocks)
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _state_bytes(state) -> int:
+    import torch
+
+    return sum(_tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in state.values())
+
+
+def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, steps: int, warmup: int) -> dict:
+    import torch
+
+    from ddptrain.ddp import DistributedDataParallel, ZeroOptimizer
+
+    model = _model(width, layers)
+    if setup == "torch DDP + ZeRO":
+        import torch.distributed as tdist
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        import ddptrain.comm as dist
+
+        if not tdist.is_initialized():  # torch's own group, on the store our gloo group joined through
+            store = tdist.PrefixStore("torch", dist.get_store().c10d)
+            tdist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        state_bytes = lambda: _state_bytes(opt.optim.state)  # noqa: E731 - this rank's local optimizer
+        step, zero_grad = opt.step, lambda: opt.zero_grad(set_to_none=True)
+    else:
+        ddp = DistributedDataParallel(model)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if setup == "ddptrain DDP":
+            opt, state_bytes = adamw, (lambda: _state_bytes(adamw.state))
+        else:
+            opt = ZeroOptimizer(ddp, adamw, stage=1 if setup == "ZeRO-1" else 2)
+            state_bytes = opt.state_bytes
+        step, zero_grad = opt.step, lambda: opt.zero_grad(set_to_none=True)
+
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
+    times, grad_bytes = [], 0
+    for i in range(warmup + steps):
+        started = time.perf_counter()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        if i == 0:
+            grad_bytes = _tensor_bytes(p.grad for p in model.parameters())
+            reducer = getattr(ddp, "reducer", None)
+            if reducer is not None and hasattr(reducer, "shard_grads"):
+                grad_bytes += _tensor_bytes(f.buffer for f in reducer.flat if f is not None)
+                grad_bytes += _tensor_bytes(reducer.shard_grads)
+        step()
+        zero_grad()
+        if i >= warmup:
+            times.append(time.perf_counter() - started)
+    return {
+        "optim MB": state_bytes() / MB,
+        "grad MB": grad_bytes / MB,
+        "peak RSS MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step ms": 1000 * statistics.median(times),
+        "params M": sum(p.numel() for p in model.parameters()) / 1e6,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=12, help="12 x 2048^2: ~50M parameters; 4: ~17M")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--timeout-s", type=float, default=900)
+    args = parser.parse_args()
+
+    from ddptrain.testing import run_distributed
+
+    for world_size in args.world_sizes:
+        rows = {}
+        for setup in SETUPS:
+            results = run_distributed(
+                _measure,
+                world_size,
+                setup,
+                args.width,
+                args.layers,
+                args.steps,
+                args.warmup,
+                backend="gloo",
+                timeout_s=args.timeout_s,
+            )
+            rows[setup] = results[0]
+        anchor = rows["ddptrain DDP"]
+        print(f"\nW={world_size}, MLP {args.layers}x{args.width}^2 ({anchor['params M']:.1f}M parameters), AdamW, gloo")
+        keys = ("optim MB", "grad MB", "peak RSS MB", "step ms")
+        print(f"{'setup':<18}" + "".join(f"{k:>22}" for k in keys))
+        for setup, row in rows.items():
+            cells = "".join(f"{row[k]:>12.1f} ({row[k] / anchor[k]:>5.2f}x)" for k in keys)
+            print(f"{setup:<18}{cells}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,319 @@
+"""ZeRO-1 and ZeRO-2 (``ddptrain.ddp.zero``) on the threaded group: the same bits as plain DDP.
+
+Each rank trains the same small model twice on its own batches: once with plain DDP over the ring
+all-reduce (``dist.algorithm=ring``) and the optimizer stepping whole tensors, once with
+``ZeroOptimizer`` (ring reduce-scatter, shards, all-gather). After many steps the parameters must
+be equal bit for bit, at world sizes 2, 3 and 4, stages 1 and 2, SGD with momentum, Adam and
+AdamW with weight decay (each with two parameter groups). Small buckets and odd sizes make chunks
+of unequal length that cut through parameters, and the buckets are rebuilt after the first
+iteration (the shards' state is then re-split).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ddptrain.comm import api as comm_api
+from ddptrain.comm.ring import RingAllReducer
+from ddptrain.ddp import DistributedDataParallel as DDP
+from ddptrain.ddp import ring_allreduce_hook
+from ddptrain.ddp.zero import ZeroOptimizer
+from ddptrain.testing import run_threaded
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 300
+BUCKET_CAP_MB = 0.0004  # ~100 floats: several buckets, chunk bounds inside parameters
+
+
+def _template() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 3))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    return torch.randn(5, 7, generator=g), torch.randint(0, 3, (5,), generator=g)
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    if name == "sgd":
+        groups = [{"params": weights}, {"params": biases, "lr": 0.05, "momentum": 0.5}]
+        return torch.optim.SGD(groups, lr=0.02, momentum=0.9, weight_decay=1e-3)
+    if name == "adam":
+        return torch.optim.Adam([{"params": weights}, {"params": biases, "lr": 3e-3}], lr=1e-3)
+    groups = [{"params": weights, "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=2e-3)
+
+
+def _train(ddp: DDP, step_fn, zero_grad, rank: int, steps: int, clip: float | None = None, clip_fn=None):
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        F.cross_entropy(ddp(x), y).backward()
+        if clip is not None:
+            clip_fn(clip)
+        step_fn()
+        zero_grad()
+    return [p.detach().clone() for p in ddp.module.parameters()]
+
+
+def plain_ring(template, opt_name, steps, clip=None):
+    """Plain DDP over the ring all-reduce: the reference."""
+    pg = comm_api.get_process_group()
+    model = copy.deepcopy(template)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
+    opt = _optimizer(opt_name, model)
+    clip_fn = lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)  # noqa: E731
+    return _train(ddp, opt.step, opt.zero_grad, pg.rank(), steps, clip, clip_fn)
+
+
+def zero_run(template, opt_name, stage, steps, algorithm="ring", clip=None):
+    pg = comm_api.get_process_group()
+    model = copy.deepcopy(template)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    zero = ZeroOptimizer(ddp, _optimizer(opt_name, model), stage=stage, algorithm=algorithm)
+    return _train(ddp, zero.step, zero.zero_grad, pg.rank(), steps, clip, zero.clip_grad_norm_)
+
+
+def _both(rank, world_size, opt_name, stage, steps):
+    template = _template()
+    return plain_ring(template, opt_name, steps), zero_run(template, opt_name, stage, steps)
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adam", "adamw"])
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_bitwise_equal_to_plain_ring_ddp(world_size, stage, opt_name):
+    results = run_threaded(_both, world_size, opt_name, stage, STEPS, timeout_s=240)
+    for rank, (plain, zero) in enumerate(results):
+        for i, (a, b) in enumerate(zip(plain, zero)):
+            assert torch.equal(a, b), f"rank {rank} parameter {i}: max diff {(a - b).abs().max().item()}"
+        assert all(torch.equal(a, b) for a, b in zip(zero, results[0][1])), "ranks diverged"
+    initial = list(_template().parameters())
+    assert not torch.equal(initial[0].detach(), results[0][0][0]), "nothing trained"
+
+
+# -- ZeRO-2 holds only its shard's gradient --------------------------------------------------------
+def _grads_after_one_backward(rank, world_size, stage):
+    template = _template()
+    pg = comm_api.get_process_group()
+    plain = DDP(copy.deepcopy(template), bucket_cap_mb=BUCKET_CAP_MB)
+    plain.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
+    model = copy.deepcopy(template)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    zero = ZeroOptimizer(ddp, torch.optim.SGD(model.parameters(), lr=0.1), stage=stage, algorithm="ring")
+    x, y = _batch(rank, 0)
+    F.cross_entropy(plain(x), y).backward()
+    F.cross_entropy(ddp(x), y).backward()
+    reducer = ddp.reducer
+    held = {
+        "grads": [p.grad for p in model.parameters()],
+        "buffers": [f is not None for f in reducer.flat],
+        "elements": sum(g.numel() for g in reducer.shard_grads),
+        "numel": sum(p.numel() for p in model.parameters()),
+        "ranges": zero.shard_gradient_elements(),
+    }
+    plain_grads = dict(zip(plain.reducer.params, (p.grad for p in plain.module.parameters())))
+    for b, (bucket, layout) in enumerate(zip(reducer.plan.buckets, reducer.shard_layouts)):
+        full = torch.cat([plain_grads[plain.reducer.params[i]].reshape(-1) for i in bucket.params])
+        assert torch.equal(reducer.shard_grads[b], full[layout.start : layout.stop]), f"bucket {b} on rank {rank}"
+    return held
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_after_backward_a_rank_holds_exactly_its_shard_of_the_averaged_gradients(stage):
+    world_size = 3
+    held = run_threaded(_grads_after_one_backward, world_size, stage, timeout_s=60)
+    for rank_held in held:
+        assert all(g is None for g in rank_held["grads"]), "a parameter kept a full-size .grad"
+        assert all(rank_held["buffers"]) == (stage == 1), rank_held["buffers"]  # stage 2 frees the buckets
+        assert rank_held["elements"] <= rank_held["numel"] // world_size + len(rank_held["buffers"])
+    # the ranks' shards cover every element of every parameter exactly once
+    numel = dict(_template().named_parameters())
+    for name, p in numel.items():
+        covered = sorted(r for rank_held in held for r in rank_held["ranges"].get(name.replace("module.", ""), []))
+        flat = [i for lo, hi in covered for i in range(lo, hi)]
+        assert flat == list(range(p.numel())), name
+
+
+# -- the native reduce-scatter: bitwise to plain DDP's all-reduce at W=2 ------------------------------
+def _native_pair(rank, world_size, opt_name, stage):
+    template = _template()
+    model = copy.deepcopy(template)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = _optimizer(opt_name, model)
+    plain = _train(ddp, opt.step, opt.zero_grad, rank, 100)
+    return plain, zero_run(template, opt_name, stage, 100, algorithm="native")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_native_reduce_scatter_equals_plain_native_ddp_at_two_ranks(stage):
+    for plain, zero in run_threaded(_native_pair, 2, "adamw", stage, timeout_s=120):
+        assert all(torch.equal(a, b) for a, b in zip(plain, zero))
+
+
+# -- gradient clipping and accumulation --------------------------------------------------------------
+def _clipped(rank, world_size, stage):
+    template = _template()
+    return plain_ring(template, "adamw", 60, clip=0.05), zero_run(template, "adamw", stage, 60, clip=0.05)
+
+
+def test_clipping_uses_the_global_norm_within_1e_6_relative():
+    for plain, zero in run_threaded(_clipped, 3, 2, timeout_s=120):
+        for a, b in zip(plain, zero):
+            assert ((a - b).abs().max() / a.abs().max()).item() < 1e-6
+
+
+def _accumulated(rank, world_size, stage, micro):
+    template = _template()
+    pg = comm_api.get_process_group()
+    runs = []
+    for zero_stage in (0, stage):
+        model = copy.deepcopy(template)
+        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+        if zero_stage:
+            opt = ZeroOptimizer(ddp, _optimizer("sgd", model), stage=zero_stage, algorithm="ring")
+        else:
+            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
+            opt = _optimizer("sgd", model)
+        for step in range(30):
+            for m in range(micro):
+                x, y = _batch(rank, step * micro + m)
+                if m < micro - 1:
+                    with ddp.no_sync():
+                        (F.cross_entropy(ddp(x), y) / micro).backward()
+                else:
+                    (F.cross_entropy(ddp(x), y) / micro).backward()
+            opt.step()
+            opt.zero_grad()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    return runs
+
+
+def test_gradient_accumulation_under_no_sync_composes():
+    for plain, zero in run_threaded(_accumulated, 3, 2, 3, timeout_s=120):
+        assert all(torch.equal(a, b) for a, b in zip(plain, zero))
+
+
+# -- consolidated checkpoints ------------------------------------------------------------------------
+def _state_at(rank, world_size, stage, steps):
+    """Plain ring DDP's and ZeRO's optimizer state dicts and parameters after ``steps`` steps."""
+    template = _template()
+    pg = comm_api.get_process_group()
+    out = {}
+    for zero_stage in (0, stage):
+        model = copy.deepcopy(template)
+        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+        if zero_stage:
+            opt = ZeroOptimizer(ddp, _optimizer("adamw", model), stage=zero_stage, algorithm="ring")
+        else:
+            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
+            opt = _optimizer("adamw", model)
+        _train(ddp, opt.step, opt.zero_grad, rank, steps)
+        out[zero_stage] = (copy.deepcopy(model.state_dict()), opt.state_dict())
+    return out
+
+
+def _assert_same_state(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i in a["state"]:
+        assert sorted(a["state"][i]) == sorted(b["state"][i])
+        for key in a["state"][i]:
+            assert torch.equal(a["state"][i][key], b["state"][i][key]), (i, key)
+
+
+def _resume(rank, world_size, stage, model_state, optim_state, steps):
+    """Continue from a checkpoint: plain ring DDP and ZeRO, each from the same files."""
+    pg = comm_api.get_process_group()
+    runs = []
+    for zero_stage in (0, stage):
+        model = _template()
+        model.load_state_dict(model_state)
+        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+        if zero_stage:
+            opt = ZeroOptimizer(ddp, _optimizer("adamw", model), stage=zero_stage, algorithm="ring")
+        else:
+            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
+            opt = _optimizer("adamw", model)
+        opt.load_state_dict(copy.deepcopy(optim_state))  # torch keeps the loaded tensors: one copy each
+        runs.append(_train(ddp, opt.step, opt.zero_grad, rank + 10, steps))
+    return runs
+
+
+def test_consolidated_state_is_plain_ddps_and_resumes_bitwise_at_another_world_size():
+    saved = run_threaded(_state_at, 4, 2, 40, timeout_s=120)
+    (plain_model, plain_optim), (zero_model, zero_optim) = saved[0][0], saved[0][2]
+    assert all(torch.equal(plain_model[k], zero_model[k]) for k in plain_model)
+    _assert_same_state(plain_optim, zero_optim)  # what plain DDP's optimizer writes, so it loads it
+    tensors = [v for state in zero_optim["state"].values() for v in state.values()]
+    assert len({id(v) for v in tensors}) == len(tensors), "state tensors shared between parameters"
+    for rank_saved in saved[1:]:
+        _assert_same_state(zero_optim, rank_saved[2][1])  # every rank holds the consolidated state
+    resumed = run_threaded(_resume, 2, 2, zero_model, zero_optim, 40, timeout_s=120)
+    for plain, zero in resumed:
+        assert all(torch.equal(a, b) for a, b in zip(plain, zero))
+
+
+# -- what is refused -----------------------------------------------------------------------------------
+def _refusal(rank, world_size, what):
+    model = _template()
+    if what == "lbfgs":
+        ZeroOptimizer(DDP(model), torch.optim.LBFGS(model.parameters()))
+    elif what == "find_unused":
+        ZeroOptimizer(DDP(model, find_unused_parameters=True), torch.optim.SGD(model.parameters(), lr=0.1))
+    elif what == "hook":
+        ddp = DDP(model)
+        ZeroOptimizer(ddp, torch.optim.SGD(model.parameters(), lr=0.1))
+        ddp.register_comm_hook(RingAllReducer(comm_api.get_process_group()), ring_allreduce_hook)
+    elif what == "foreign":
+        ZeroOptimizer(DDP(model), torch.optim.SGD(list(model.parameters()) + [nn.Parameter(torch.ones(2))], lr=0.1))
+
+
+@pytest.mark.parametrize(
+    "what, message",
+    [
+        ("lbfgs", "ZeRO cannot shard the optimizer LBFGS: each rank steps only a slice of every tensor"),
+        ("find_unused", "ZeRO (sharded gradients) does not work with find_unused_parameters=True"),
+        ("hook", "ZeRO (sharded gradients) does not work with a comm hook"),
+        ("foreign", "is not one that the DDP model trains"),
+    ],
+)
+def test_refusals_name_what_why_and_the_fix(what, message):
+    with pytest.raises((ValueError, RuntimeError)) as err:
+        run_threaded(_refusal, 2, what, timeout_s=30)
+    assert message in str(err.value)
+    assert "dist.zero_stage=0" in str(err.value) or "Use plain DDP" in str(err.value) or what == "foreign"
+
+
+# -- schedulers attached to the wrapped optimizer ------------------------------------------------------
+def _scheduled(rank, world_size):
+    template = _template()
+    pg = comm_api.get_process_group()
+    runs = []
+    for zero in (False, True):
+        model = copy.deepcopy(template)
+        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+        optimizer = _optimizer("sgd", model)
+        if zero:
+            opt = ZeroOptimizer(ddp, optimizer, stage=2, algorithm="ring")
+        else:
+            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
+            opt = optimizer
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.3)
+        runs.append(_train(ddp, lambda o=opt, s=schedule: (o.step(), s.step()), opt.zero_grad, rank, 30))
+    return runs
+
+
+@pytest.mark.filterwarnings("error:Detected call of `lr_scheduler.step\\(\\)` before")  # it sees the steps
+def test_a_scheduler_on_the_wrapped_optimizer_drives_the_shards():
+    for plain, zero in run_threaded(_scheduled, 3, timeout_s=120):
+        assert all(torch.equal(a, b) for a, b in zip(plain, zero))

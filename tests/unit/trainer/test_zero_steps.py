@@ -1,0 +1,151 @@
+"""ZeRO in the Trainer (``dist.zero_stage``, ddptrain.trainer.zero_steps) on the threaded group.
+
+A fit with ``dist.zero_stage=1|2`` over the ring ends with plain ring DDP's parameters bit for
+bit (gradient accumulation included), within 1e-6 relative with gradient clipping; its
+checkpoint's optimizer entry is plain DDP's, and it resumes at another world size, with ZeRO or
+without, to the same parameters. What ZeRO cannot be combined with is refused before any
+process starts, with the reason.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ddptrain import Config, Trainer
+from ddptrain.config import ConfigError
+from ddptrain.preflight import validate
+from ddptrain.testing import run_threaded
+from ddptrain.trainer.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.timeout(300)
+
+
+class Task(Trainer):
+    def configure_model(self):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
+        g = torch.Generator().manual_seed(0)  # not the global RNG, which the rank threads share
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        return model
+
+    def train_dataloader(self):
+        x = torch.randn(240, 8, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, x[:, :3].argmax(1))
+
+    def val_dataloader(self):
+        return None
+
+
+def _config(out, zero_stage, **trainer):
+    return Config.from_dict(
+        {
+            "data": {"global_batch_size": 24},
+            "dist": {"algorithm": "ring", "zero_stage": zero_stage, "bucket_cap_mb": 0.0002},
+            "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
+            "trainer": {"epochs": 2, "progress": False, "tensorboard": False, "output_dir": str(out), **trainer},
+        }
+    )
+
+
+def _fit(rank, world_size, out, zero_stage, **trainer):
+    task = Task(_config(out, zero_stage, **trainer))
+    task.fit()
+    return [p.detach().clone() for p in task.model.module.parameters()]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_zero_fit_ends_with_plain_ring_ddps_parameters(tmp_path, stage):
+    plain = run_threaded(_fit, 3, tmp_path / "plain", 0, grad_accum_steps=2, timeout_s=120)
+    zero = run_threaded(_fit, 3, tmp_path / "zero", stage, grad_accum_steps=2, timeout_s=120)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], zero[0]))
+    assert all(torch.equal(a, b) for rank in zero for a, b in zip(rank, zero[0]))
+
+
+def test_clipping_stays_within_1e_6_relative_of_plain_ddp(tmp_path):
+    plain = run_threaded(_fit, 3, tmp_path / "plain", 0, grad_clip_norm=0.1, timeout_s=120)
+    zero = run_threaded(_fit, 3, tmp_path / "zero", 2, grad_clip_norm=0.1, timeout_s=120)
+    for a, b in zip(plain[0], zero[0]):
+        assert ((a - b).abs().max() / a.abs().max()).item() < 1e-6
+
+
+def test_a_zero_checkpoint_is_plain_and_resumes_at_another_world_size(tmp_path):
+    run_threaded(_fit, 4, tmp_path / "plain4", 0, max_steps=7, timeout_s=120)
+    run_threaded(_fit, 4, tmp_path / "zero4", 2, max_steps=7, timeout_s=120)
+    plain = load_checkpoint(tmp_path / "plain4" / "checkpoints" / "step_000000007.pt")
+    zero = load_checkpoint(tmp_path / "zero4" / "checkpoints" / "step_000000007.pt")
+    assert plain["optimizer"]["param_groups"] == zero["optimizer"]["param_groups"]
+    for i, state in plain["optimizer"]["state"].items():
+        assert all(torch.equal(v, zero["optimizer"]["state"][i][k]) for k, v in state.items())
+    ckpt = str(tmp_path / "zero4" / "checkpoints" / "step_000000007.pt")
+    again = {"resume": ckpt, "allow_world_size_change": True}
+    as_plain = run_threaded(_fit, 2, tmp_path / "p2", 0, timeout_s=120, **again)
+    as_zero = run_threaded(_fit, 2, tmp_path / "z2", 2, timeout_s=120, **again)
+    assert all(torch.equal(a, b) for a, b in zip(as_plain[0], as_zero[0]))
+    assert not all(torch.equal(a, b) for a, b in zip(as_plain[0], zero["model"].values())), "nothing trained"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            {"trainer": {"world_size_invariant": True}},
+            "dist.zero_stage=2 cannot be combined with trainer.world_size_invariant=true: invariant mode sums "
+            "exact integer gradients on the bare module",
+        ),
+        (
+            {"dist": {"find_unused_parameters": True}},
+            "dist.zero_stage=2 cannot be combined with dist.find_unused_parameters=true: a parameter without a "
+            "gradient would still be stepped",
+        ),
+        ({"dist": {"gradient_as_bucket_view": True}}, "cannot be combined with dist.gradient_as_bucket_view=true"),
+        ({"dist": {"bucket_cap_mb": "auto"}}, "cannot be combined with dist.bucket_cap_mb=auto"),
+        ({"trainer": {"doctor": True}}, "cannot be combined with trainer.doctor=true: the doctor's model"),
+        (
+            {"trainer": {"precision": "16-mixed", "device": "cuda"}},
+            "cannot be combined with trainer.precision=16-mixed: its gradient scaler",
+        ),
+    ],
+)
+def test_incompatible_settings_are_refused_with_the_reason(override, message):
+    data = {"dist": {"zero_stage": 2}, "trainer": {}}
+    for section, values in override.items():
+        data[section] = {**data.get(section, {}), **values}
+    with pytest.raises(ConfigError) as err:
+        validate(Config.from_dict(copy.deepcopy(data)), 2)
+    assert message in str(err.value)
+    assert "or train with dist.zero_stage=0" in str(err.value)
+
+
+def test_a_stage_that_does_not_exist_is_refused():
+    with pytest.raises(ConfigError, match="dist.zero_stage=3 is not one of 0, 1, 2"):
+        validate(Config.from_dict({"dist": {"zero_stage": 3}}), 2)
+
+
+class LbfgsTask(Task):
+    def configure_optimizers(self, model):
+        return torch.optim.LBFGS(model.parameters())
+
+
+def test_an_optimizer_that_couples_elements_is_refused_by_name(tmp_path):
+    def body(rank, world_size):
+        LbfgsTask(_config(tmp_path, 1)).fit()
+
+    with pytest.raises(ConfigError, match="ZeRO cannot shard the optimizer LBFGS"):
+        run_threaded(body, 2, timeout_s=60)
+
+
+class TwoOptimizersTask(Task):
+    def configure_optimizers(self, model):
+        first, second = model[0], model[2]
+        return [torch.optim.SGD(first.parameters(), lr=0.1), torch.optim.Adam(second.parameters())]
+
+
+def test_more_than_one_optimizer_is_refused_with_the_count(tmp_path):
+    def body(rank, world_size):
+        TwoOptimizersTask(_config(tmp_path, 2)).fit()
+
+    with pytest.raises(ConfigError, match="shards one optimizer, and configure_optimizers returned 2"):
+        run_threaded(body, 2, timeout_s=60)
