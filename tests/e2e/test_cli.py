@@ -27,7 +27,8 @@ def _short_error(proc, *words):
         assert word in proc.stderr, f"{word!r} not in:\n{proc.stderr}"
 
 
-@pytest.mark.parametrize("recipe", ["mnist", "mnist_fast"])  # mnist_fast: BatchNorm buffers must agree too
+# mnist_fast: BatchNorm buffers must agree too, and it trains in bf16-mixed (trainer.precision)
+@pytest.mark.parametrize("recipe", ["mnist", "mnist_fast"])
 def test_smoke_run_mnist(tmp_path, mnist_root, recipe):
     run_dir = tmp_path / "run"
     proc = run_cli(
@@ -43,6 +44,7 @@ def test_smoke_run_mnist(tmp_path, mnist_root, recipe):
     assert metrics["params_agree"] and metrics["train/loss_last"] < metrics["train/loss_first"]
     assert metrics["eval/samples"] == 10000 and metrics["world_size"] == 2
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    assert (run_dir / "metrics.csv").read_text().startswith("step,train/loss")
     assert [p.name for p in (run_dir / "checkpoints").glob("*.pt")] == ["step_000000040.pt"]
     check_run_log(run_dir, proc.stdout, steps_logged=[10, 20, 30, 40])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # one output directory, nothing else
