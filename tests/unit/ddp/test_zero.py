@@ -64,13 +64,21 @@ def _train(ddp: DDP, step_fn, zero_grad, rank: int, steps: int, clip: float | No
     return [p.detach().clone() for p in ddp.module.parameters()]
 
 
+def _in_ddp(model: nn.Module, optimizer, zero_stage: int, algorithm: str = "ring"):
+    """``(ddp, optimizer)`` for ``model``: plain DDP over the ring all-reduce with ``optimizer``
+    (``zero_stage`` 0, the reference), or ``optimizer`` sharded by a ZeroOptimizer at that stage."""
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    if zero_stage:
+        return ddp, ZeroOptimizer(ddp, optimizer, stage=zero_stage, algorithm=algorithm)
+    ddp.register_comm_hook(RingAllReducer(comm_api.get_process_group()), ring_allreduce_hook)
+    return ddp, optimizer
+
+
 def plain_ring(template, opt_name, steps, clip=None):
     """Plain DDP over the ring all-reduce: the reference."""
     pg = comm_api.get_process_group()
     model = copy.deepcopy(template)
-    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-    ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
-    opt = _optimizer(opt_name, model)
+    ddp, opt = _in_ddp(model, _optimizer(opt_name, model), 0)
     clip_fn = lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)  # noqa: E731
     return _train(ddp, opt.step, opt.zero_grad, pg.rank(), steps, clip, clip_fn)
 
@@ -78,8 +86,7 @@ def plain_ring(template, opt_name, steps, clip=None):
 def zero_run(template, opt_name, stage, steps, algorithm="ring", clip=None):
     pg = comm_api.get_process_group()
     model = copy.deepcopy(template)
-    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-    zero = ZeroOptimizer(ddp, _optimizer(opt_name, model), stage=stage, algorithm=algorithm)
+    ddp, zero = _in_ddp(model, _optimizer(opt_name, model), stage, algorithm)
     return _train(ddp, zero.step, zero.zero_grad, pg.rank(), steps, clip, zero.clip_grad_norm_)
 
 
@@ -174,16 +181,10 @@ def test_clipping_uses_the_global_norm_within_1e_6_relative():
 
 def _accumulated(rank, world_size, stage, micro):
     template = _template()
-    pg = comm_api.get_process_group()
     runs = []
     for zero_stage in (0, stage):
         model = copy.deepcopy(template)
-        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-        if zero_stage:
-            opt = ZeroOptimizer(ddp, _optimizer("sgd", model), stage=zero_stage, algorithm="ring")
-        else:
-            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
-            opt = _optimizer("sgd", model)
+        ddp, opt = _in_ddp(model, _optimizer("sgd", model), zero_stage)
         for step in range(30):
             for m in range(micro):
                 x, y = _batch(rank, step * micro + m)
@@ -207,16 +208,10 @@ def test_gradient_accumulation_under_no_sync_composes():
 def _state_at(rank, world_size, stage, steps):
     """Plain ring DDP's and ZeRO's optimizer state dicts and parameters after ``steps`` steps."""
     template = _template()
-    pg = comm_api.get_process_group()
     out = {}
     for zero_stage in (0, stage):
         model = copy.deepcopy(template)
-        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-        if zero_stage:
-            opt = ZeroOptimizer(ddp, _optimizer("adamw", model), stage=zero_stage, algorithm="ring")
-        else:
-            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
-            opt = _optimizer("adamw", model)
+        ddp, opt = _in_ddp(model, _optimizer("adamw", model), zero_stage)
         _train(ddp, opt.step, opt.zero_grad, rank, steps)
         out[zero_stage] = (copy.deepcopy(model.state_dict()), opt.state_dict())
     return out
@@ -233,17 +228,11 @@ def _assert_same_state(a, b):
 
 def _resume(rank, world_size, stage, model_state, optim_state, steps):
     """Continue from a checkpoint: plain ring DDP and ZeRO, each from the same files."""
-    pg = comm_api.get_process_group()
     runs = []
     for zero_stage in (0, stage):
         model = _template()
         model.load_state_dict(model_state)
-        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
-        if zero_stage:
-            opt = ZeroOptimizer(ddp, _optimizer("adamw", model), stage=zero_stage, algorithm="ring")
-        else:
-            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
-            opt = _optimizer("adamw", model)
+        ddp, opt = _in_ddp(model, _optimizer("adamw", model), zero_stage)
         opt.load_state_dict(copy.deepcopy(optim_state))  # torch keeps the loaded tensors: one copy each
         runs.append(_train(ddp, opt.step, opt.zero_grad, rank + 10, steps))
     return runs
@@ -297,17 +286,11 @@ def test_refusals_name_what_why_and_the_fix(what, message):
 # -- schedulers attached to the wrapped optimizer ------------------------------------------------------
 def _scheduled(rank, world_size):
     template = _template()
-    pg = comm_api.get_process_group()
     runs = []
-    for zero in (False, True):
+    for zero_stage in (0, 2):
         model = copy.deepcopy(template)
-        ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
         optimizer = _optimizer("sgd", model)
-        if zero:
-            opt = ZeroOptimizer(ddp, optimizer, stage=2, algorithm="ring")
-        else:
-            ddp.register_comm_hook(RingAllReducer(pg), ring_allreduce_hook)
-            opt = optimizer
+        ddp, opt = _in_ddp(model, optimizer, zero_stage)
         schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.3)
         runs.append(_train(ddp, lambda o=opt, s=schedule: (o.step(), s.step()), opt.zero_grad, rank, 30))
     return runs
