@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import threading
 import warnings
 from collections.abc import Sequence
@@ -51,6 +52,9 @@ class _State:
         self.store: Store | None = None
         self.groups_created = 0
         self.check_collectives: bool | str = True  # True: the ledger check; "sync": before each call
+        # The ledger directory rank 0 made in the temporary folder (no DDPTRAIN_LEDGER_DIR given):
+        # removed when the world group is destroyed cleanly; a crash leaves it for the post-mortem.
+        self.made_ledger_dir: str | None = None
 
 
 _process_state = _State()
@@ -198,7 +202,9 @@ def _ledger_directory(pg: ProcessGroup, store: Store | None) -> str | None:
     if pg.rank() == 0:
         import tempfile
 
-        mine = envvars.get_str("DDPTRAIN_LEDGER_DIR") or tempfile.mkdtemp(prefix="ddptrain-ledger-")
+        mine = envvars.get_str("DDPTRAIN_LEDGER_DIR")
+        if not mine:
+            mine = _state.made_ledger_dir = tempfile.mkdtemp(prefix="ddptrain-ledger-")
     if store is not None:
         if mine:
             store.set("ledger_dir", mine)
@@ -231,7 +237,9 @@ def destroy_process_group(group=None) -> None:
     if group is None or group is _state.world:
         if _state.world is not None:
             _state.world.destroy()
-        _state.world, _state.store, _state.groups_created = None, None, 0
+        if _state.made_ledger_dir:  # peers that still read it tolerate a missing ledger file
+            shutil.rmtree(_state.made_ledger_dir, ignore_errors=True)
+        _state.world, _state.store, _state.groups_created, _state.made_ledger_dir = None, None, 0, None
     elif isinstance(group, ProcessGroup):
         group.destroy()
 

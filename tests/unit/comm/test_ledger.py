@@ -180,3 +180,30 @@ def test_a_subgroup_records_to_its_parents_ledger_under_its_own_name():
     for member in got[:2]:  # the pair's own sequence, after the world's barrier, in the one ledger
         assert member[-1] == ("pair", 1, "all_reduce") and member[-2][::2] == ("world", "barrier"), got
     assert {group for group, _, _ in got[2]} == {"world"}, got
+
+
+def test_a_ledger_directory_the_group_made_itself_is_removed_when_the_group_is_destroyed(tmp_path, monkeypatch):
+    """A user's own script under torchrun or mpirun sets no DDPTRAIN_LEDGER_DIR: rank 0 makes one in
+    the temporary folder, and a clean shutdown must not leave it behind, run after run."""
+    import tempfile
+
+    import ddptrain.comm as dist
+
+    monkeypatch.delenv("DDPTRAIN_LEDGER_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        made = list(tmp_path.glob("ddptrain-ledger-*"))
+        assert [p.name for p in made[0].iterdir()] == ["rank0.ledger"], made
+    finally:
+        dist.destroy_process_group()
+    assert not list(tmp_path.glob("ddptrain-ledger-*"))
+
+
+def test_a_ledger_directory_the_user_named_is_kept_after_the_group_is_destroyed(tmp_path, monkeypatch):
+    import ddptrain.comm as dist
+
+    monkeypatch.setenv("DDPTRAIN_LEDGER_DIR", str(tmp_path / "mine"))
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    dist.destroy_process_group()
+    assert (tmp_path / "mine" / "rank0.ledger").is_file()
