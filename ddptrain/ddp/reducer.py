@@ -288,7 +288,7 @@ class Reducer:
     def set_comm_hook(self, hook: CommHook, state: object) -> None:
         """Send buckets through ``hook(state, GradBucket)``; the layout is planned again for it."""
         if self.shard_comm is not None:
-            raise RuntimeError(_SHARDED_REFUSES.format(what="a comm hook", why="the buckets are reduce-scattered"))
+            raise RuntimeError(_SHARDED_REFUSES.format(what="a comm hook", why=_HOOK_UNDER_ZERO))
         self.comm_hook, self.comm_hook_state = hook, state
         self._install(self.plan.assignment)
 
@@ -304,7 +304,7 @@ class Reducer:
         if self.shard_comm is not None or self.iteration > 0:
             raise RuntimeError("shard_gradients must be called once, before the first backward")
         for what, why, on in (
-            ("a comm hook", "the buckets are reduce-scattered, not all-reduced", self.comm_hook is not None),
+            ("a comm hook", _HOOK_UNDER_ZERO, self.comm_hook is not None),
             ("gradient_as_bucket_view=True", "no full-size gradient is kept to be a view of", self.as_view),
             (
                 "find_unused_parameters=True",
@@ -602,6 +602,10 @@ class Reducer:
         self._hook_handles = []
 
 
+_HOOK_UNDER_ZERO = (
+    "the buckets are reduce-scattered, not all-reduced (to send gradients in bf16 or fp16, as the "
+    "compress hooks do, pass reduce_dtype=torch.bfloat16 or torch.float16 to ZeroOptimizer)"
+)
 _SHARDED_REFUSES = (
     "ZeRO (sharded gradients) does not work with {what}: {why}. Use plain DDP (zero stage 0) for that, or drop {what}."
 )

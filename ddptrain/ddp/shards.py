@@ -12,6 +12,12 @@ bucket. Two ways to do it, chosen with ``algorithm``:
 * ``native``: the backend's own ``reduce_scatter`` and ``all_gather`` (gloo, nccl, mpi and the
   threaded test group all have them). They need equal chunks, so the buffer is padded to
   ``W * ceil(numel / W)`` elements; rank ``r`` owns chunk ``r``.
+
+``reduce_dtype`` (``torch.bfloat16`` or ``torch.float16``) sends the gradients in half precision,
+as DDP's ``bf16_compress_hook``/``fp16_compress_hook`` do: half the bytes of the reduce-scatter.
+The buffer arrives already divided by ``W`` (so the half-precision sum cannot overflow where the
+full-precision one would not), is cast, summed, and the owned chunk cast back. The parameters'
+all-gather always travels in their own dtype: a rank's update must reach the others exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from ..comm.ring import ring_all_gather, ring_chunk_owned, ring_reduce_scatter
 from ..comm.types import FutureWork, ReduceOp, Work
 
 ALGORITHMS = ("native", "ring")
+REDUCE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -69,11 +76,17 @@ class ShardComm:
     must make the same calls in the same order.
     """
 
-    def __init__(self, group: ProcessGroup, algorithm: str):
+    def __init__(self, group: ProcessGroup, algorithm: str, reduce_dtype: torch.dtype | None = None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown shard algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+        if reduce_dtype is not None and reduce_dtype not in REDUCE_DTYPES:
+            raise ValueError(
+                f"ZeRO reduce_dtype={reduce_dtype} is not one gradients can travel in; use torch.bfloat16 or "
+                "torch.float16 (half the bytes), or None (the gradients' own dtype)"
+            )
         self.group = group
         self.algorithm = algorithm
+        self.reduce_dtype = reduce_dtype
         # The ring runs its point-to-point steps on one thread of its own, in call order, so
         # backward goes on and every rank runs the same rings in the same order.
         self._ring_pool = (
@@ -87,12 +100,20 @@ class ShardComm:
 
     def reduce_scatter(self, buffer: torch.Tensor, layout: ShardLayout) -> Work:
         """Start summing ``buffer`` (``layout.padded_numel`` elements) into its owned chunk."""
+        wire = buffer if self.reduce_dtype in (None, buffer.dtype) else buffer.to(self.reduce_dtype)
+        owned = slice(layout.start, layout.stop)
         if self._ring_pool is not None:
-            return self._in_ring_thread("ring_reduce_scatter", buffer, lambda: ring_reduce_scatter(self.group, buffer))
-        chunks = list(buffer.view(self.group.size(), -1))
+
+            def ring():
+                ring_reduce_scatter(self.group, wire)
+                if wire is not buffer:
+                    buffer[owned].copy_(wire[owned])
+
+            return self._in_ring_thread("ring_reduce_scatter", buffer, ring)
+        chunks = list(wire.view(self.group.size(), -1))
         out = torch.empty_like(chunks[layout.chunk])  # no backend is asked to alias input and output
         work = self.group.reduce_scatter(out, chunks, ReduceOp.SUM)
-        work.add_post_processing(lambda: chunks[layout.chunk].copy_(out))
+        work.add_post_processing(lambda: buffer[owned].copy_(out[: layout.size]))
         return work
 
     def all_gather(self, buffer: torch.Tensor, layout: ShardLayout) -> None:

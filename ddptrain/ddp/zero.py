@@ -125,6 +125,10 @@ class ZeroOptimizer:
         stage: 1 (optimizer state sharded) or 2 (gradients too; see the module doc).
         algorithm: ``"native"`` (the backend's reduce-scatter and all-gather) or ``"ring"``
             (ddptrain's ring: bitwise equal to DDP with ``dist.algorithm=ring``).
+        reduce_dtype: ``torch.bfloat16`` or ``torch.float16`` to send the gradients in half
+            precision (half the reduce-scatter's bytes), as DDP's ``bf16_compress_hook`` and
+            ``fp16_compress_hook`` do for its all-reduce; ``None`` (default): their own dtype.
+            The parameters' all-gather always travels in full precision.
 
     Raises:
         ValueError: an optimizer that is not element-wise, a parameter the model does not train,
@@ -137,6 +141,7 @@ class ZeroOptimizer:
         optimizer: torch.optim.Optimizer,
         stage: int = 1,
         algorithm: str = "native",
+        reduce_dtype: torch.dtype | None = None,
     ):
         if stage not in (1, 2):
             raise ValueError(f"ZeRO stage must be 1 or 2, got {stage} (0 is plain DDP: don't wrap the optimizer)")
@@ -162,7 +167,7 @@ class ZeroOptimizer:
                         "model's gradient buckets. Build the optimizer over model.parameters() that require grad."
                     )
                 self._group_of[self._index[id(p)]] = g
-        self.reducer.shard_gradients(ShardComm(self.process_group, algorithm), stage)
+        self.reducer.shard_gradients(ShardComm(self.process_group, algorithm, reduce_dtype), stage)
         self._shards: list[_Shard] = []
         self._shard_optimizer: torch.optim.Optimizer | None = None
         self._layout_version = -1
