@@ -2,10 +2,10 @@
 
 :mod:`ddptrain.config` owns the schema and each field's own rule; this module owns what needs more
 than one field and the job: how the global batch splits over the world size, the rules
-world-size-invariant mode adds, what ZeRO (``dist.zero_stage``) cannot be combined with, which
-backend ``dist.backend=auto`` becomes, and whether this machine has the device asked for. Every
-refusal is a :class:`~ddptrain.config.ConfigError` that names the knob and the fix. torch is
-imported only to ask about CUDA.
+world-size-invariant mode adds, what ZeRO (``dist.zero_stage``) and gradient compression cannot be
+combined with, which backend ``dist.backend=auto`` becomes, and whether this machine has the device
+asked for. Every refusal is a :class:`~ddptrain.config.ConfigError` that names the knob and the fix.
+torch is imported only to ask about CUDA.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ __all__ = [
     "check_device",
     "check_world_size_invariant",
     "check_zero_stage",
+    "check_grad_compression",
 ]
 
 
@@ -35,6 +36,7 @@ def validate(config: Config, world_size: int) -> None:
     check_precision(config.trainer.precision, config.trainer.device)
     check_world_size_invariant(config, world_size)  # first: its error names the rule that mode adds
     check_zero_stage(config)
+    check_grad_compression(config)
     per_rank_batch_size(config, world_size)
     check_device(config)
 
@@ -141,6 +143,37 @@ def check_zero_stage(config: Config) -> None:
             raise ConfigError(
                 f"dist.zero_stage={stage} cannot be combined with {what}: {why}. "
                 f"Drop {what.split('=')[0]}, or train with dist.zero_stage=0."
+            )
+
+
+def check_grad_compression(config: Config) -> None:
+    """Refuse what ``dist.grad_compression=bf16|fp16`` cannot be combined with, saying why."""
+    t, d = config.trainer, config.dist
+    if d.grad_compression == "none":
+        return
+    conflicts = [
+        (
+            d.algorithm == "ring" and not d.zero_stage,
+            "dist.algorithm=ring",
+            "plain DDP sends its buckets either through the ring or through the compression hook, not "
+            "both (under ZeRO, dist.zero_stage=1|2, the ring reduce-scatter does compress)",
+        ),
+        (
+            t.world_size_invariant,
+            "trainer.world_size_invariant=true",
+            "invariant mode sums exact integer gradients, which half precision would round",
+        ),
+        (
+            t.doctor,
+            "trainer.doctor=true",
+            "the doctor's model of a step predicts full-precision all-reduces",
+        ),
+    ]
+    for on, what, why in conflicts:
+        if on:
+            raise ConfigError(
+                f"dist.grad_compression={d.grad_compression} cannot be combined with {what}: {why}. "
+                f"Drop {what.split('=')[0]}, or set dist.grad_compression=none."
             )
 
 

@@ -56,6 +56,10 @@ def _compress_hook(dtype: torch.dtype):
 fp16_compress_hook = _compress_hook(torch.float16)
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 
+COMPRESSIONS = {"bf16": (torch.bfloat16, bf16_compress_hook), "fp16": (torch.float16, fp16_compress_hook)}
+"""The choices of ``dist.grad_compression`` (besides ``none``): the dtype gradients travel in,
+and the hook that sends plain DDP's buckets in it (ZeRO's reduce-scatter takes the dtype)."""
+
 
 def ring_allreduce_hook(state: RingAllReducer, bucket: GradBucket) -> torch.futures.Future:
     """Average the bucket with ddptrain's ring all-reduce (divide first, then SUM round the ring).

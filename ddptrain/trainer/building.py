@@ -16,6 +16,7 @@ from ..comm.process_group import ProcessGroup
 from ..comm.ring import RingAllReducer
 from ..config import Config, ConfigError
 from ..ddp import DistributedDataParallel, ring_allreduce_hook
+from ..ddp.comm_hooks import COMPRESSIONS
 from ..launch.env import detect_environment
 from ..launch.join import Membership, RendezvousError, join_process_group
 from ..preflight import check_device, resolve_backend
@@ -52,8 +53,14 @@ def agree_on_directory(process_group: ProcessGroup, mine: str) -> Path:
 
 def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -> DistributedDataParallel:
     """``module`` (already on its device) in our DDP, with the ring comm hook if ``dist.algorithm=ring``
-    (under ZeRO the step strategy reduce-scatters the buckets over the ring instead)."""
-    model = DistributedDataParallel(module, process_group=process_group, **config.dist.ddp_options())
-    if config.dist.algorithm == "ring" and not config.dist.zero_stage:
+    or the compression hook of ``dist.grad_compression`` (under ZeRO the step strategy
+    reduce-scatters the buckets, over the ring and compressed as asked, instead)."""
+    dist = config.dist
+    model = DistributedDataParallel(module, process_group=process_group, **dist.ddp_options())
+    if dist.zero_stage:
+        return model
+    if dist.algorithm == "ring":
         model.register_comm_hook(RingAllReducer(process_group), ring_allreduce_hook)
+    elif dist.grad_compression != "none":
+        model.register_comm_hook(process_group, COMPRESSIONS[dist.grad_compression][1])
     return model

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..config import ConfigError
+from ..ddp.comm_hooks import COMPRESSIONS
 from ..ddp.zero import ZeroOptimizer
 from .steps import DataParallelSteps
 
@@ -42,15 +43,17 @@ class ZeroSteps(DataParallelSteps):
                 "hyper-parameters), or train with dist.zero_stage=0"
             )
         try:
-            self.zero = ZeroOptimizer(trainer.model, trainer.optimizer, dist.zero_stage, dist.algorithm)
+            reduce_dtype = COMPRESSIONS[dist.grad_compression][0] if dist.grad_compression != "none" else None
+            self.zero = ZeroOptimizer(trainer.model, trainer.optimizer, dist.zero_stage, dist.algorithm, reduce_dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         held = sum(hi - lo for ranges in self.zero.shard_gradient_elements().values() for lo, hi in ranges)
         total = sum(p.numel() for p in trainer.model.reducer.params)
         log.info(
-            "ZeRO stage %d (%s reduce-scatter): this rank steps %d of %d parameter elements",
+            "ZeRO stage %d (%s reduce-scatter, gradient compression %s): this rank steps %d of %d parameter elements",
             dist.zero_stage,
             dist.algorithm,
+            dist.grad_compression,
             held,
             total,
         )
