@@ -211,6 +211,10 @@ class Reducer:
     def _install(self, assignment: list[list[int]]) -> None:
         """Plan ``assignment``, allocate its buffers; a comm hook gets raw sums and the whole buffer
         (so does a sharded launch, which divides before it reduce-scatters)."""
+        # The old layout's buffers go first, so old and new are never allocated together (a peak of
+        # one extra model-sized gradient). What still needs them (gradient_as_bucket_view's .grad,
+        # a sharded optimizer's gradient views) holds its own reference until it is moved.
+        self.flat, self.shard_grads = [], []
         self._scale = 1.0 if (self.comm_hook is not None or self.shard_comm is not None) else 1.0 / self.world_size
         self.plan = plan_buckets(self._specs, assignment, self._in_place_min())
         self._sideband_bucket = self._sideband_carrier()
