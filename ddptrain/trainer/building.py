@@ -63,4 +63,5 @@ def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -
         model.register_comm_hook(RingAllReducer(process_group), ring_allreduce_hook)
     elif dist.grad_compression != "none":
         model.register_comm_hook(process_group, COMPRESSIONS[dist.grad_compression][1])
+        log.info("gradients travel in %s (dist.grad_compression)", dist.grad_compression)
     return model

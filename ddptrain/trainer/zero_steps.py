@@ -50,10 +50,10 @@ class ZeroSteps(DataParallelSteps):
         held = sum(hi - lo for ranges in self.zero.shard_gradient_elements().values() for lo, hi in ranges)
         total = sum(p.numel() for p in trainer.model.reducer.params)
         log.info(
-            "ZeRO stage %d (%s reduce-scatter, gradient compression %s): this rank steps %d of %d parameter elements",
+            "ZeRO stage %d (%s reduce-scatter%s): this rank steps %d of %d parameter elements",
             dist.zero_stage,
             dist.algorithm,
-            dist.grad_compression,
+            "" if reduce_dtype is None else f" in {dist.grad_compression}",
             held,
             total,
         )

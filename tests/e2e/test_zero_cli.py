@@ -1,8 +1,9 @@
 """ZeRO through the CLI on real processes: ``recipe=synthetic dist.zero_stage=2`` (the backend's
 own reduce-scatter and all-gather, 2 ranks on gloo) ends with the ``params_sha256`` of plain DDP
 over the ring (``dist.zero_stage=0 dist.algorithm=ring``), and its last checkpoint resumes in a
-plain DDP run. World sizes 3 and 4 and the other optimizers run on the threaded group
-(tests/unit/ddp/test_zero.py, tests/unit/trainer/test_zero_steps.py)."""
+plain DDP run (with ``dist.grad_compression=bf16``). World sizes 3 and 4 and the other
+optimizers run on the threaded group (tests/unit/ddp/test_zero.py,
+tests/unit/trainer/test_zero_steps.py) and on gloo (tests/dist/test_zero.py)."""
 
 import json
 from pathlib import Path
@@ -40,9 +41,14 @@ def test_zero_stage_2_ends_with_plain_ring_ddps_parameters_and_its_checkpoint_lo
     assert "ZeRO stage 2 (native reduce-scatter): this rank steps" in (tmp_path / "zero" / "train.log").read_text()
     checkpoint = sorted((tmp_path / "zero" / "checkpoints").glob("step_*.pt"))[-1]
     resumed = _run(
-        tmp_path / "resumed", "dist.zero_stage=0", f"trainer.resume={checkpoint}", f"trainer.max_steps={STEPS + 5}"
+        tmp_path / "resumed",
+        "dist.zero_stage=0",
+        f"trainer.resume={checkpoint}",
+        f"trainer.max_steps={STEPS + 5}",
+        "dist.grad_compression=bf16",  # the key from the command line, in the same job
     )
     assert resumed["params_agree"]
+    assert "gradients travel in bf16 (dist.grad_compression)" in (tmp_path / "resumed" / "train.log").read_text()
 
 
 def test_an_incompatible_combination_is_refused_before_any_worker_starts(tmp_path):
