@@ -15,7 +15,8 @@ Per rank (rank 0's figures; the ranks differ by at most one bucket's chunk):
   a lower bound);
 - ``peak RSS MB``: the process's peak resident memory (``ru_maxrss``), start-up included;
 - ``step ms``: median wall time of one step (forward, backward, optimizer step, zero_grad) after
-  ``--warmup`` steps.
+  ``--warmup`` steps; ``fwd``/``bwd``/``opt ms`` its parts (``bwd`` includes the gradients'
+  all-reduce or reduce-scatter; ``opt``, ZeRO's parameter all-gather).
 
     .venv/bin/python scripts/bench_zero.py                         # ~50M parameters, W=2 and 4
     .venv/bin/python scripts/bench_zero.py --layers 4 --steps 20   # ~17M parameters: the speed run
@@ -36,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SETUPS = ("ddptrain DDP", "ZeRO-1", "ZeRO-2", "torch DDP + ZeRO")
 MB = 1024 * 1024
+PHASES = ("fwd", "bwd", "opt")  # forward; backward (with the reduction); step + zero_grad (with ZeRO's all-gather)
 
 
 def _model(width: int, layers: int):
@@ -90,10 +92,13 @@ def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, st
 
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(32, width, generator=g), torch.randn(32, width, generator=g)
-    times, grad_bytes = [], 0
+    times, phases, grad_bytes = [], [], 0
     for i in range(warmup + steps):
         started = time.perf_counter()
-        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        forward_done = time.perf_counter()
+        loss.backward()
+        backward_done = time.perf_counter()
         if i == 0:
             grad_bytes = _tensor_bytes(p.grad for p in model.parameters())
             reducer = getattr(ddp, "reducer", None)
@@ -103,12 +108,15 @@ def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, st
         step()
         zero_grad()
         if i >= warmup:
-            times.append(time.perf_counter() - started)
+            ended = time.perf_counter()
+            times.append(ended - started)
+            phases.append((forward_done - started, backward_done - forward_done, ended - backward_done))
     return {
         "optim MB": state_bytes() / MB,
         "grad MB": grad_bytes / MB,
         "peak RSS MB": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "step ms": 1000 * statistics.median(times),
+        **{f"{name} ms": 1000 * statistics.median(p[k] for p in phases) for k, name in enumerate(PHASES)},
         "params M": sum(p.numel() for p in model.parameters()) / 1e6,
     }
 
@@ -142,7 +150,7 @@ def main() -> None:
             rows[setup] = results[0]
         anchor = rows["ddptrain DDP"]
         print(f"\nW={world_size}, MLP {args.layers}x{args.width}^2 ({anchor['params M']:.1f}M parameters), AdamW, gloo")
-        keys = ("optim MB", "grad MB", "peak RSS MB", "step ms")
+        keys = ("optim MB", "grad MB", "peak RSS MB", "step ms") + tuple(f"{name} ms" for name in PHASES)
         print(f"{'setup':<18}" + "".join(f"{k:>22}" for k in keys))
         for setup, row in rows.items():
             cells = "".join(f"{row[k]:>12.1f} ({row[k] / anchor[k]:>5.2f}x)" for k in keys)

@@ -9,9 +9,11 @@ bucket. Two ways to do it, chosen with ``algorithm``:
   all-gather phase. The chunks are the ring's (``torch.tensor_split``: unequal when ``W`` does not
   divide the bucket) and rank ``r`` owns chunk ``(r+1) % W``, the one the ring finishes on it. So
   each owned chunk gets exactly the bits DDP's ``dist.algorithm=ring`` all-reduce gives it.
-* ``native``: the backend's own ``reduce_scatter`` and ``all_gather`` (gloo, nccl, mpi and the
-  threaded test group all have them). They need equal chunks, so the buffer is padded to
-  ``W * ceil(numel / W)`` elements; rank ``r`` owns chunk ``r``.
+* ``native``: the backend's own collectives. They need equal chunks, so the buffer is padded to
+  ``W * ceil(numel / W)`` elements; rank ``r`` owns chunk ``r``. On CUDA (nccl): ``reduce_scatter``
+  and ``all_gather``. On CPU (gloo, mpi, the threaded test group): one ``reduce`` per chunk to its
+  owner and one ``broadcast`` per chunk from its owner, in place: the same bytes, and measured
+  faster than gloo's and Open MPI's own reduce-scatter and all-gather, which stage through copies.
 
 ``reduce_dtype`` (``torch.bfloat16`` or ``torch.float16``) sends the gradients in half precision,
 as DDP's ``bf16_compress_hook``/``fp16_compress_hook`` do: half the bytes of the reduce-scatter.
@@ -72,8 +74,9 @@ class ShardComm:
 
     ``reduce_scatter`` is asynchronous (it runs during backward); afterwards the owned chunk of
     the buffer, ``buffer[layout.start:layout.stop]``, holds the SUM over ranks. ``all_gather``
-    blocks; before it this rank's chunk holds its values, after it every chunk does. Every rank
-    must make the same calls in the same order.
+    blocks; before it this rank's chunk holds its values, after it every chunk does (natively:
+    one broadcast per chunk on CPU, the backend's all-gather on CUDA). Every rank must make the
+    same calls in the same order.
     """
 
     def __init__(self, group: ProcessGroup, algorithm: str, reduce_dtype: torch.dtype | None = None):
@@ -98,7 +101,7 @@ class ShardComm:
     def layout(self, numel: int) -> ShardLayout:
         return ShardLayout.of(numel, self.group.rank(), self.group.size(), self.algorithm)
 
-    def reduce_scatter(self, buffer: torch.Tensor, layout: ShardLayout) -> Work:
+    def reduce_scatter(self, buffer: torch.Tensor, layout: ShardLayout) -> Work | list[Work]:
         """Start summing ``buffer`` (``layout.padded_numel`` elements) into its owned chunk."""
         wire = buffer if self.reduce_dtype in (None, buffer.dtype) else buffer.to(self.reduce_dtype)
         owned = slice(layout.start, layout.stop)
@@ -111,6 +114,14 @@ class ShardComm:
 
             return self._in_ring_thread("ring_reduce_scatter", buffer, ring)
         chunks = list(wire.view(self.group.size(), -1))
+        if buffer.device.type != "cuda":
+            # On CPU backends one reduce per chunk, each to its owner, in place, beats the backend's
+            # reduce-scatter (16 MiB chunks at W=2: gloo 30 -> 26 ms, mpi 36 -> 19 ms); the chunks
+            # a rank does not own are scratch afterwards (only the owned one is read).
+            works = [self.group.reduce(chunk, owner, ReduceOp.SUM) for owner, chunk in enumerate(chunks)]
+            if wire is not buffer:
+                works[layout.chunk].add_post_processing(lambda: buffer[owned].copy_(wire[owned]))
+            return works
         out = torch.empty_like(chunks[layout.chunk])  # no backend is asked to alias input and output
         work = self.group.reduce_scatter(out, chunks, ReduceOp.SUM)
         work.add_post_processing(lambda: buffer[owned].copy_(out[: layout.size]))
@@ -122,7 +133,14 @@ class ShardComm:
             self._in_ring_thread("ring_all_gather", buffer, lambda: ring_all_gather(self.group, buffer)).wait()
             return
         chunks = list(buffer.view(self.group.size(), -1))
-        self.group.all_gather(chunks, chunks[layout.chunk].clone()).wait()
+        if buffer.device.type == "cuda":  # NCCL's all-gather is the bandwidth-optimal one
+            self.group.all_gather(chunks, chunks[layout.chunk].clone()).wait()
+            return
+        # On CPU backends, each rank broadcasting its chunk in place moves the same bytes 3-5x
+        # faster than the backend's all-gather, which copies into and out of a staging buffer
+        # (16 MiB chunks at W=2: gloo 37 ms -> 9-11 ms, mpi 26 -> 5-6 ms).
+        for work in [self.group.broadcast(chunk, src) for src, chunk in enumerate(chunks)]:
+            work.wait()
 
     def _in_ring_thread(self, name: str, buffer: torch.Tensor, run) -> Work:
         fut: torch.futures.Future = torch.futures.Future()

@@ -167,6 +167,23 @@ def test_native_reduce_scatter_equals_plain_native_ddp_at_two_ranks(stage):
         assert all(torch.equal(a, b) for a, b in zip(plain, zero))
 
 
+def _native_pair_short(rank, world_size, stage):
+    template = _template()
+    model = copy.deepcopy(template)
+    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    opt = _optimizer("adamw", model)
+    return _train(ddp, opt.step, opt.zero_grad, rank, 30), zero_run(template, "adamw", stage, 30, algorithm="native")
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_native_reduce_scatter_at_three_and_four_ranks_matches_plain_ddp_within_rounding(world_size):
+    """Beyond two ranks the sums may run in another order than the all-reduce's: not bitwise,
+    but the same training (a chunk reduced to the wrong owner, or padding read back, is not)."""
+    for plain, zero in run_threaded(_native_pair_short, world_size, 2, timeout_s=120):
+        for a, b in zip(plain, zero):
+            assert ((a - b).abs().max() / a.abs().max()).item() < 1e-5
+
+
 # -- gradients in bf16 on the wire: as DDP's bf16_compress_hook ---------------------------------------
 def _bf16_pair(rank, world_size, stage):
     template = _template()
@@ -182,7 +199,11 @@ def _bf16_pair(rank, world_size, stage):
     zeroed = _train(ddp, zero.step, zero.zero_grad, rank, 100)
     # observed on the wire, from the group's own ledger: what the reduce-scatters and all-gathers sent
     records = pg.ledger.records()
-    wire = {op: {r.dtype for r in records if r.op == op} for op in ("reduce_scatter", "all_gather")}
+    # on CPU the reduce-scatter is one reduce per chunk and the all-gather one broadcast per chunk
+    wire = {
+        "gradients": {r.dtype for r in records if r.op in ("reduce_scatter", "reduce")},
+        "parameters": {r.dtype for r in records if r.op in ("all_gather", "broadcast")},
+    }
     return plain, zeroed, wire
 
 
@@ -192,8 +213,8 @@ def test_bf16_reduce_dtype_equals_plain_ddp_with_the_bf16_compress_hook_at_two_r
     element: the same sum. So the parameters match the compress hook's bit for bit."""
     for plain, zeroed, wire in run_threaded(_bf16_pair, 2, stage, timeout_s=120):
         assert all(torch.equal(a, b) for a, b in zip(plain, zeroed))
-        assert wire["reduce_scatter"] == {"bfloat16"}, wire
-        assert "float32" in wire["all_gather"] and "bfloat16" not in wire["all_gather"], wire  # the parameters
+        assert wire["gradients"] == {"bfloat16"}, wire
+        assert "float32" in wire["parameters"] and "bfloat16" not in wire["parameters"], wire
 
 
 def _ring_bf16_and_fp32(rank, world_size):
