@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import json
 import textwrap
@@ -133,6 +134,7 @@ def first_problem(tokens: Sequence[str], options: dict[str, list[str]]) -> str |
 
 
 # -- the schema's documentation: python -m ddptrain --help KEY ----------------------------------
+@functools.cache  # reading and parsing the source is the slow part of --help; the schema is fixed
 def _attribute_docs(cls: type) -> dict[str, str]:
     """The string literal right after each field of the dataclass ``cls``, read from its source."""
     body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
