@@ -309,17 +309,26 @@ class _Pass:
         self.start = start
 
 
-def world_size_change_refused(what: str, saved: int, current: int, relaunch: str, allow: str) -> str:
+def world_size_change_refused(
+    what: str, saved: int, current: int, relaunch: str, allow: str, with_rng: bool = False
+) -> str:
     """Why ``what``, saved with ``saved`` ranks, does not resume exactly on ``current``; and the ways out.
+    The one text of this refusal, for the sampler's own state and for a trainer's checkpoint.
 
     ``relaunch`` and ``allow`` name the caller's knobs (a sampler's arguments, a run's config keys),
-    e.g. ``"Relaunch with dist.world_size=4"`` and ``"set trainer.allow_world_size_change=true"``.
+    e.g. ``"Relaunch with dist.world_size=4"`` and ``"set trainer.allow_world_size_change=true"``;
+    ``with_rng``: ``what`` also holds each rank's RNG state (a checkpoint), which says so.
     """
+    state = (
+        "a rank's position in the epoch and its RNG state continue"
+        if with_rng
+        else ("a rank's position in the epoch continues")
+    )
+    fresh = "; ranks beyond the saved ones get fresh RNG seeds" if with_rng else ""
     return (
-        f"{what} was saved with {saved} rank(s), not {current}: a rank's position in the epoch "
-        f"continues exactly only on the same number of ranks. {relaunch}, or {allow} to continue "
-        f"from the same global sample position (at most {current - 1} sample(s) of the epoch are "
-        f"then seen twice)."
+        f"{what} was saved with {saved} rank(s), not {current}: {state} exactly only on the same "
+        f"number of ranks. {relaunch}, or {allow} to continue from the same global sample position "
+        f"(at most {current - 1} sample(s) of the epoch are then seen twice{fresh})."
     )
 
 

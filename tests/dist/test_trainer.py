@@ -213,7 +213,7 @@ def test_world_size_change_refused_then_allowed(two_rank_runs, tmp_path):
     results = run_distributed(world_change_body, 3, str(source), str(tmp_path), timeout_s=150)
     for r in results:
         assert r["refused"] is not None
-        assert "2 rank(s)" in r["refused"] and "has 3" in r["refused"]
+        assert "saved with 2 rank(s), not 3" in r["refused"] and "RNG state" in r["refused"]
         assert "trainer.allow_world_size_change=true" in r["refused"]
         assert r["allowed"]["step"] == 2 * STEPS_PER_EPOCH and r["allowed"]["world_size"] == 3
         assert r["allowed"]["params_agree"]

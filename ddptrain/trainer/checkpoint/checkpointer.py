@@ -49,6 +49,7 @@ from ...comm.objects import all_gather_object
 from ...comm.process_group import ProcessGroup
 from ...config import Config
 from ...data import DistributedSampler
+from ...data.sampler import world_size_change_refused
 from ...rundir import RunDir
 from ..metrics import TrainingMetrics
 from ..optimizers import OptimizerSet
@@ -115,11 +116,14 @@ def check_world_size(saved: int, current: int, allow: bool, path: str | Path) ->
     """Refuse a checkpoint of another world size unless ``trainer.allow_world_size_change``."""
     if saved != current and not allow:
         raise CheckpointError(
-            f"checkpoint {path} was written by a job of {saved} rank(s), but this job has {current}: "
-            f"each rank's position in the epoch and its RNG state only continue exactly on the same "
-            f"world size. Relaunch with dist.world_size={saved}, or set trainer.allow_world_size_change=true "
-            f"to continue from the same global sample position (ranks beyond the saved ones get fresh "
-            f"RNG seeds; at most {current - 1} sample(s) of the epoch are seen twice)."
+            world_size_change_refused(
+                f"checkpoint {path}",
+                saved,
+                current,
+                f"Relaunch with dist.world_size={saved}",
+                "set trainer.allow_world_size_change=true",
+                with_rng=True,
+            )
         )
 
 
