@@ -280,7 +280,7 @@ def test_resume_errors_and_fallback(torchrun_run):
     refused = run_cli(
         *TINY, "dist.world_size=1", f"trainer.resume={run_dir}", f"hydra.run.dir={cwd / 'ws1'}", cwd=cwd, timeout=90
     )
-    _short_error(refused, "2 rank(s)", "this job has 1", "trainer.allow_world_size_change=true")
+    _short_error(refused, "saved with 2 rank(s), not 1", "trainer.allow_world_size_change=true")
     # A truncated checkpoint: refused, and nothing deleted.
     newest.write_bytes(newest.read_bytes()[:1000])
     corrupt = run_cli(*TINY, f"trainer.resume={newest}", f"hydra.run.dir={cwd / 'bad'}", cwd=cwd, timeout=90)

@@ -324,6 +324,6 @@ def test_the_launcher_the_workers_and_load_model_resolve_to_the_same_file(tmp_pa
         assert run_threaded(body, 2, timeout_s=60) == [str(older)] * 2
         config = Config.from_dict({"trainer": {"output_dir": str(tmp_path), "resume": "latest"}})
         preflight_resume(config, 2)  # the launcher accepts the older one...
-        with pytest.raises(CheckpointError, match=r"2 rank\(s\), but this job has 3"):
+        with pytest.raises(CheckpointError, match=r"saved with 2 rank\(s\), not 3"):
             preflight_resume(config, 3)  # ...and refuses it at another world size, as the workers would
         assert resume_after_restart(RunDir(tmp_path)) == "latest"
