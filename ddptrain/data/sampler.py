@@ -319,11 +319,7 @@ def world_size_change_refused(
     e.g. ``"Relaunch with dist.world_size=4"`` and ``"set trainer.allow_world_size_change=true"``;
     ``with_rng``: ``what`` also holds each rank's RNG state (a checkpoint), which says so.
     """
-    state = (
-        "a rank's position in the epoch and its RNG state continue"
-        if with_rng
-        else ("a rank's position in the epoch continues")
-    )
+    state = "a rank's position in the epoch" + (" and its RNG state continue" if with_rng else " continues")
     fresh = "; ranks beyond the saved ones get fresh RNG seeds" if with_rng else ""
     return (
         f"{what} was saved with {saved} rank(s), not {current}: {state} exactly only on the same "
