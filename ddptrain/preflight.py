@@ -138,12 +138,7 @@ def check_zero_stage(config: Config) -> None:
             "the autotuner times all-reduces, and ZeRO reduce-scatters (give a size in MiB)",
         ),
     ]
-    for on, what, why in conflicts:
-        if on:
-            raise ConfigError(
-                f"dist.zero_stage={stage} cannot be combined with {what}: {why}. "
-                f"Drop {what.split('=')[0]}, or train with dist.zero_stage=0."
-            )
+    _refuse_conflicts(f"dist.zero_stage={stage}", conflicts, "train with dist.zero_stage=0")
 
 
 def check_grad_compression(config: Config) -> None:
@@ -169,11 +164,16 @@ def check_grad_compression(config: Config) -> None:
             "the doctor's model of a step predicts full-precision all-reduces",
         ),
     ]
+    _refuse_conflicts(f"dist.grad_compression={d.grad_compression}", conflicts, "set dist.grad_compression=none")
+
+
+def _refuse_conflicts(setting: str, conflicts: list[tuple[bool, str, str]], way_back: str) -> None:
+    """Raise for the first ``(on, what, why)`` of ``conflicts`` that is on: ``setting`` cannot be
+    combined with ``what`` because ``why``; drop ``what``, or ``way_back``."""
     for on, what, why in conflicts:
         if on:
             raise ConfigError(
-                f"dist.grad_compression={d.grad_compression} cannot be combined with {what}: {why}. "
-                f"Drop {what.split('=')[0]}, or set dist.grad_compression=none."
+                f"{setting} cannot be combined with {what}: {why}. Drop {what.split('=')[0]}, or {way_back}."
             )
 
 
