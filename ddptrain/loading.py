@@ -23,11 +23,15 @@ from torch import nn
 from .config import Config, ConfigError, locate
 from .trainer.checkpoint import find_checkpoint, load_checkpoint
 
-__all__ = ["load_model", "find_checkpoint"]
+__all__ = ["load_model", "find_checkpoint", "model_weights"]
 
 
 def load_model(
-    source: str | Path, which: str = "latest", trainer_class: type | str | None = None, map_location: Any = "cpu"
+    source: str | Path,
+    which: str = "latest",
+    trainer_class: type | str | None = None,
+    map_location: Any = "cpu",
+    ema: bool = False,
 ) -> nn.Module:
     """The user's model of a run, with a checkpoint's weights, in eval mode, for inference.
 
@@ -38,18 +42,38 @@ def load_model(
         trainer_class: the Trainer subclass whose ``configure_model`` builds the network (a class
             or a dotted path); default: the one that wrote the checkpoint.
         map_location: where the weights go (``"cpu"``, ``"cuda:0"``...).
+        ema: the exponential moving average of the weights (``trainer.ema.decay``) instead of
+            the trained weights.
 
     Raises:
         CheckpointError: no such checkpoint, or a corrupt one.
-        ConfigError: the Trainer class cannot be imported here (pass ``trainer_class``).
+        ConfigError: the Trainer class cannot be imported here (pass ``trainer_class``), or
+            ``ema=True`` and the run kept no EMA weights.
     """
     path = find_checkpoint(source, which)  # the one resolver of trainer.resume, trainer.init_from, test()
     checkpoint = load_checkpoint(path, map_location=map_location)
     cls = _trainer_class(trainer_class or checkpoint.get("trainer_class"), path)
     trainer = cls(Config.from_dict(checkpoint["config"]))
     model = trainer.configure_model()
-    model.load_state_dict(checkpoint["model"])
+    model.load_state_dict(model_weights(checkpoint, path, ema))
     return model.to(map_location).eval()
+
+
+def model_weights(checkpoint: dict[str, Any], path: str | Path, ema: bool = False) -> dict[str, Any]:
+    """The module's state dict in ``checkpoint`` (read from ``path``): the trained weights, or
+    with ``ema`` their moving average (the checkpoint's ``"ema"`` entry, same keys).
+
+    Raises:
+        ConfigError: ``ema`` and the checkpoint holds no EMA weights.
+    """
+    if not ema:
+        return checkpoint["model"]
+    if not checkpoint.get("ema"):
+        raise ConfigError(
+            f"{path} holds no EMA weights: its run did not set trainer.ema.decay. Load the trained "
+            "weights (ema=False), or train with trainer.ema.decay=0.999 to keep an average."
+        )
+    return checkpoint["ema"]["weights"]
 
 
 def _trainer_class(spec: type | str | None, path: Path) -> type:
