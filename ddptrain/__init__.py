@@ -27,6 +27,7 @@ _EXPORTS = {
     "CheckpointError": "ddptrain.trainer",
     "SmokeCheckError": "ddptrain.trainer",
     "run": "ddptrain.runner",
+    "plugin_callbacks": "ddptrain.runner",
     "load_model": "ddptrain.loading",
     "BestCheckpoints": "ddptrain.trainer",
 }

@@ -38,7 +38,10 @@ __all__ = [
     "TrainerConfig",
     "DoctorConfig",
     "EarlyStoppingConfig",
+    "EmaConfig",
+    "LrFindConfig",
     "check_fields",
+    "max_time_seconds",
     "check_precision",
     "PRECISIONS",
     "locate",
@@ -84,6 +87,51 @@ def _check_bucket_cap(key: str, cap: Any) -> None:
         ok = False
     if not ok:
         raise ConfigError(f"{key}={cap!r} must be a number of MiB >= 0, or auto (tuned in the first steps)")
+
+
+def _check_batch_limit(key: str, limit: Any) -> None:
+    """``trainer.limit_*_batches``' rule: ``None`` (all), a whole number of batches >= 1, or a
+    fraction of the epoch in (0, 1]."""
+    if limit is None or (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
+        return
+    if isinstance(limit, float) and 0 < limit <= 1:
+        return
+    raise ConfigError(
+        f"{key}={limit!r} must be a number of batches (an integer >= 1), a fraction of the epoch "
+        "in (0, 1] (e.g. 0.25), or null for all of it"
+    )
+
+
+def _check_fast_dev_run(key: str, value: Any) -> None:
+    """``trainer.fast_dev_run``'s rule: true/false, or a number of batches >= 1."""
+    if isinstance(value, bool) or (isinstance(value, int) and value >= 1):
+        return
+    raise ConfigError(f"{key}={value!r} must be true (1 batch), false, or a number of batches >= 1")
+
+
+def max_time_seconds(value: str) -> float:
+    """``trainer.max_time`` (``DD:HH:MM:SS``, Lightning's format) in seconds.
+
+    Raises:
+        ConfigError: not four ``:``-separated whole numbers, or hours/minutes/seconds out of range.
+    """
+    parts = str(value).split(":")
+    try:
+        days, hours, minutes, seconds = (int(part) for part in parts)
+        ok = len(parts) == 4 and min(days, hours, minutes, seconds) >= 0 and hours < 24 and max(minutes, seconds) < 60
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"trainer.max_time={value!r} must be DD:HH:MM:SS, e.g. 00:12:00:00 for twelve hours "
+            "(days, hours < 24, minutes < 60, seconds < 60), or null for no limit"
+        )
+    return float(((days * 24 + hours) * 60 + minutes) * 60 + seconds)
+
+
+def _check_max_time(key: str, value: Any) -> None:
+    if value is not None:
+        max_time_seconds(value)
 
 
 @dataclass
@@ -249,6 +297,27 @@ class EarlyStoppingConfig:
 
 
 @dataclass
+class EmaConfig:
+    """``trainer.ema.*``: an exponential moving average of the weights (off by default)."""
+
+    decay: float | None = None
+    """Keep an average of the weights: after each optimizer step ``ema += (1 - decay) * (w - ema)``
+    (``torch.optim.swa_utils.get_ema_multi_avg_fn``'s update), e.g. ``0.999``, for the parameters
+    and the floating-point buffers (BatchNorm's statistics). The first update copies them.
+    ``None``: no average."""
+    warmup: bool = True
+    """Ramp the decay up as timm and TensorFlow do: at the n-th update ``min(decay, (1 + n) / (10 + n))``,
+    so a short run's first weights fade out of its average. ``false``: the constant decay (torch's
+    ``AveragedModel`` rule)."""
+    every_n_steps: int = bounded(1, at_least=1)
+    """Update the average every this many optimizer steps."""
+    start_step: int = bounded(0, at_least=0)
+    """Optimizer steps before the first update (the average starts from the weights of this step)."""
+    evaluate: bool = False
+    """Validate, test and predict with the averaged weights (the training continues on the trained ones)."""
+
+
+@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -261,6 +330,41 @@ class TrainerConfig:
     ``max_steps`` it does not change the schedule, so a resumed run continues exactly."""
     grad_accum_steps: int = bounded(1, at_least=1)
     """Micro-batches per optimizer step; all but the last run under ``no_sync()``."""
+    max_time: str | None = field(default=None, metadata={"check": _check_max_time})
+    """Stop after this much wall time, ``DD:HH:MM:SS`` (e.g. ``00:11:50:00`` inside a 12-hour job
+    slot): every rank stops at the same step with a checkpoint and the line to resume, as Ctrl-C
+    does. The clock is this fit's own (a resumed run gets the whole time again). ``None``: no limit."""
+    limit_train_batches: Any = field(default=None, metadata={"check": _check_batch_limit})
+    """Train on only part of each epoch: an integer (batches per rank, rounded up to whole
+    optimizer steps) or a fraction of the epoch's steps, e.g. ``0.1``. Each epoch takes the
+    first batches of its own shuffled order. ``None``: all."""
+    limit_val_batches: Any = field(default=None, metadata={"check": _check_batch_limit})
+    """Evaluate on only the first batches of the validation set: an integer (batches per rank) or
+    a fraction of its samples; the metrics stay exact over the samples seen. ``None``: all."""
+    overfit_batches: int = bounded(0, at_least=0)
+    """Train on the same first N global batches every epoch, unshuffled, and validate on N batches
+    (unless ``limit_val_batches`` says otherwise): a model that cannot drive this loss toward 0
+    has a bug. 0: off."""
+    num_sanity_val_steps: int = bounded(2, at_least=0)
+    """Run ``validation_step`` on this many batches per rank before the first training step, so a
+    broken validation fails in seconds, not after an epoch. Nothing is logged; the training's bits
+    do not change. 0: skip."""
+    fast_dev_run: Any = field(default=False, metadata={"check": _check_fast_dev_run})
+    """``true`` or N: run N (``true``: 1) batches of training, validation and test, write no
+    checkpoint, log file or logger output, and print one line saying that it worked or what broke."""
+    model_summary: bool = True
+    """Log a table of the model at fit start (rank 0, console and ``train.log``): one row per
+    top-level module with its parameters, trainable parameters and size, then the totals."""
+    log_grad_norm: bool = False
+    """Log ``train/grad_norm``: the global 2-norm of the gradients after the reduction over ranks
+    (before clipping), the same on every rank; averaged over each logging window."""
+    deterministic: bool = False
+    """``torch.use_deterministic_algorithms(True)`` (and on CUDA cuDNN's deterministic mode and
+    ``CUBLAS_WORKSPACE_CONFIG``): the same bits run after run at the same world size. An operation
+    without a deterministic version then raises. For the same bits at any world size, see
+    ``world_size_invariant``."""
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    """An exponential moving average of the weights, checkpointed; ``ema.evaluate`` evaluates it."""
     grad_clip_norm: float | None = bounded(None, above=0, fix=", or null for no clipping")
     """Clip the global gradient norm to this value (``None``: no clipping)."""
     precision: str = "32"
@@ -354,6 +458,15 @@ class TrainerConfig:
     doctor: bool = False
     """Measure a window of steps (``doctor.*``) and write ``<output_dir>/doctor.json``: why the run
     is slow, what to change, how it scales (``python -m ddptrain.doctor`` does only that)."""
+    lr_find: bool = False
+    """Run the learning-rate range test (``lr_find.*``) instead of training at one rate: the rate
+    climbs every step, the run stops when the loss diverges, and rank 0 prints the suggested
+    ``optimizer.lr`` (``python -m ddptrain.tune lr`` sets it, with the other keys a test needs)."""
+    compile: bool = False
+    """``torch.compile`` the model (in place, ``nn.Module.compile``: its state dict keeps its keys)
+    before our DDP wraps it. The gradient hooks still launch the buckets, but a compiled backward
+    hands over its gradients together at its end, so the all-reduces no longer overlap it
+    (``benchmarks/README.md`` measures what that costs and what compiling gains)."""
 
 
 @dataclass
@@ -371,6 +484,20 @@ class DoctorConfig:
     hosts: int = bounded(0, at_least=0)
     """Hosts of the predicted jobs: their ranks share those hosts' cores. 0: as many hosts as
     needed at this run's ranks per host."""
+
+
+@dataclass
+class LrFindConfig:
+    """``trainer.lr_find`` / ``python -m ddptrain.tune lr``: the learning-rate range test."""
+
+    min_lr: float = bounded(1e-8, above=0)
+    """The rate of the first step."""
+    max_lr: float = bounded(1.0, above=0)
+    """The rate of the last step; the rates between are evenly spaced in log."""
+    num_training: int = bounded(100, at_least=12)
+    """Optimizer steps (rates) of the test; the suggestion leaves out the first 10 and the last."""
+    early_stop_threshold: float | None = bounded(4.0, above=1, fix=", or null to run every step")
+    """Stop once the smoothed loss exceeds this many times its best value."""
 
 
 @dataclass
@@ -394,6 +521,8 @@ class Config:
     """Loop, evaluation, logging, checkpoints."""
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
     """``trainer.doctor`` / ``python -m ddptrain.doctor``: the measured window and the prediction."""
+    lr_find: LrFindConfig = field(default_factory=LrFindConfig)
+    """``trainer.lr_find`` / ``python -m ddptrain.tune lr``: the rates of the range test."""
 
     @classmethod
     def from_dict(cls, data: dict | None = None) -> Config:
@@ -473,6 +602,8 @@ LIGHTNING_KEYS = {
     "log_every_n_steps": "trainer.log_every_steps",
     "default_root_dir": "trainer.output_dir",
     "accelerator": "trainer.device",
+    "enable_model_summary": "trainer.model_summary",
+    "track_grad_norm": "trainer.log_grad_norm",
 }
 """Lightning ``Trainer`` flags (as ``trainer.<flag>`` or bare) and the ddptrain key that does their job."""
 _NUM_NODES_ADVICE = (

@@ -23,8 +23,10 @@ from .logs import setup_logging
 from .preflight import check_device, resolve_backend, validate
 from .rundir import RunDir
 from .trainer.checkpoint import preflight_resume, resume_after_restart
+from .trainer.dev_run import dev_run_config
+from .tune.lr_find import LRFinder
 
-__all__ = ["run", "load_trainer_class"]
+__all__ = ["run", "load_trainer_class", "plugin_callbacks"]
 
 _log = logging.getLogger("ddptrain.runner")
 
@@ -63,6 +65,9 @@ def run(config: Config) -> dict[str, Any]:
     """
     env = detect_environment()
     cls = load_trainer_class(config)
+    # trainer.fast_dev_run: its limits and one temporary output directory for the launcher and every
+    # local rank (the ranks delete it when they pass)
+    config = dev_run_config(config)
     if env.is_launched_externally():
         _check_launcher(config, env)
         validate(config, env.world_size)
@@ -163,4 +168,10 @@ def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
     """One rank's whole job (also the local workers' entry point)."""
     os.environ.setdefault("DDPTRAIN_LEDGER_DIR", ledger_dir(config))  # torchrun, mpirun: no launcher of ours
     setup_logging(rank, config.trainer.output_dir)
-    return load_trainer_class(config)(config, callbacks=doctor_callbacks(config)).fit()
+    return load_trainer_class(config)(config, callbacks=plugin_callbacks(config)).fit()
+
+
+def plugin_callbacks(config: Config) -> list:
+    """The callbacks whose work the config asks for (``trainer.doctor``, ``dist.bucket_cap_mb=auto``,
+    ``trainer.lr_find``): the runner adds them; a ``fit()`` called by hand must get them too."""
+    return [*doctor_callbacks(config), *([LRFinder(config.lr_find)] if config.trainer.lr_find else [])]

@@ -11,12 +11,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 # Reinstall when pyproject.toml changed since the last successful install.
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VENV/bin/python" -c "import torch, torchvision, hydra, tensorboard, tqdm, pytest, pytest_timeout, xdist, mpi4py, torchmetrics, mlflow, wandb, ddptrain" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ]; then
-  echo "[setup] installing ddptrain[dev,mpi,loggers] and torch (first time takes a few minutes)"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VENV/bin/python" -c "import torch, torchvision, hydra, tensorboard, tqdm, pytest, pytest_timeout, xdist, mpi4py, torchmetrics, mlflow, wandb, safetensors, matplotlib, ddptrain" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ]; then
+  echo "[setup] installing ddptrain[dev,mpi,loggers,export,tune] and torch (first time takes a few minutes)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch/torchvision pinned to the releases this project is tested with (a CUDA build that also runs on CPU).
   "$VENV/bin/python" -m pip install -q "torch==2.14.1" "torchvision==0.29.1"
-  "$VENV/bin/python" -m pip install -q -e ".[dev,mpi,loggers]"
+  "$VENV/bin/python" -m pip install -q -e ".[dev,mpi,loggers,export,tune]"
   touch "$stamp"
 fi
 # Fashion-MNIST comes from Debian's package when apt is available (optional: tests skip without it).

@@ -25,11 +25,14 @@ into a :class:`ddptrain.Config` and hands it to :func:`ddptrain.trainer.run`.
   the directory holds only what the refusal wrote (``.hydra/``, ``train.log``), it is removed with
   the parents this run created (``outputs/<recipe>/``). A directory that existed before is never
   removed (``hydra.run.dir=<old run> trainer.resume=latest``).
+  A fast dev run (``trainer.fast_dev_run``) that passes leaves nothing either: its files go to a
+  temporary directory (:mod:`ddptrain.trainer.dev_run`), and its run directory is removed the same way.
 * Ctrl-C while the job starts (before the ranks handle it) prints one line and exits 130.
 
-Exit status: 0 done; 1 the run failed (a rank raised or died, data or checkpoint missing, smoke
-check failed); 2 bad configuration (nothing ran); 130 stopped by Ctrl-C (SIGINT), 143 by SIGTERM,
-after writing a checkpoint and printing the command that resumes. Errors print one short message
+Exit status: 0 done (stopped by ``trainer.max_time`` too); 1 the run failed (a rank raised or
+died, data or checkpoint missing, smoke check failed); 2 bad configuration (nothing ran); 130
+stopped by Ctrl-C (SIGINT), 143 by SIGTERM, after writing a checkpoint and printing the command
+that resumes. Errors print one short message
 on stderr; a failed rank's full traceback goes to ``<run dir>/error.log``
 (``DDPTRAIN_FULL_ERROR=1`` shows Python's traceback instead).
 """
@@ -170,9 +173,9 @@ def _main(argv: list[str]) -> int:
     from .app import run_hydra_main
 
     def task(cfg: Any, run_dir: str, sweep: bool) -> None:
-        code, refused = _run_job(cfg, run_dir, sweep, argv)
-        if refused and fresh is not None and not sweep:
-            _remove_refused_run_dir(Path(run_dir), fresh)
+        code, keeps_nothing = _run_job(cfg, run_dir, sweep, argv)
+        if keeps_nothing and fresh is not None and not sweep:
+            _remove_empty_run_dir(Path(run_dir), fresh)
         codes.append(code)
 
     run_hydra_main(hydra_argv, task)
@@ -299,9 +302,9 @@ def _fix_run_dir(argv: list[str], run_dir: str | None) -> tuple[list[str], list[
     return (list(argv) if given else [f"hydra.run.dir='{quoted}'", *argv]), missing  # first: before any flag
 
 
-def _remove_refused_run_dir(run_dir: Path, fresh: list[Path]) -> None:
-    """Remove the run directory a refused run made, and its parents it made (``outputs/x/``),
-    if it holds nothing but what the refusal wrote (Hydra's ``.hydra/``, ``train.log``)."""
+def _remove_empty_run_dir(run_dir: Path, fresh: list[Path]) -> None:
+    """Remove the run directory a refused run (or a fast dev run) made, and its parents it made
+    (``outputs/x/``), if it holds nothing but Hydra's ``.hydra/`` and ``train.log``."""
     run_dir = run_dir.absolute()
     if run_dir != fresh[0] or not run_dir.is_dir():
         return
@@ -338,8 +341,9 @@ def _run_other_rank(argv: list[str]) -> int:
 
 
 def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tuple[int, bool]:
-    """Run one composed config: the exit status (see the module docstring), and whether the run was
-    refused before any rank started (bad config, missing checkpoint or data)."""
+    """Run one composed config: the exit status (see the module docstring), and whether the run is
+    to leave no run directory: refused before any rank started (bad config, missing checkpoint or
+    data), or a fast dev run that passed."""
     from ..launch.env import detect_environment
 
     if sweep and detect_environment().is_launched_externally():
@@ -385,6 +389,8 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
         if full_error:
             raise
         message, _, tb = str(exc).partition("\n--- traceback")
+        if config.trainer.fast_dev_run:
+            message = f"fast_dev_run failed: {message}"
         where = _save_traceback(run_dir, exc.worker_traceback or tb)
         where_text = f"\n(full traceback of rank {exc.rank}: {where})" if where else ""
         return _error(message + where_text, EXIT_FAILED), False
@@ -393,25 +399,36 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
             raise
         refused = before_start and isinstance(exc, (DatasetCorruptError, CheckpointError))
         return _error(f"{type(exc).__name__}: {exc}", EXIT_FAILED), refused
+    dev_run_passed = bool(metrics.get("fast_dev_run"))
     if env.rank != 0:
-        return _exit_status(metrics), False
+        return _exit_status(metrics), dev_run_passed
     _print_summary(config, metrics, argv)
-    return _exit_status(metrics), False
+    return _exit_status(metrics), dev_run_passed
 
 
 def _exit_status(metrics: dict[str, Any]) -> int:
-    stopped_by = metrics.get("stopped_by")
+    stopped_by = metrics.get("stopped_by")  # trainer.max_time: a normal end
     return {"SIGINT": EXIT_SIGINT, "SIGTERM": EXIT_SIGTERM}.get(stopped_by, EXIT_OK)
 
 
 def _print_summary(config: Any, metrics: dict[str, Any], argv: list[str]) -> None:
     run_dir = config.trainer.output_dir
+    dev_run = metrics.get("fast_dev_run")
+    if dev_run:
+        test = "and test " if dev_run["tested"] else ""
+        loss = metrics.get("train/loss_last", float("nan"))
+        print(
+            f"ddptrain: fast_dev_run passed: {dev_run['batches']} batch(es) per rank of training, validation "
+            f"{test}on {metrics.get('world_size')} rank(s) (train/loss={loss:.4g}); nothing was written",
+            flush=True,
+        )
+        return
     if metrics.get("stopped_by"):
         resume = _resume_command(argv, run_dir)
         saved = metrics.get("checkpoint") or "no checkpoint could be written"
+        by = "trainer.max_time" if metrics["stopped_by"] == "max_time" else metrics["stopped_by"]
         print(
-            f"ddptrain: stopped by {metrics['stopped_by']} at step {metrics.get('step')} ({saved}). "
-            f"Resume with: {resume}",
+            f"ddptrain: stopped by {by} at step {metrics.get('step')} ({saved}). Resume with: {resume}",
             flush=True,
         )
         return

@@ -52,10 +52,14 @@ def agree_on_directory(process_group: ProcessGroup, mine: str) -> Path:
 
 
 def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -> DistributedDataParallel:
-    """``module`` (already on its device) in our DDP, with the ring comm hook if ``dist.algorithm=ring``
+    """``module`` (already on its device, compiled in place under ``trainer.compile``) in our DDP,
+    with the ring comm hook if ``dist.algorithm=ring``
     or the compression hook of ``dist.grad_compression`` (under ZeRO the step strategy
     reduce-scatters the buckets, over the ring and compressed as asked, instead)."""
     dist = config.dist
+    if config.trainer.compile:
+        module.compile()  # in place: forward is compiled, parameters and state dict keys stay the module's
+        log.info("model compiled with torch.compile (trainer.compile); the first steps include the compilation")
     model = DistributedDataParallel(module, process_group=process_group, **dist.ddp_options())
     if dist.zero_stage:
         return model

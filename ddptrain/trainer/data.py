@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 from ..config import Config, DataConfig
 from ..data import DistributedSampler, build_dataset
@@ -29,6 +29,8 @@ __all__ = [
     "batch_size_of",
     "move_to",
     "num_batches",
+    "first_samples",
+    "limit_datasets",
 ]
 
 
@@ -162,10 +164,40 @@ def num_batches(num_samples: int, batch_size: int) -> int:
     return -(-num_samples // batch_size)
 
 
+def first_samples(dataset: Dataset, count: int) -> Dataset:
+    """The first ``count`` samples of ``dataset`` (all of it when it has no more); a
+    ``TensorDataset`` stays one, its tensors sliced without a copy."""
+    if count >= len(dataset):
+        return dataset
+    if isinstance(dataset, TensorDataset):
+        return TensorDataset(*(t[:count] for t in dataset.tensors))
+    return Subset(dataset, range(count))
+
+
+def limit_datasets(
+    config: Config, train_set: Dataset, val_set: Dataset | None, world_size: int, val_batch_size: int
+) -> tuple[Dataset, Dataset | None]:
+    """The data a fit sees under ``trainer.overfit_batches`` (the first N global batches of the
+    training set) and ``trainer.limit_val_batches`` (the first batches of the validation set; with
+    ``overfit_batches``, N batches unless it says otherwise). Cutting the dataset, not the loop,
+    keeps the evaluation exact over what it sees. ``limit_train_batches`` is the epoch plan's."""
+    t = config.trainer
+    if t.overfit_batches:
+        train_set = first_samples(train_set, t.overfit_batches * config.data.global_batch_size)
+    val_limit = t.limit_val_batches if t.limit_val_batches is not None else (t.overfit_batches or None)
+    if val_set is not None and val_limit is not None:
+        if isinstance(val_limit, float):
+            count = max(1, int(val_limit * len(val_set)))
+        else:
+            count = val_limit * world_size * val_batch_size
+        val_set = first_samples(val_set, count)
+    return train_set, val_set
+
+
 @dataclass(frozen=True)
 class EpochPlan:
-    """How one rank walks the data: its samplers, its micro-batch size, the steps of an epoch and
-    of the run (``trainer.max_steps`` included)."""
+    """How one rank walks the data: its samplers, its micro-batch size, the steps of an epoch
+    (``trainer.limit_train_batches`` included) and of the run (``trainer.max_steps`` included)."""
 
     train_sampler: DistributedSampler
     val_sampler: DistributedSampler | None
@@ -176,13 +208,18 @@ class EpochPlan:
 
 def plan_epochs(config: Config, train_set: Dataset, val_set: Dataset | None, world_size: int, rank: int) -> EpochPlan:
     """This rank's samplers and step counts (the global batch split over ranks and accumulation)."""
+    t = config.trainer
     batch_size = per_rank_batch_size(config, world_size)
-    seed, drop_last = config.trainer.seed, config.data.drop_last
-    train_sampler = DistributedSampler(train_set, world_size, rank, seed=seed, drop_last=drop_last)
+    seed, drop_last, shuffle = t.seed, config.data.drop_last, not t.overfit_batches  # overfitting: one fixed order
+    train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     val_sampler = None if val_set is None else DistributedSampler(val_set, world_size, rank, shuffle=False)
     micro = num_batches(len(train_sampler), batch_size)
-    steps_per_epoch = num_batches(micro, config.trainer.grad_accum_steps)
-    total_steps = steps_per_epoch * config.trainer.epochs
-    if config.trainer.max_steps is not None:
-        total_steps = min(total_steps, config.trainer.max_steps)
+    steps_per_epoch = num_batches(micro, t.grad_accum_steps)
+    if isinstance(t.limit_train_batches, float):  # a fraction of the epoch's steps, at least one
+        steps_per_epoch = max(1, int(t.limit_train_batches * steps_per_epoch))
+    elif t.limit_train_batches is not None:  # batches per rank, rounded up to whole steps
+        steps_per_epoch = min(steps_per_epoch, num_batches(t.limit_train_batches, t.grad_accum_steps))
+    total_steps = steps_per_epoch * t.epochs
+    if t.max_steps is not None:
+        total_steps = min(total_steps, t.max_steps)
     return EpochPlan(train_sampler, val_sampler, batch_size, steps_per_epoch, total_steps)

@@ -1,5 +1,6 @@
 """One validation pass: ``validation_step`` over this rank's share of the validation set, each
-sample exactly once, reduced over every rank.
+sample exactly once, reduced over every rank; and the sanity check before training, a few
+batches of it that leave no trace.
 
 The sampler pads ranks with duplicates so that all take the same number of batches; the
 duplicates are a suffix of each rank's share. They are cut off the batch before
@@ -19,7 +20,7 @@ import torch
 from .data import batch_size_of, move_to
 from .metrics import ExactMean
 
-__all__ = ["validation_pass", "take_first"]
+__all__ = ["validation_pass", "sanity_check", "take_first"]
 
 
 def take_first(batch: Any, count: int) -> Any:
@@ -74,3 +75,36 @@ def validation_pass(trainer: Any, autocast: Any = contextlib.nullcontext) -> dic
         module.train(was_training)
     pg = trainer.process_group
     return logged.reduced("validation", pg, lambda entries, names: mean.reduce(pg, "eval/", entries, names))
+
+
+def sanity_check(trainer: Any, num_batches: int, autocast: Any = contextlib.nullcontext) -> int:
+    """Run ``validation_step`` on this rank's first ``num_batches`` validation batches, as an
+    evaluation would (eval mode, no_grad, autocast), and forget what it returned or logged: a
+    broken validation raises here, before the first training step. The random state is restored
+    and nothing is reduced, so the training's bits do not depend on it. Returns the batches run."""
+    module, logged = trainer.model.module, trainer.logged
+    was_training, done = module.training, 0
+    module.eval()
+    logged.phase = "validation"
+    try:
+        with torch.random.fork_rng(devices=[trainer.device] if trainer.device.type == "cuda" else []):
+            with torch.no_grad(), autocast():
+                for batch in trainer.val_batches():
+                    if done == num_batches:
+                        break
+                    logged.batch_size = batch_size_of(batch)
+                    trainer.validation_step(module, move_to(batch, trainer.device))
+                    done += 1
+    except Exception as exc:
+        exc.add_note(
+            f"ddptrain: raised by validation_step in the sanity check (trainer.num_sanity_val_steps="
+            f"{num_batches}), before the first training step; trainer.num_sanity_val_steps=0 skips it"
+        )
+        raise
+    finally:
+        logged.take("validation")  # a sanity check logs nothing
+        for metric in logged.take_metrics("validation").values():
+            metric.reset()
+        logged.phase, logged.batch_size = "train", 1
+        module.train(was_training)
+    return done

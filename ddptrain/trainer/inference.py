@@ -44,10 +44,10 @@ __all__ = ["run_test", "run_predict", "gather_in_dataset_order"]
 log = logging.getLogger("ddptrain.trainer")
 
 
-def run_test(trainer: Any, data: Any, checkpoint: str | None) -> dict[str, float]:
+def run_test(trainer: Any, data: Any, checkpoint: str | None, write: bool = True) -> dict[str, float]:
     """``Trainer.test``: ``trainer.test_step``'s metrics averaged over exactly ``data`` (a Dataset
     or a DataLoader, its sampler replaced: see :mod:`.dataloaders`; None: ``test_dataloader()``,
-    called once this rank is in the group), on every rank."""
+    called once this rank is in the group), on every rank; rank 0 writes them unless ``write`` is False."""
     with _session(trainer, checkpoint) as module:
         loader = split_loader(trainer.test_dataloader() if data is None else data, "test")
         sampler = DistributedSampler(loader.dataset, trainer.world_size, trainer.rank, shuffle=False)
@@ -55,7 +55,7 @@ def run_test(trainer: Any, data: Any, checkpoint: str | None) -> dict[str, float
         for batch in _batches(trainer, loader, sampler):
             mean.add(trainer.test_step(module, batch), batch_size_of(batch))
         metrics = mean.reduce(trainer.process_group, prefix="test/")
-    if trainer.is_main:
+    if trainer.is_main and write:
         trainer.output_dir.mkdir(parents=True, exist_ok=True)
         trainer.run_dir.test_metrics.write_text(json.dumps(metrics, indent=2) + "\n")
         log.info("test: %s", " ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
@@ -93,8 +93,10 @@ def _session(trainer: Any, checkpoint: str | None) -> Iterator[nn.Module]:
         module = _module(trainer, checkpoint)
         was_training = module.training
         module.eval()
+        fitted = module is getattr(trainer.model, "module", None)
         try:
-            yield module
+            with trainer.evaluated_weights() if fitted else contextlib.nullcontext():  # trainer.ema.evaluate
+                yield module
         finally:
             module.train(was_training)
 
@@ -111,7 +113,9 @@ def _module(trainer: Any, checkpoint: str | None) -> nn.Module:
     path = agree_on_checkpoint(pg, checkpoint, trainer.checkpoint_dir, "checkpoint")
     if path is None:
         raise CheckpointError(f"checkpoint={checkpoint}: there is no checkpoint in {trainer.checkpoint_dir}")
-    module.load_state_dict(load_checkpoint(path, map_location=trainer.device)["model"])
+    saved = load_checkpoint(path, map_location=trainer.device)
+    ema = trainer.config.trainer.ema.evaluate and saved.get("ema")  # trainer.ema.evaluate: the average
+    module.load_state_dict(saved["ema"]["weights"] if ema else saved["model"])
     return module
 
 

@@ -83,6 +83,21 @@ def _reduce(
     return reduce_together(process_group, sums, logged, metric_names)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident memory in MiB: the kernel's high-water mark (``VmHWM``), or
+    ``getrusage``'s where ``/proc`` is missing."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def parameters_digest(module: nn.Module) -> str:
     """SHA-256 of ``module``'s state dict (names and raw bytes): equal digests, equal parameters."""
     digest = hashlib.sha256()
@@ -165,7 +180,8 @@ class TrainingMetrics:
     def final(self, module: nn.Module, *, step: int, epoch: int, fit_s: float) -> dict[str, Any]:
         """What ``fit`` returns and writes to ``metrics.json`` (collective: gathers every rank's
         checksum of ``module``'s parameters, so ``params_agree`` says whether the ranks agree)."""
-        digests = all_gather_object(self.process_group, parameters_digest(module))
+        gathered = all_gather_object(self.process_group, (parameters_digest(module), peak_rss_mb()))
+        digests = [digest for digest, _ in gathered]
         final: dict[str, Any] = {"step": step, "epoch": epoch, "world_size": self.process_group.size()}
         final.update(self.last_eval)
         if self.loss_history:
@@ -176,6 +192,7 @@ class TrainingMetrics:
         final["time/fit_s"] = fit_s
         final["params_sha256"] = digests[0]
         final["params_agree"] = all(d == digests[0] for d in digests)
+        final["memory/peak_rss_mb"] = max(peak for _, peak in gathered)  # the largest rank's high-water mark
         return final
 
     def state_dict(self) -> dict[str, Any]:

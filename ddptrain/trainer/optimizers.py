@@ -121,6 +121,17 @@ class OptimizerSet:
             else:
                 scaler.step(optimizer)
 
+    def learning_rates(self) -> dict[str, float]:
+        """``train/lr/<optimizer>/pg<i>`` of every optimizer's every parameter group, when there is
+        more than one group in all (``train/lr`` alone, the first group's, is the training log's
+        own); the optimizer is named by its class, with its index when several share one."""
+        groups = [(o, i, g) for o in self.optimizers for i, g in enumerate(o.param_groups)]
+        if len(groups) < 2:
+            return {}
+        names = [type(o).__name__ for o in self.optimizers]
+        name = {id(o): n if names.count(n) == 1 else f"{n}{k}" for k, (o, n) in enumerate(zip(self.optimizers, names))}
+        return {f"train/lr/{name[id(o)]}/pg{i}": float(g["lr"]) for o, i, g in groups}
+
     def zero_grad(self) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ its key tensor plus integers.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,13 @@ try:  # numpy is optional: torch runs without it
 except ImportError:  # pragma: no cover - numpy ships with torchvision
     np = None
 
-__all__ = ["seed_everything", "capture_rng_state", "restore_rng_state", "preserved_rng_state"]
+__all__ = [
+    "seed_everything",
+    "use_deterministic_algorithms",
+    "capture_rng_state",
+    "restore_rng_state",
+    "preserved_rng_state",
+]
 
 
 def seed_everything(seed: int) -> None:
@@ -28,6 +35,17 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     if np is not None:
         np.random.seed(seed % 2**32)
+
+
+def use_deterministic_algorithms(device: torch.device) -> None:
+    """``trainer.deterministic``: torch's deterministic kernels (an operation without one raises),
+    and on CUDA what they need: cuBLAS's fixed workspace (set before its first use) and cuDNN's
+    deterministic, non-benchmarking mode."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(True)
 
 
 def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:

@@ -88,7 +88,11 @@ class StepStrategy(ABC):
         clip = t.config.trainer.grad_clip_norm
         t.precision.unscale(t.optimizers)  # 16-mixed: true gradients before clipping
         if clip is not None:
-            torch.nn.utils.clip_grad_norm_(t.model.parameters(), clip)
+            norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), clip)
+        elif t.config.trainer.log_grad_norm:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in t.model.parameters() if p.grad is not None])
+        if t.config.trainer.log_grad_norm:
+            log_grad_norm(t, norm)
         t.optimizer_set.step(t.precision.scaler)
         t.precision.update()
         step = t.state.step + 1  # the step being completed
@@ -116,6 +120,12 @@ class StepStrategy(ABC):
                 f"the checkpoint holds step-strategy state ({', '.join(sorted(state))}) that "
                 f"{type(self).__name__} does not keep: resume with the settings that wrote it"
             )
+
+
+def log_grad_norm(trainer: Any, norm: torch.Tensor) -> None:
+    """``trainer.log_grad_norm``: the step's global gradient norm (after the reduction over ranks,
+    before clipping: the same on every rank) as ``train/grad_norm``, averaged over the logging window."""
+    trainer.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
 
 
 class DataParallelSteps(StepStrategy):

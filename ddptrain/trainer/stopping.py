@@ -1,9 +1,10 @@
-"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill), or when
-a callback or hook sets ``trainer.should_stop`` (e.g. :class:`~ddptrain.trainer.EarlyStopping`).
+"""Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (what SLURM sends before a kill), at
+``trainer.max_time``, or when a callback or hook sets ``trainer.should_stop`` (e.g.
+:class:`~ddptrain.trainer.EarlyStopping`).
 
 While :class:`GracefulStop` is installed, the first such signal does not interrupt the rank: it
 asks to stop. Ranks receive signals at different moments, so they agree on *when*, by votes
-summed over ranks: ``(SIGINT, SIGTERM, should_stop)``, each 0 or 1 per rank. Every step's votes
+summed over ranks: ``(SIGINT, SIGTERM, max_time, should_stop)``, each 0 or 1 per rank. Every step's votes
 ride in that step's gradient all-reduce (:meth:`ddptrain.ddp.DistributedDataParallel.register_sideband`:
 no collective of their own); they are cast when the bucket that carries them launches, during
 backward. So a flag set in ``training_step`` (or before it) stops the run after that very step,
@@ -11,7 +12,9 @@ on every rank; one set after the backward (``on_train_batch_end``) after the nex
 evaluations and epoch ends the trainer asks with a blocking all-reduce of the same votes
 (:meth:`GracefulStop.agreed`), so a decision taken there stops before the next step. One rank
 voting is enough. SIGINT (the user at a terminal) wins over SIGTERM. A second signal, a moment
-after the first, raises ``KeyboardInterrupt`` as Python's default handler would.
+after the first, raises ``KeyboardInterrupt`` as Python's default handler would. Reaching
+``max_time`` counts as a third kind of signal, ``"max_time"``, raised by the rank's own clock when
+it casts its votes; the ranks' clocks differ a little, and the votes make them stop together.
 The checkpoint a stopped run leaves is the Checkpointer's
 (:meth:`~ddptrain.trainer.checkpoint.Checkpointer.save_at_stop`).
 """
@@ -32,23 +35,31 @@ __all__ = ["GracefulStop"]
 
 _log = logging.getLogger("ddptrain.trainer")
 # The votes' order; a signal listed first wins when ranks got different ones.
-_SIGNALS = ("SIGINT", "SIGTERM")
+_SIGNALS = ("SIGINT", "SIGTERM", "max_time")
 NUM_VOTES = len(_SIGNALS) + 1  # the signals, then should_stop
 
 
 class GracefulStop:
-    """The signal handlers of one fit and the votes on the step to stop at."""
+    """The signal handlers and the time limit of one fit, and the votes on the step to stop at.
 
-    def __init__(self) -> None:
+    Args:
+        max_time_s: stop after this many seconds from :meth:`install` (``trainer.max_time``); None: never.
+    """
+
+    def __init__(self, max_time_s: float | None = None) -> None:
         self.requested: str | None = None
-        """The first signal this rank received (``"SIGINT"``/``"SIGTERM"``), or None."""
+        """The first signal this rank received (``"SIGINT"``/``"SIGTERM"``, or ``"max_time"``), or None."""
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
+        self._max_time_s = max_time_s
+        self._deadline: float | None = None
 
     def install(self) -> None:
         """Take over SIGINT and SIGTERM (main thread only, and not one inherited as ignored:
-        :func:`~ddptrain.launch.signals.take_stop_signals`)."""
+        :func:`~ddptrain.launch.signals.take_stop_signals`); start the ``max_time`` clock."""
         self._previous = take_stop_signals(self._on_signal)
+        if self._max_time_s is not None:
+            self._deadline = time.monotonic() + self._max_time_s
 
     def uninstall(self) -> None:
         restore_signals(self._previous)
@@ -56,14 +67,18 @@ class GracefulStop:
 
     def _on_signal(self, signum: int, frame) -> None:
         name = signal.Signals(signum).name
-        if self.requested is None:
+        if self.requested in (None, "max_time"):  # a signal after the time limit is still a first signal
             self.requested, self._first_at = name, time.monotonic()
             _log.warning("%s received: stopping after the current step, with a checkpoint", name)
         elif time.monotonic() - self._first_at >= SECOND_SIGNAL_AFTER_S:
             raise KeyboardInterrupt(f"second {name}")
 
     def votes(self, should_stop: bool) -> list[float]:
-        """This rank's votes: 1.0 for the signal it received and for ``should_stop``, else 0.0."""
+        """This rank's votes: 1.0 for the signal it received (``max_time`` once its clock passed
+        the limit) and for ``should_stop``, else 0.0."""
+        if self.requested is None and self._deadline is not None and time.monotonic() >= self._deadline:
+            self.requested = "max_time"
+            _log.warning("trainer.max_time reached: stopping after the current step, with a checkpoint")
         return [float(self.requested == name) for name in _SIGNALS] + [float(bool(should_stop))]
 
     @staticmethod

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..config import Config, ConfigError, default_output_dir, instantiate
+from ..config import Config, ConfigError, default_output_dir, instantiate, max_time_seconds
 from ..data import DistributedSampler, build_dataset
 from ..ddp import DistributedDataParallel
 from ..launch.join import Membership
@@ -58,18 +58,21 @@ from .building import agree_on_directory, join_job, wrap_model
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpoint import Checkpointer, TrainState
-from .data import default_dataset, make_batches, num_batches, plan_epochs
+from .data import default_dataset, first_samples, limit_datasets, make_batches, num_batches, plan_epochs
 from .dataloaders import resolve_data_hooks
-from .evaluation import validation_pass
+from .dev_run import dev_run_batches, dev_run_config, remove_dev_run_dir
+from .ema import EmaWeights
+from .evaluation import sanity_check, validation_pass
 from .inference import run_predict, run_test
 from .invariant import InvariantSteps
 from .metrics import LoggedMetrics, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optimizers import OptimizerSet, build_optimizer, build_scheduler
 from .precision import Precision
 from .profiling import StepPhases
-from .rng import seed_everything
+from .rng import seed_everything, use_deterministic_algorithms
 from .steps import DataParallelSteps, StepStrategy
 from .stopping import GracefulStop
+from .summary import model_summary
 from .zero_steps import ZeroSteps
 
 __all__ = ["Trainer", "TrainState", "SmokeCheckError"]
@@ -105,7 +108,7 @@ class Trainer:
     """
 
     def __init__(self, config: Config | None = None, callbacks: Sequence[Callback] = ()):
-        self.config = config if config is not None else Config()
+        self.config = dev_run_config(config if config is not None else Config())  # trainer.fast_dev_run's changes
         self.extra_callbacks = list(callbacks)
         # This rank's place in the job (setup_distributed).
         self.rank, self.world_size, self.local_rank = 0, 1, 0
@@ -129,6 +132,7 @@ class Trainer:
         # Progress, reports, files.
         self.output_dir = Path(self.config.trainer.output_dir or default_output_dir(self.config))
         self.checkpointer: Checkpointer | None = None
+        self.ema: EmaWeights | None = None  # trainer.ema.decay: the weights' moving average
         self.phases = StepPhases()  # each step's phases, announced to listeners (ddptrain doctor)
         self._reset()
 
@@ -248,11 +252,16 @@ class Trainer:
         try:
             self.setup()  # model in DDP, data, optimizer, callbacks; resumed if asked
             self._call("on_fit_start")
+            self._sanity_check()  # a few validation batches: a broken validation_step fails now
             self._agree_to_stop(wait=True)
             while self.state.epoch < self.config.trainer.epochs and not self._stopping():
                 if not self.train_epoch():
-                    break  # stopped mid-epoch (max_steps / stop_after_steps)
-            return self._finish(time.perf_counter() - fit_start)
+                    break  # stopped mid-epoch (max_steps / stop_after_steps / max_time)
+            final = self._finish(time.perf_counter() - fit_start)
+            if dev_run_batches(self.config):
+                final.update(self._dev_run_test())
+                remove_dev_run_dir(self.config)  # a dev run that worked leaves nothing (each rank its own)
+            return final
         except BaseException as exc:
             for callback in self.callbacks:
                 with contextlib.suppress(Exception):  # never hide the original error
@@ -278,15 +287,17 @@ class Trainer:
             samples = self.strategy.samples(micro_batches)
             self.train_sampler.advance(samples)  # trained on: the sampler owns the position
             self.state.step += 1
+            if self.ema is not None:
+                self.ema.update(self.state.step)  # before _after_step: an evaluation there may use it
             loss_sum, steps = loss_sum + loss, steps + 1
             self._after_step(loss, samples)
-            if self._stopping():
+            if self._stopping() or self.steps_done_in_epoch >= self.steps_per_epoch:  # limit_train_batches
                 break
         seconds, pg = time.perf_counter() - started, self.process_group
         reduce = lambda entries, names: self.metrics.end_epoch(loss_sum, steps, seconds, entries, names)  # noqa: E731
         metrics.update(self.logged.reduced("epoch", pg, reduce))  # collective, with self.log(on_epoch=True) values
-        if self.state.samples_in_epoch < len(self.train_sampler):
-            return False
+        if self.steps_done_in_epoch < self.steps_per_epoch:
+            return False  # stopped mid-epoch
         self.train_sampler.set_epoch(epoch + 1)  # a checkpoint now resumes at the next epoch's start
         every = self.config.trainer.eval_every_epochs
         if every and (epoch + 1) % every == 0:
@@ -323,9 +334,8 @@ class Trainer:
             return {}
         started = time.perf_counter()
         self.model.sync_buffers()  # rank 0's BatchNorm statistics on every rank: one model is evaluated
-        metrics = validation_pass(
-            self, self.precision.autocast
-        )  # padding duplicates cut off; self.log values and torchmetrics reduced
+        with self.evaluated_weights():  # trainer.ema.evaluate: the moving average
+            metrics = validation_pass(self, self.precision.autocast)  # padding cut off; self.log values reduced
         self.metrics.record_eval(metrics, self.state.step, time.perf_counter() - started)
         self.callback_metrics.update(metrics)
         self._call("on_validation_end", metrics)
@@ -406,10 +416,17 @@ class Trainer:
     def setup(self) -> None:
         """Build what a fit needs, then resume if asked: model in DDP, data, optimizer, callbacks."""
         cfg = self.config
+        if cfg.trainer.deterministic:
+            use_deterministic_algorithms(self.device)
         seed_everything(cfg.trainer.seed + self.rank)  # per-rank seed (dropout); DDP syncs weights
         self.precision = Precision(cfg.trainer.precision, self.device)  # autocast, gradient scaler
         self.output_dir = agree_on_directory(self.process_group, str(self.output_dir))  # rank 0's choice
         self._build_model()
+        if cfg.trainer.model_summary and self.is_main:
+            for line in ["model summary:", *model_summary(self.model.module).splitlines()]:
+                log.info("%s", line)  # one record per line: every line of train.log keeps its prefix
+        if cfg.trainer.ema.decay is not None:
+            self.ema = EmaWeights(self.model.module, cfg.trainer.ema)
         self._setup_data()  # datasets, samplers, batch sizes, step counts
         self.optimizer_set = OptimizerSet.from_hook(self.configure_optimizers(self.model.module))
         self.optimizers, self.optimizer = self.optimizer_set.optimizers, self.optimizer_set.optimizer
@@ -438,6 +455,9 @@ class Trainer:
         self.train_set, self.train_loader_options = train.dataset, train.options
         self.val_set, self.val_loader_options = val.dataset, val.options
         self.val_batch_size = val.batch_size or self.config.data.eval_batch_size
+        self.train_set, self.val_set = limit_datasets(
+            self.config, self.train_set, self.val_set, self.world_size, self.val_batch_size
+        )  # trainer.overfit_batches, trainer.limit_val_batches
         plan = plan_epochs(self.config, self.train_set, self.val_set, self.world_size, self.rank)
         self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
@@ -464,9 +484,10 @@ class Trainer:
 
     @property
     def steps_done_in_epoch(self) -> int:
-        """Optimizer steps of the current epoch already done (from the sampler's position)."""
+        """Optimizer steps of the current epoch already done (from the sampler's position; an
+        epoch's last step may hold fewer micro-batches)."""
         micro_batches = num_batches(self.state.samples_in_epoch, max(1, self.batch_size))  # 0 before fit
-        return micro_batches // self.config.trainer.grad_accum_steps
+        return num_batches(micro_batches, self.config.trainer.grad_accum_steps)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -496,7 +517,8 @@ class Trainer:
         self.stopped_early = False  # True once every rank agreed to stop for should_stop
         self.callback_metrics: dict[str, float] = {}
         self.logged = LoggedMetrics()  # what self.log collected, until the next reduction
-        self._stop = GracefulStop()
+        max_time = self.config.trainer.max_time
+        self._stop = GracefulStop(None if max_time is None else max_time_seconds(max_time))
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:
@@ -564,6 +586,42 @@ class Trainer:
         if flag:
             self.should_stop = self.stopped_early = True
 
+    @contextlib.contextmanager
+    def evaluated_weights(self) -> Iterator[None]:
+        """The weights evaluations, ``test`` and ``predict`` use, in the model for the block: the
+        moving average under ``trainer.ema.evaluate`` (collective then: rank 0's averaged buffers
+        are broadcast), else the trained weights."""
+        if self.ema is not None and self.config.trainer.ema.evaluate:
+            with self.ema.swapped_in():
+                self.model.sync_buffers()  # rank 0's averaged statistics (collective): one model is evaluated
+                yield
+        else:
+            yield
+
+    def _sanity_check(self) -> None:
+        """``trainer.num_sanity_val_steps`` validation batches before the first step; on every start,
+        resumed ones included, as Lightning does."""
+        n = self.config.trainer.num_sanity_val_steps
+        if n and self.val_set is not None:
+            with self.evaluated_weights():
+                done = sanity_check(self, n, self.precision.autocast)
+            if self.is_main:
+                log.info("sanity check: validation_step ran on %d batch(es) per rank", done)
+
+    def _dev_run_test(self) -> dict[str, Any]:
+        """``trainer.fast_dev_run``'s test pass: ``test_step`` on N batches per rank; what ran."""
+        n, data = dev_run_batches(self.config), self.test_dataloader()
+        tested: dict[str, float] = {}
+        if data is not None:
+            if isinstance(data, DataLoader):
+                batch_size = data.batch_size or self.config.data.eval_batch_size
+                head = first_samples(data.dataset, n * self.world_size * batch_size)
+                data = DataLoader(head, batch_size=batch_size, collate_fn=data.collate_fn)
+            else:
+                data = first_samples(data, n * self.world_size * self.config.data.eval_batch_size)
+            tested = run_test(self, data, None, write=False)
+        return {"fast_dev_run": {"batches": n, "tested": bool(tested)}, **tested}
+
     def _evaluate_once(self) -> dict[str, float]:
         """The evaluation of the current step: the one already done (``eval_every_steps``), else a new one."""
         if self.metrics.last_eval_step == self.state.step:
@@ -574,6 +632,7 @@ class Trainer:
         """The logging window's scalars reduced over ranks (collective), added to the loss history."""
         lr = float(self.optimizer.param_groups[0]["lr"])
         scalars = self.metrics.reduce_window(self.state.step, lr, self.logged.take("step"))  # with self.log's
+        scalars.update(self.optimizer_set.learning_rates())  # every optimizer's and group's, when several
         self.callback_metrics.update(scalars)
         return scalars
 
@@ -598,6 +657,7 @@ class Trainer:
 # Config keys whose work a plug-in callback does (``Callback.implements``); the runner adds them.
 _PLUGGED_KEYS = {
     "trainer.doctor": lambda cfg: cfg.trainer.doctor,
+    "trainer.lr_find": lambda cfg: cfg.trainer.lr_find,
     "dist.bucket_cap_mb=auto": lambda cfg: cfg.dist.bucket_cap_mb == "auto",
 }
 
@@ -608,9 +668,9 @@ def _check_implemented(config: Config, callbacks: Sequence[Callback], trainer_na
     missing = [key for key, asked in _PLUGGED_KEYS.items() if asked(config) and key not in served]
     if missing:
         raise ConfigError(
-            f"{' and '.join(missing)}: the doctor's callbacks do that; ddptrain.run and the command line add "
+            f"{' and '.join(missing)}: plug-in callbacks do that; ddptrain.run and the command line add "
             f"them. Calling fit() yourself, pass them: {trainer_name}(config, "
-            "callbacks=ddptrain.doctor.doctor_callbacks(config))"
+            "callbacks=ddptrain.plugin_callbacks(config))"
         )
 
 

@@ -17,13 +17,14 @@ config cannot combine with ZeRO is refused before any process starts (:mod:`ddpt
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
 from ..config import ConfigError
 from ..ddp.comm_hooks import COMPRESSIONS
 from ..ddp.zero import ZeroOptimizer
-from .steps import DataParallelSteps
+from .steps import DataParallelSteps, log_grad_norm
 
 __all__ = ["ZeroSteps"]
 
@@ -61,8 +62,10 @@ class ZeroSteps(DataParallelSteps):
     def optimizer_step(self) -> None:
         t = self.trainer
         clip = t.config.trainer.grad_clip_norm
-        if clip is not None:
-            self.zero.clip_grad_norm_(clip)
+        if clip is not None or t.config.trainer.log_grad_norm:  # the norm over every rank's shards
+            norm = self.zero.clip_grad_norm_(math.inf if clip is None else clip)  # inf: scales by exactly 1
+            if t.config.trainer.log_grad_norm:
+                log_grad_norm(t, norm)
         self.zero.step()
         step = t.state.step + 1  # the step being completed
         t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)

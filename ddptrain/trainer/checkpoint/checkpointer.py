@@ -175,6 +175,7 @@ class Checkpointer:
         optimizers: the fit's optimizers and schedulers (:class:`..optimizers.OptimizerSet`).
         precision: the fit's :class:`..precision.Precision` (its gradient scaler's state, under 16-mixed).
         strategy: the fit's :class:`..steps.StepStrategy` (its own state, if it keeps any).
+        ema: the fit's :class:`..ema.EmaWeights` (``trainer.ema``), stored as the ``ema`` entry, or None.
         callbacks: the fit's callbacks; those with ``state_dict``/``load_state_dict`` (e.g.
             ``EarlyStopping``) travel in the checkpoint's ``callbacks`` entry.
         sampler: the training sampler (the epoch and the position in it).
@@ -196,6 +197,7 @@ class Checkpointer:
         optimizers: OptimizerSet,
         precision: Precision | None = None,
         strategy: StepStrategy | None = None,
+        ema: Any = None,
         callbacks: Sequence[Any] = (),
         sampler: DistributedSampler,
         state: TrainState,
@@ -207,6 +209,7 @@ class Checkpointer:
         trainer_class: str,
     ):
         self.model, self.optimizers, self.precision, self.strategy = model, optimizers, precision, strategy
+        self.ema = ema
         self.callbacks = list(callbacks)
         self.sampler, self.state, self.metrics = sampler, state, metrics
         self.process_group, self.device, self.config = process_group, device, config
@@ -228,6 +231,7 @@ class Checkpointer:
             optimizers=trainer.optimizer_set,
             precision=trainer.precision,
             strategy=trainer.strategy,
+            ema=trainer.ema,
             callbacks=trainer.callbacks,
             sampler=trainer.train_sampler,
             state=trainer.state,
@@ -262,6 +266,7 @@ class Checkpointer:
             **self._optimizer_entries(),  # optimizer, scheduler
             "grad_scaler": None if self.precision is None else self.precision.state_dict(),
             "strategy": {} if self.strategy is None else self.strategy.state_dict(),
+            "ema": None if self.ema is None else self.ema.state_dict(),
             "callbacks": {key: cb.state_dict() for key, cb in _stateful(self.callbacks).items()},
             "sampler": self.sampler.state_dict(),
             "rng": rng_states,
@@ -290,6 +295,8 @@ class Checkpointer:
             self.precision.load_state_dict(checkpoint.get("grad_scaler"))
         if self.strategy is not None:
             self.strategy.load_state_dict(checkpoint.get("strategy") or {})
+        if self.ema is not None:
+            self.ema.load_state_dict(checkpoint.get("ema"))
         saved = checkpoint.get("callbacks") or {}
         for key, callback in _stateful(self.callbacks).items():
             if key in saved:

@@ -175,7 +175,8 @@ def test_min_delta_decides_the_stop_step(tmp_path, mode, min_delta, expected):
         sign = 1.0 if mode == "min" else -1.0
 
     stopper = EarlyStopping("eval/score", mode=mode, patience=2, min_delta=min_delta)
-    metrics = Signed(_config(tmp_path, epochs=10), callbacks=[stopper]).fit()
+    config = _config(tmp_path, epochs=10, num_sanity_val_steps=0)  # SCORES start at step 4
+    metrics = Signed(config, callbacks=[stopper]).fit()
     assert metrics["step"] == (expected or 40) and metrics["stopped_early"] == (expected is not None)
     assert stopper.stopped_step == expected
     assert stopper.best == pytest.approx(Signed.sign * (0.85 if expected else 0.66))

@@ -32,8 +32,7 @@ def test_run_refuses_a_launcher_that_did_not_start_us(monkeypatch):
 def test_fit_refuses_a_doctor_it_was_not_given(tmp_path):
     """trainer.doctor is the doctor's callbacks' work: the runner adds them, a bare fit() must not
     silently run without them."""
-    from ddptrain import Trainer
-    from ddptrain.doctor import doctor_callbacks
+    from ddptrain import Trainer, plugin_callbacks
 
     config = Config.from_dict(
         {
@@ -44,7 +43,7 @@ def test_fit_refuses_a_doctor_it_was_not_given(tmp_path):
             "dist": {"world_size": 1},
         }
     )
-    with pytest.raises(ConfigError, match=r"trainer.doctor: .*callbacks=ddptrain.doctor.doctor_callbacks\(config\)"):
+    with pytest.raises(ConfigError, match=r"trainer.doctor: .*callbacks=ddptrain.plugin_callbacks\(config\)"):
         Trainer(config).fit()
-    Trainer(config, callbacks=doctor_callbacks(config)).fit()  # as the message says
+    Trainer(config, callbacks=plugin_callbacks(config)).fit()  # as the message says
     assert (tmp_path / "a" / "doctor.json").is_file()

@@ -50,7 +50,7 @@ def test_a_second_signal_raises_keyboard_interrupt_only_a_moment_after_the_first
     try:
         _send_not_interrupting(first)
         assert stop.requested == signal.Signals(first).name and received == []  # asked to stop, not interrupted
-        assert stop.votes(False) == ([1.0, 0.0, 0.0] if first == signal.SIGINT else [0.0, 1.0, 0.0])
+        assert stop.votes(False) == ([1.0, 0.0, 0.0, 0.0] if first == signal.SIGINT else [0.0, 1.0, 0.0, 0.0])
         _send_not_interrupting(second)  # at once: the same keypress twice (terminal and launcher), ignored
         assert stop.requested == signal.Signals(first).name and received == []
         time.sleep(SECOND_SIGNAL_AFTER_S + 0.05)
@@ -62,6 +62,21 @@ def test_a_second_signal_raises_keyboard_interrupt_only_a_moment_after_the_first
     assert signal.getsignal(signal.SIGINT) is record and signal.getsignal(signal.SIGTERM) is record
     _send_not_interrupting(signal.SIGINT)  # after uninstall: the previous handler's again
     assert received == ["SIGINT"]
+
+
+def test_max_time_votes_once_its_clock_passes_and_a_signal_after_it_is_a_first_signal(previous_handlers):
+    stop = GracefulStop(max_time_s=0.2)
+    stop.install()
+    try:
+        assert stop.votes(False) == [0.0, 0.0, 0.0, 0.0] and stop.requested is None
+        time.sleep(0.25)
+        assert stop.votes(True) == [0.0, 0.0, 1.0, 1.0] and stop.requested == "max_time"
+        assert GracefulStop.decide([0.0, 0.0, 1.0, 0.0]) == ("max_time", False)
+        assert GracefulStop.decide([0.0, 2.0, 1.0, 0.0]) == ("SIGTERM", False)  # a signal wins over the clock
+        _send_not_interrupting(signal.SIGINT)  # the user's Ctrl-C after the limit: a stop, not an interrupt
+        assert stop.requested == "SIGINT"
+    finally:
+        stop.uninstall()
 
 
 def test_second_signal_after_s_is_a_moment():

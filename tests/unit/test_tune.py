@@ -1,0 +1,100 @@
+"""The tuners. The learning-rate range test: its rates reach the optimizer step by step, its
+suggestion is Lightning's (numpy's gradient of the smoothed loss), its plot has the right axes.
+The batch-size search: each trial runs the batch it names."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ddptrain import Config
+from ddptrain.config import LrFindConfig
+from ddptrain.testing import run_threaded
+from ddptrain.tune.lr_find import LRFinder, plot, rates, smoothed, suggest
+from tests.unit.trainer.test_lightning_flags import Task
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_the_suggestion_is_the_steepest_descent_of_the_smoothed_loss_as_numpy_computes_it():
+    rng = np.random.default_rng(0)
+    lrs = list(np.geomspace(1e-6, 1.0, 60))
+    raw = list(2.0 - np.tanh(np.linspace(-3, 3, 60)) + rng.normal(0, 0.05, 60))
+    curve = smoothed(raw)
+    expected, average = [], 0.0
+    for i, value in enumerate(raw):
+        average = 0.98 * average + 0.02 * value
+        expected.append(average / (1 - 0.98 ** (i + 1)))
+    assert curve == pytest.approx(expected, rel=1e-12)
+    index = int(np.argmin(np.gradient(np.array(curve[10:-1])))) + 10
+    assert suggest(lrs, curve) == lrs[index]
+    assert suggest(lrs[:11], curve[:11]) is None  # too few points once the first 10 are left out
+    cliff = [1.0 - 0.01 * i for i in range(30)] + [-5.0]  # the last point falls most: it is left out
+    assert suggest(lrs[:31], cliff) == lrs[10]
+    with_nan = curve[:30] + [math.nan] + curve[31:]
+    assert math.isfinite(suggest(lrs, with_nan))
+
+
+class RateProbe(Task):
+    """Records the rate of every step; its schedule halves the rate at every epoch end."""
+
+    def configure_optimizers(self, model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+    def optimizer_step(self):
+        self.rates = getattr(self, "rates", []) + [[g["lr"] for g in self.optimizer.param_groups]]
+        super().optimizer_step()
+
+
+def _range_test(rank, world_size, out, threshold, max_lr=10.0):
+    finder = LRFinder(LrFindConfig(min_lr=1e-4, max_lr=max_lr, num_training=20, early_stop_threshold=threshold))
+    config = Config.from_dict(
+        {
+            "data": {"global_batch_size": 24},
+            "trainer": {"epochs": 5, "max_steps": 20, "log_every_steps": 1, "progress": False, "output_dir": str(out)},
+        }
+    )
+    task = RateProbe(config, callbacks=[finder])
+    final = task.fit()
+    return task.rates, finder.losses, final
+
+
+def test_every_step_trains_at_its_rate_of_the_range_despite_the_schedule(tmp_path):
+    stepped, losses, final = run_threaded(_range_test, 2, tmp_path, None, timeout_s=100)[0]
+    expected = rates(LrFindConfig(min_lr=1e-4, max_lr=10.0, num_training=20))
+    assert [r[0] for r in stepped] == pytest.approx(expected, rel=1e-12)  # the epoch-end halving overridden too
+    assert len(losses) == 20 and final["lr_find"]["steps"] == 20
+    assert (tmp_path / "lr_find.json").exists() and (tmp_path / "lr_find.png").exists()
+
+
+def test_the_range_test_stops_once_the_loss_diverges(tmp_path):
+    stepped, losses, final = run_threaded(_range_test, 2, tmp_path, 1.5, 1e4, timeout_s=100)[0]
+    curve = smoothed(losses)
+    over = [not math.isfinite(v) or v > 1.5 * min(curve[: i + 1]) for i, v in enumerate(curve)]
+    first_over = over.index(True)
+    # the vote cast at that step's end rides in the next step's reduction: one more step, then every rank stops
+    assert len(losses) == len(stepped) == first_over + 2 < 20 and final["stopped_early"]
+
+
+def test_the_plot_is_loss_against_a_log_learning_rate_with_the_suggestion_marked(tmp_path):
+    lrs, losses = [1e-4, 1e-3, 1e-2, 1e-1], [2.0, 1.5, 0.5, 3.0]
+    figure = plot(lrs, losses, 1e-2, tmp_path / "lr.png")
+    (axes,) = figure.axes
+    assert axes.get_xscale() == "log" and axes.get_xlabel() == "learning rate"
+    assert axes.get_ylabel() == "training loss (smoothed)"
+    curve, marker = axes.get_lines()
+    assert list(curve.get_xdata()) == lrs and list(marker.get_xdata()) == [1e-2] and list(marker.get_ydata()) == [0.5]
+    assert (tmp_path / "lr.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_batch_size_trial_runs_the_per_rank_batch_it_names_as_a_fast_dev_run():
+    from ddptrain.preflight import per_rank_batch_size
+    from ddptrain.tune.batch_size import trial_config
+
+    config = Config.from_dict({"dist": {"world_size": 3}, "trainer": {"grad_accum_steps": 2, "epochs": 7}})
+    trial = trial_config(config, 16, steps=3)
+    assert per_rank_batch_size(trial, 3) == 16 and trial.data.eval_batch_size == 16
+    assert trial.data.global_batch_size == 16 * 3 * 2 and trial.trainer.fast_dev_run == 3
