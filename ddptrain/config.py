@@ -498,6 +498,9 @@ class LrFindConfig:
     """Optimizer steps (rates) of the test; the suggestion leaves out the first 10 and the last."""
     early_stop_threshold: float | None = bounded(4.0, above=1, fix=", or null to run every step")
     """Stop once the smoothed loss exceeds this many times its best value."""
+    suggestion: str = one_of("minimum", ("minimum", "steepest"))
+    """How the rate is picked from the smoothed loss: ``minimum``, a tenth of the rate where it is
+    lowest (fastai's rule); ``steepest``, where it falls fastest (Lightning's ``suggestion()``)."""
 
 
 @dataclass

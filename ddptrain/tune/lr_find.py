@@ -5,8 +5,9 @@ A short run on every rank raises the learning rate of every parameter group expo
 each step is the training loss reduced over the ranks (the logging window of one step), smoothed
 with an exponential average (weight 0.98, bias-corrected). The run stops early once the smoothed
 loss exceeds ``lr_find.early_stop_threshold`` times the best one, or is not finite. The suggestion
-is Lightning's: the rate where the smoothed loss falls fastest (its steepest negative gradient),
-leaving out the first 10 and the last point.
+(``lr_find.suggestion``) looks at the smoothed loss without its first 10 and its last point:
+``minimum`` (fastai's rule) takes a tenth of the rate where it is lowest; ``steepest`` (Lightning's)
+the rate where it falls fastest (numpy's gradient), which sits close to where the loss blows up.
 
 Rank 0 writes ``<run>/lr_find.json`` (every rate and loss, the suggestion) and, when matplotlib is
 installed (``pip install 'ddptrain[tune]'``), ``<run>/lr_find.png``: loss against rate on a log
@@ -46,13 +47,16 @@ def smoothed(losses: list[float], beta: float = SMOOTHING) -> list[float]:
     return out
 
 
-def suggest(lrs: list[float], losses: list[float]) -> float | None:
-    """The rate at the steepest descent of the (smoothed) ``losses``, the first 10 and the last
-    point left out; None when fewer than two finite points remain."""
+def suggest(lrs: list[float], losses: list[float], rule: str = "steepest") -> float | None:
+    """The suggested rate of the (smoothed) ``losses``, the first 10 and the last point left out:
+    ``steepest``, the rate at their steepest descent; ``minimum``, a tenth of the rate at their
+    lowest. None when fewer than two finite points remain."""
     points = [(i, loss) for i, loss in enumerate(losses) if SKIP_BEGIN <= i < len(losses) - SKIP_END]
     points = [(i, loss) for i, loss in points if math.isfinite(loss)]
     if len(points) < 2:
         return None
+    if rule == "minimum":
+        return lrs[min(points, key=lambda point: point[1])[0]] / 10
     index, values = [i for i, _ in points], [loss for _, loss in points]
     # numpy.gradient's rule: one-sided at the ends, central inside
     gradients = [values[1] - values[0]]
@@ -75,7 +79,7 @@ def plot(lrs: list[float], losses: list[float], suggestion: float | None, path: 
     axes.set_xlabel("learning rate")
     axes.set_ylabel("training loss (smoothed)")
     if suggestion is not None:
-        k = lrs.index(suggestion)
+        k = min(range(len(lrs)), key=lambda i: abs(math.log(lrs[i] / suggestion)))  # the nearest rate tried
         axes.plot([suggestion], [losses[k]], marker="o", markersize=9, color="red", label=f"suggested {suggestion:.3g}")
         axes.legend()
     axes.set_title("learning-rate range test")
@@ -124,8 +128,11 @@ class LRFinder(Callback):
 
     def on_fit_end(self, trainer: Any, metrics: dict[str, Any]) -> None:
         lrs, curve = self.lrs[: len(self.losses)], smoothed(self.losses)
-        suggestion = suggest(lrs, curve)
-        self.result = {"suggestion": suggestion, "lr": lrs, "loss": curve, "raw_loss": self.losses}
+        rule = self.config.suggestion
+        suggestion = suggest(lrs, curve, rule)
+        others = {name: suggest(lrs, curve, name) for name in ("minimum", "steepest")}
+        self.result = {"suggestion": suggestion, "rule": rule, "suggestions": others, "lr": lrs, "loss": curve}
+        self.result["raw_loss"] = self.losses
         metrics["lr_find"] = {"suggestion": suggestion, "steps": len(self.losses)}
         if not trainer.is_main:
             return
@@ -141,7 +148,7 @@ class LRFinder(Callback):
             log.warning("lr_find: too few steps (%d) for a suggestion; raise lr_find.num_training", len(curve))
             return
         print(
-            f"ddptrain: lr_find suggests optimizer.lr={suggestion:.3g} (steepest descent of the loss over "
+            f"ddptrain: lr_find suggests optimizer.lr={suggestion:.3g} (lr_find.suggestion={rule}, over "
             f"{len(curve)} rates from {lrs[0]:.3g} to {lrs[-1]:.3g}; {where})",
             flush=True,
         )

@@ -21,7 +21,8 @@ def test_the_lr_finder_writes_its_plot_and_data_and_prints_the_override(tmp_path
     lrs, losses = result["lr"], result["loss"]
     assert 12 <= len(lrs) <= 40 and lrs[0] == pytest.approx(1e-8) and all(b > a for a, b in zip(lrs, lrs[1:]))
     assert losses == pytest.approx(smoothed(result["raw_loss"]))
-    assert result["suggestion"] == suggest(lrs, losses) and lrs[10] <= result["suggestion"] <= lrs[-2]
+    assert result["rule"] == "minimum" and result["suggestion"] == suggest(lrs, losses, "minimum")
+    assert lrs[10] / 10 <= result["suggestion"] <= lrs[-2] / 10
     assert f"ddptrain: lr_find suggests optimizer.lr={result['suggestion']:.3g}" in proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == f"optimizer.lr={result['suggestion']:.3g}"
     png = (run / "lr_find.png").read_bytes()

@@ -32,6 +32,9 @@ def test_the_suggestion_is_the_steepest_descent_of_the_smoothed_loss_as_numpy_co
     assert suggest(lrs[:11], curve[:11]) is None  # too few points once the first 10 are left out
     cliff = [1.0 - 0.01 * i for i in range(30)] + [-5.0]  # the last point falls most: it is left out
     assert suggest(lrs[:31], cliff) == lrs[10]
+    lowest = int(np.argmin(np.array(curve[10:-1]))) + 10
+    assert suggest(lrs, curve, "minimum") == lrs[lowest] / 10
+    assert suggest(lrs[:31], cliff, "minimum") == lrs[29] / 10  # the cliff's last point is left out here too
     with_nan = curve[:30] + [math.nan] + curve[31:]
     assert math.isfinite(suggest(lrs, with_nan))
 
