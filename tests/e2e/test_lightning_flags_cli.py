@@ -3,7 +3,10 @@ what it says when the recipe is broken, and ``trainer.max_time``'s stop, line an
 
 import re
 import shlex
+import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -42,6 +45,19 @@ def test_a_fast_dev_run_under_torchrun_leaves_no_rank_s_directory(tmp_path):
     proc = subprocess.run(command, cwd=work, env=cli_env(TMPDIR=str(temp)), capture_output=True, text=True, timeout=150)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fast_dev_run passed: 1 batch(es)" in proc.stdout
+    assert _files(work) == [] and _dev_run_dirs(temp) == []
+
+
+@pytest.mark.skipif(
+    shutil.which("mpiexec", path=str(Path(sys.executable).parent)) is None,
+    reason="mpiexec not installed next to this Python (pip install 'ddptrain[mpi]')",
+)
+def test_a_fast_dev_run_on_backend_mpi_leaves_nothing_either(tmp_path):
+    work, temp = tmp_path / "work", tmp_path / "tmp"
+    work.mkdir(), temp.mkdir()
+    proc = run_cli(*TINY, "backend=mpi", "trainer.fast_dev_run=true", cwd=work, env={"TMPDIR": str(temp)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mpiexec -n 2" in proc.stdout + proc.stderr and "fast_dev_run passed: 1 batch(es)" in proc.stdout
     assert _files(work) == [] and _dev_run_dirs(temp) == []
 
 
