@@ -238,8 +238,10 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to the end; the final metrics on every rank.
 
-        The end: ``trainer.epochs``, ``max_steps`` or ``stop_after_steps``, a signal, or
-        ``should_stop`` set by any hook or callback on any rank. The ranks vote on the flag, so
+        The end: ``trainer.epochs``, ``max_steps`` or ``stop_after_steps``, a signal or
+        ``trainer.max_time``, or ``should_stop`` set by any hook or callback on any rank. Under
+        ``trainer.fast_dev_run`` a test pass of N batches follows, and the run's temporary
+        directory is deleted. The ranks vote on the flag, so
         all stop at the same step: set in ``training_step`` (or before), after that step (the
         votes ride in its gradient all-reduce); set after the backward (``on_train_batch_end``),
         after the next step; set at an evaluation, an epoch end or in ``on_fit_start``, before
