@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from .config import Config, ConfigError, locate
-from .trainer.checkpoint import find_checkpoint, load_checkpoint
+from .trainer.checkpoint import find_checkpoint, load_checkpoint, model_weights
 
 __all__ = ["load_model", "find_checkpoint", "model_weights"]
 
@@ -57,23 +57,6 @@ def load_model(
     model = trainer.configure_model()
     model.load_state_dict(model_weights(checkpoint, path, ema))
     return model.to(map_location).eval()
-
-
-def model_weights(checkpoint: dict[str, Any], path: str | Path, ema: bool = False) -> dict[str, Any]:
-    """The module's state dict in ``checkpoint`` (read from ``path``): the trained weights, or
-    with ``ema`` their moving average (the checkpoint's ``"ema"`` entry, same keys).
-
-    Raises:
-        ConfigError: ``ema`` and the checkpoint holds no EMA weights.
-    """
-    if not ema:
-        return checkpoint["model"]
-    if not checkpoint.get("ema"):
-        raise ConfigError(
-            f"{path} holds no EMA weights: its run did not set trainer.ema.decay. Load the trained "
-            "weights (ema=False), or train with trainer.ema.decay=0.999 to keep an average."
-        )
-    return checkpoint["ema"]["weights"]
 
 
 def _trainer_class(spec: type | str | None, path: Path) -> type:

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..comm.objects import all_gather_object
 from ..data import DistributedSampler
-from .checkpoint import CheckpointError, agree_on_checkpoint, load_checkpoint
+from .checkpoint import CheckpointError, agree_on_checkpoint, load_checkpoint, model_weights
 from .data import batch_size_of, make_batches, move_to
 from .dataloaders import LoaderParts, split_loader
 from .metrics import ExactMean
@@ -114,8 +114,8 @@ def _module(trainer: Any, checkpoint: str | None) -> nn.Module:
     if path is None:
         raise CheckpointError(f"checkpoint={checkpoint}: there is no checkpoint in {trainer.checkpoint_dir}")
     saved = load_checkpoint(path, map_location=trainer.device)
-    ema = trainer.config.trainer.ema.evaluate and saved.get("ema")  # trainer.ema.evaluate: the average
-    module.load_state_dict(saved["ema"]["weights"] if ema else saved["model"])
+    ema = bool(trainer.config.trainer.ema.evaluate and saved.get("ema"))  # trainer.ema.evaluate: the average
+    module.load_state_dict(model_weights(saved, path, ema))
     return module
 
 

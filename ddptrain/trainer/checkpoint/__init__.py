@@ -30,6 +30,7 @@ from .files import (
     checkpoint_name,
     list_checkpoints,
     load_checkpoint,
+    model_weights,
     prune_checkpoints,
     save_checkpoint,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "checkpoint_name",
     "list_checkpoints",
     "load_checkpoint",
+    "model_weights",
     "prune_checkpoints",
     "save_checkpoint",
     "agree_on_checkpoint",

@@ -29,6 +29,7 @@ from ...config import ConfigError
 
 __all__ = [
     "CheckpointError",
+    "model_weights",
     "CheckpointWarning",
     "NothingToResumeError",
     "FORMAT_VERSION",
@@ -217,3 +218,20 @@ def remove_checkpoint(path: PathLike) -> None:
             p.unlink()
         except FileNotFoundError:
             pass
+
+
+def model_weights(checkpoint: dict[str, Any], path: str | Path, ema: bool = False) -> dict[str, Any]:
+    """The module's state dict in ``checkpoint`` (read from ``path``): the trained weights, or
+    with ``ema`` their moving average (the checkpoint's ``"ema"`` entry, same keys).
+
+    Raises:
+        ConfigError: ``ema`` and the checkpoint holds no EMA weights.
+    """
+    if not ema:
+        return checkpoint["model"]
+    if not checkpoint.get("ema"):
+        raise ConfigError(
+            f"{path} holds no EMA weights: its run did not set trainer.ema.decay. Load the trained "
+            "weights (ema=False), or train with trainer.ema.decay=0.999 to keep an average."
+        )
+    return checkpoint["ema"]["weights"]
