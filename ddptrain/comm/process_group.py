@@ -28,6 +28,28 @@ def _reduce_code(op) -> int:
     return _REDUCE_CODES[to_reduce_op(op)]
 
 
+class Traffic:
+    """The bytes one rank handed to communication, by operation (shared by its groups).
+
+    Counted: the tensor of every collective (the one the ledger records; for ``all_to_all`` its
+    inputs) and of every ``send``. That is the payload, not what the wire carries, which depends on
+    the backend's algorithm: a ring all-reduce of ``n`` bytes sends ``2(W-1)/W * n`` per rank, a
+    broadcast sends ``n`` from its root. Received bytes are not counted.
+    """
+
+    def __init__(self) -> None:
+        self.by_op: dict[str, int] = {}
+
+    def add(self, op: str, *tensors: torch.Tensor | None) -> None:
+        nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        self.by_op[op] = self.by_op.get(op, 0) + nbytes
+
+    @property
+    def total(self) -> int:
+        """Every byte counted so far."""
+        return sum(self.by_op.values())
+
+
 # False only to measure what the ledger costs (scripts/bench_ledger.py): the ledger is always on.
 LEDGER_ON = True
 
@@ -64,6 +86,7 @@ class ProcessGroup(abc.ABC):
 
     backend: str = "?"
     _ledger: Ledger | None = None
+    _traffic: Traffic | None = None
     _ledger_seq = 0  # collectives of this group recorded on this rank
     # called as hook(group, seq) after each record (the functional API's periodic ledger check)
     _ledger_hook = None
@@ -83,8 +106,16 @@ class ProcessGroup(abc.ABC):
         """Attach ``label`` (e.g. ``DDP bucket 3``) to the ledger record of this rank's next collective."""
         self.ledger.label = label
 
+    @property
+    def traffic(self) -> Traffic:
+        """The bytes this rank handed to communication (:class:`Traffic`; shared by its groups)."""
+        if self._traffic is None:
+            self._traffic = Traffic()
+        return self._traffic
+
     def _record(self, op: str, tensor: torch.Tensor | None, detail: int) -> None:
         """One ledger record for collective ``op`` (``detail``: its root or reduce op), then the hook."""
+        self.traffic.add(op, tensor)
         if not LEDGER_ON:
             return
         self._ledger_seq += 1
@@ -150,6 +181,7 @@ class ProcessGroup(abc.ABC):
 
     # -- point to point (not recorded: see the class docstring) -----------------------------
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        self.traffic.add("send", tensor)
         return self._send(tensor, dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
@@ -187,6 +219,7 @@ class ProcessGroup(abc.ABC):
 
     def all_to_all(self, output_list: list[torch.Tensor], input_list: list[torch.Tensor]) -> Work:
         # split sizes may differ between ranks: only the number of tensors must agree
+        self.traffic.add("all_to_all", *(input_list or ()))
         self._record("all_to_all", None, len(input_list or ()))
         return self._all_to_all(output_list, input_list)
 
@@ -200,6 +233,7 @@ class ProcessGroup(abc.ABC):
         group = self._new_subgroup(ranks, name, timeout)
         if group is not None:
             group.ledger = self.ledger
+            group._traffic = self.traffic
             group._ledger_hook = self._ledger_hook
         return group
 

@@ -134,15 +134,30 @@ class TrainingMetrics:
     """
 
     def __init__(self, process_group: ProcessGroup | None = None):
-        self.process_group = process_group
         self.window = LoggingWindow()
+        self.process_group = process_group
         self.loss_history: list[tuple[int, float]] = []
         """``(step, train/loss)`` at every logging point of the run."""
         self.last_eval: dict[str, float] = {}
         self.last_eval_step = -1
         self.times = {"train_s": 0.0, "eval_s": 0.0}
+        self.training_started: float | None = None  # start_training
         self.smoke_probe_start: tuple[int, float] | None = None
         """``(step, loss)`` of the smoke check's probe before training (``None`` until measured)."""
+
+    @property
+    def process_group(self) -> ProcessGroup | None:
+        return self._process_group
+
+    @process_group.setter
+    def process_group(self, group: ProcessGroup | None) -> None:
+        """The group; the bytes it counts from now on are this fit's (``comm/bytes_*``)."""
+        self._process_group = group
+        self.bytes_at_start = self.bytes_at_window_start = self._bytes_sent()
+
+    def _bytes_sent(self) -> int:
+        """This rank's bytes handed to communication so far (:class:`ddptrain.comm.process_group.Traffic`)."""
+        return 0 if self._process_group is None else self._process_group.traffic.total
 
     def reduce_window(self, step: int, lr: float, logged: Entries | None = None) -> dict[str, float]:
         """The window's scalars reduced over ranks (collective); appends to the loss history.
@@ -151,6 +166,7 @@ class TrainingMetrics:
         and returned with the window's scalars.
         """
         w = self.window
+        sent = self._bytes_sent() - self.bytes_at_window_start  # before this reduction's own bytes
         sums = [w.loss_sum, w.steps, w.samples]
         (loss_sum, steps, samples), user = _reduce(self.process_group, sums, logged)
         elapsed = max(time.perf_counter() - w.start, 1e-9)
@@ -159,10 +175,23 @@ class TrainingMetrics:
             "train/lr": lr,
             "train/samples_per_s": samples / elapsed,
             "train/comm_wait_s": w.comm_wait_s / max(w.steps, 1),  # this rank's: no reduction
+            # this rank's payload bytes per step (Traffic), the logging reductions left out
+            "comm/bytes_per_step": sent / max(w.steps, 1),
         }
         self.loss_history.append((step, scalars["train/loss"]))
-        w.reset()
+        self.start_window()
         return {**scalars, **user}
+
+    def start_training(self) -> None:
+        """The fit's first step starts now (``time/train_s`` of evaluations counts from here)."""
+        self.training_started = time.perf_counter()
+        self.start_window()
+
+    def start_window(self) -> None:
+        """Start a logging window now: its time and its bytes count from here (the fit calls it
+        before its first step, so that start-up is in neither)."""
+        self.window.reset()
+        self.bytes_at_window_start = self._bytes_sent()
 
     def end_epoch(
         self, loss_sum: float, steps: int, seconds: float, logged: Entries | None = None, metric_names=()
@@ -174,14 +203,19 @@ class TrainingMetrics:
         return {**({"train/epoch_loss": total_loss / total_steps} if total_steps > 0 else {}), **user}
 
     def record_eval(self, metrics: dict[str, float], step: int, seconds: float) -> None:
+        """Keep an evaluation's metrics, adding ``time/train_s``: the seconds since the first step
+        of this fit, evaluations left out (time-to-accuracy curves; a resumed fit counts its own)."""
+        if self.training_started is not None:
+            metrics["time/train_s"] = time.perf_counter() - self.training_started - self.times["eval_s"] - seconds
         self.last_eval, self.last_eval_step = metrics, step
         self.times["eval_s"] += seconds
 
     def final(self, module: nn.Module, *, step: int, epoch: int, fit_s: float) -> dict[str, Any]:
         """What ``fit`` returns and writes to ``metrics.json`` (collective: gathers every rank's
         checksum of ``module``'s parameters, so ``params_agree`` says whether the ranks agree)."""
-        gathered = all_gather_object(self.process_group, (parameters_digest(module), peak_rss_mb()))
-        digests = [digest for digest, _ in gathered]
+        sent = self._bytes_sent() - self.bytes_at_start
+        gathered = all_gather_object(self.process_group, (parameters_digest(module), peak_rss_mb(), sent))
+        digests = [digest for digest, _, _ in gathered]
         final: dict[str, Any] = {"step": step, "epoch": epoch, "world_size": self.process_group.size()}
         final.update(self.last_eval)
         if self.loss_history:
@@ -192,7 +226,8 @@ class TrainingMetrics:
         final["time/fit_s"] = fit_s
         final["params_sha256"] = digests[0]
         final["params_agree"] = all(d == digests[0] for d in digests)
-        final["memory/peak_rss_mb"] = max(peak for _, peak in gathered)  # the largest rank's high-water mark
+        final["memory/peak_rss_mb"] = max(peak for _, peak, _ in gathered)  # the largest rank's high-water mark
+        final["comm/bytes_sent"] = max(n for _, _, n in gathered)  # the busiest rank's (payloads; see Traffic)
         return final
 
     def state_dict(self) -> dict[str, Any]:

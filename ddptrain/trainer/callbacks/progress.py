@@ -93,13 +93,14 @@ class ProgressCallback(Callback):
         if trainer.is_main:  # the log file always; the console only when no bar shows the same
             extra = "".join(f", {k}={v:.4g}" for k, v in shown.items())
             log.info(
-                "step %d/%d (epoch %d): loss %.4f, %.0f samples/s, lr %.3g%s",
+                "step %d/%d (epoch %d): loss %.4f, %.0f samples/s, lr %.3g, %s/step sent%s",
                 trainer.state.step,
                 trainer.total_steps,
                 _epoch_of_last_step(trainer),
                 scalars["train/loss"],
                 scalars.get("train/samples_per_s", 0.0),
                 scalars.get("train/lr", 0.0),
+                _bytes(scalars.get("comm/bytes_per_step", 0.0)),
                 extra,
                 extra={"console": self.bar is None},
             )
@@ -128,3 +129,11 @@ def _epoch_of_last_step(trainer: TrainerView) -> int:
     """The epoch (from 1) the latest step belongs to: at an epoch's end the sampler has already
     moved to the next epoch, but the step was the last of the previous one."""
     return trainer.state.epoch + (0 if at_epoch_end(trainer) else 1)
+
+
+def _bytes(n: float) -> str:
+    """``n`` bytes for a log line: ``512 B``, ``1.2 kB``, ``3.4 MB``."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"

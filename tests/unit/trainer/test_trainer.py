@@ -66,7 +66,8 @@ class Recorder(Callback):
 
     def on_log(self, trainer, scalars):
         self.calls.append(f"log@{trainer.state.step}")
-        assert set(scalars) == {"train/loss", "train/lr", "train/samples_per_s", "train/comm_wait_s"}
+        expected = {"train/loss", "train/lr", "train/samples_per_s", "train/comm_wait_s", "comm/bytes_per_step"}
+        assert set(scalars) == expected
 
     def on_validation_end(self, trainer, metrics):
         self.calls.append("validation")
