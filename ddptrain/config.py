@@ -190,12 +190,30 @@ class DistConfig:
     that shard's gradients after backward. With ``dist.algorithm=ring`` the parameters equal plain
     ring DDP's bit for bit. Needs an element-wise optimizer (SGD, Adam, AdamW, ...); checkpoints
     stay in the plain format, loadable at any world size."""
+    sync: str = one_of("every_step", ("every_step", "local_sgd", "diloco"))
+    """How often the ranks' models meet (``docs/slow-links.md``). ``every_step``: DDP, the
+    gradients all-reduced in every backward. ``local_sgd``: each rank steps its own copy of the
+    model with the configured optimizer on its own samples, and every ``dist.sync_every`` steps
+    the copies are averaged. ``diloco`` (Douillard et al., 2023): the same local steps, then an
+    outer Nesterov SGD step (``dist.outer_lr``, ``dist.outer_momentum``) on the averaged
+    pseudo-gradient ``theta_outer - mean(theta_local)``. Both send one model-sized all-reduce per
+    ``sync_every`` steps instead of one per step; a stop (signal, ``should_stop``, ``max_time``)
+    waits for the next outer step. ``dist.grad_compression`` casts what travels (the
+    pseudo-gradients) to half precision."""
+    sync_every: int = bounded(16, at_least=1)
+    """``local_sgd`` / ``diloco``: optimizer steps between two outer steps (H); an outer step
+    comes after every step whose number is a multiple of H, and after the last step of the fit."""
+    outer_lr: float = bounded(0.7, above=0)
+    """``diloco``: the outer Nesterov SGD's learning rate (the DiLoCo paper's 0.7)."""
+    outer_momentum: float = bounded(0.9, at_least=0)
+    """``diloco``: the outer Nesterov SGD's momentum (the DiLoCo paper's 0.9)."""
 
     def ddp_options(self) -> dict[str, Any]:
         """The keyword arguments of ``DistributedDataParallel`` that these settings choose."""
         return {
             "bucket_cap_mb": DEFAULT_BUCKET_CAP_MB if self.bucket_cap_mb == "auto" else float(self.bucket_cap_mb),
-            "broadcast_buffers": self.broadcast_buffers,
+            # local_sgd/diloco: no collective per forward; buffers are averaged at each outer step
+            "broadcast_buffers": self.broadcast_buffers and self.sync == "every_step",
             "find_unused_parameters": self.find_unused_parameters,
             "gradient_as_bucket_view": self.gradient_as_bucket_view,
         }

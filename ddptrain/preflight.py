@@ -2,10 +2,11 @@
 
 :mod:`ddptrain.config` owns the schema and each field's own rule; this module owns what needs more
 than one field and the job: how the global batch splits over the world size, the rules
-world-size-invariant mode adds, what ZeRO (``dist.zero_stage``) and gradient compression cannot be
-combined with, which backend ``dist.backend=auto`` becomes, and whether this machine has the device
-asked for. Every refusal is a :class:`~ddptrain.config.ConfigError` that names the knob and the fix.
-torch is imported only to ask about CUDA.
+world-size-invariant mode adds, what ZeRO (``dist.zero_stage``), gradient compression and local
+SGD / DiLoCo (``dist.sync``) cannot be combined with, which backend ``dist.backend=auto`` becomes,
+and whether this machine has the device asked for. Every refusal is a
+:class:`~ddptrain.config.ConfigError` that names the knob and the fix. torch is imported only to
+ask about CUDA.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "check_world_size_invariant",
     "check_zero_stage",
     "check_grad_compression",
+    "check_sync",
 ]
 
 
@@ -37,6 +39,7 @@ def validate(config: Config, world_size: int) -> None:
     check_world_size_invariant(config, world_size)  # first: its error names the rule that mode adds
     check_zero_stage(config)
     check_grad_compression(config)
+    check_sync(config)
     per_rank_batch_size(config, world_size)
     check_device(config)
 
@@ -148,10 +151,11 @@ def check_grad_compression(config: Config) -> None:
         return
     conflicts = [
         (
-            d.algorithm == "ring" and not d.zero_stage,
+            d.algorithm == "ring" and not d.zero_stage and d.sync == "every_step",
             "dist.algorithm=ring",
             "plain DDP sends its buckets either through the ring or through the compression hook, not "
-            "both (under ZeRO, dist.zero_stage=1|2, the ring reduce-scatter does compress)",
+            "both (under ZeRO, dist.zero_stage=1|2, the ring reduce-scatter does compress, and so does "
+            "the outer step of dist.sync=local_sgd|diloco)",
         ),
         (
             t.world_size_invariant,
@@ -165,6 +169,48 @@ def check_grad_compression(config: Config) -> None:
         ),
     ]
     _refuse_conflicts(f"dist.grad_compression={d.grad_compression}", conflicts, "set dist.grad_compression=none")
+
+
+def check_sync(config: Config) -> None:
+    """Refuse what ``dist.sync=local_sgd|diloco`` cannot be combined with, saying why."""
+    t, d = config.trainer, config.dist
+    if d.sync == "every_step":
+        return
+    conflicts = [
+        (
+            t.world_size_invariant,
+            "trainer.world_size_invariant=true",
+            "invariant mode sums every step's gradients exactly over the ranks, and local steps sum none",
+        ),
+        (
+            bool(d.zero_stage),
+            f"dist.zero_stage={d.zero_stage}",
+            "ZeRO shards the optimizer of one shared model, and local steps keep one model and optimizer per rank",
+        ),
+        (
+            t.ema.decay is not None,
+            "trainer.ema.decay",
+            "the moving average would follow one rank's local copy, not the model the ranks agree on",
+        ),
+        (
+            t.doctor,
+            "trainer.doctor=true",
+            "the doctor measures the gradient all-reduce of every step, and there is none "
+            "(run it at dist.sync=every_step: it predicts the local options from there)",
+        ),
+        (
+            d.bucket_cap_mb == "auto",
+            "dist.bucket_cap_mb=auto",
+            "the autotuner times the gradient all-reduces of the first steps, and there are none",
+        ),
+        (
+            bool(t.check_sync_every_n_steps) and t.check_sync_every_n_steps % d.sync_every != 0,
+            f"trainer.check_sync_every_n_steps={t.check_sync_every_n_steps}",
+            f"the ranks' models agree only after an outer step (every dist.sync_every={d.sync_every} steps); "
+            "use a multiple of it",
+        ),
+    ]
+    _refuse_conflicts(f"dist.sync={d.sync}", conflicts, "set dist.sync=every_step")
 
 
 def _refuse_conflicts(setting: str, conflicts: list[tuple[bool, str, str]], way_back: str) -> None:

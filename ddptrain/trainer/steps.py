@@ -18,7 +18,7 @@ State a strategy keeps across steps goes into checkpoints through
 schedules' entries through :meth:`StepStrategy.optimizer_state_dict` /
 :meth:`StepStrategy.load_optimizer_state_dict` (a sharded optimizer consolidates them there).
 
-Three strategies exist:
+Four strategies exist:
 
 - :class:`DataParallelSteps`: plain DDP. All micro-batches but the last run under ``no_sync()``;
   the last one's backward all-reduces the gradients in buckets, and the stop votes ride in that
@@ -29,10 +29,15 @@ Three strategies exist:
   reduce-scattered; ``optimizer_step`` steps this rank's shard and all-gathers the parameters, and
   ``optimizer_state_dict`` consolidates the shards.
 
-The next strategies plug in at the same seams: local SGD / DiLoCo replaces ``forward_backward`` (no
-reduction) and ``optimizer_step`` (an outer step every H steps); in-place elasticity rebuilds a
-strategy over the new group between two steps, which is why a strategy holds no state that the
-checkpoint does not capture.
+- :class:`.local_steps.LocalSteps` (``dist.sync=local_sgd|diloco``): no reduction in backward;
+  every rank steps its own copy and the copies meet in an outer step every ``dist.sync_every``
+  steps. Its ranks disagree between outer steps, so it also overrides
+  :meth:`StepStrategy.synchronized_weights` (what evaluation and the final checksum see),
+  :meth:`StepStrategy.model_state_dict` (the checkpoint's ``model`` entry) and
+  :meth:`StepStrategy.end_fit`.
+
+In-place elasticity would rebuild a strategy over the new group between two steps, which is why a
+strategy holds no state that the checkpoint does not capture.
 """
 
 from __future__ import annotations
@@ -99,6 +104,23 @@ class StepStrategy(ABC):
         t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
         t.optimizer_set.zero_grad()
 
+    @contextlib.contextmanager
+    def synchronized_weights(self) -> Iterator[None]:
+        """The weights every rank agrees on, in the model for the block: what evaluation, ``test``,
+        ``predict`` and the final checksum use. The model's own after every step, except where the
+        ranks train copies that meet only now and then (:mod:`.local_steps`)."""
+        yield
+
+    def end_fit(self) -> bool:
+        """Called when the ranks agreed to stop early (``should_stop``): finish what the strategy
+        owes the last steps (collective). True if the weights changed, so the last evaluation is
+        out of date. Nothing to do by default."""
+        return False
+
+    def model_state_dict(self, model: Any) -> dict[str, Any]:
+        """The checkpoint's ``model`` entry: ``model.state_dict()`` (the same on every rank)."""
+        return model.state_dict()
+
     def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
         """The checkpoint's ``optimizer`` and ``scheduler`` entries, from ``optimizers`` (the fit's
         :class:`.optimizers.OptimizerSet`): its own ``state_dict`` by default. Collective."""
@@ -122,6 +144,24 @@ class StepStrategy(ABC):
             )
 
 
+def accumulate_micro_batches(trainer: Any, micro_batches: Sequence[Any], reduce: bool) -> float:
+    """Forward and backward of each micro-batch, each loss divided by their number, so ``.grad``
+    holds the gradient of their mean. ``reduce``: the last backward all-reduces it over ranks (the
+    others run under ``no_sync()``); otherwise every one does and ``.grad`` stays this rank's.
+    Returns the step's loss on this rank."""
+    t = trainer
+    count, step_loss = len(micro_batches), 0.0
+    for i, batch in enumerate(micro_batches):
+        sync = reduce and i == count - 1
+        with contextlib.nullcontext() if sync else t.model.no_sync():
+            t.logged.batch_size = batch_size_of(batch)  # the weight of this micro-batch's self.log values
+            with t.precision.autocast():  # trainer.precision: bf16/fp16 autocast, or nothing
+                loss = t.training_step(t.model, move_to(batch, t.device, non_blocking=True))
+            t.precision.backward(loss / count)  # scaled under 16-mixed
+        step_loss += loss.item() / count
+    return step_loss
+
+
 def log_grad_norm(trainer: Any, norm: torch.Tensor) -> None:
     """``trainer.log_grad_norm``: the step's global gradient norm (after the reduction over ranks,
     before clipping: the same on every rank) as ``train/grad_norm``, averaged over the logging window."""
@@ -142,17 +182,7 @@ class DataParallelSteps(StepStrategy):
         return group_micro_batches(self.trainer.train_batches(), self.trainer.config.trainer.grad_accum_steps)
 
     def forward_backward(self, micro_batches: Sequence[Any]) -> float:
-        t = self.trainer
-        count, step_loss = len(micro_batches), 0.0
-        for i, batch in enumerate(micro_batches):
-            sync = i == count - 1
-            with contextlib.nullcontext() if sync else t.model.no_sync():
-                t.logged.batch_size = batch_size_of(batch)  # the weight of this micro-batch's self.log values
-                with t.precision.autocast():  # trainer.precision: bf16/fp16 autocast, or nothing
-                    loss = t.training_step(t.model, move_to(batch, t.device, non_blocking=True))
-                t.precision.backward(loss / count)  # scaled under 16-mixed
-            step_loss += loss.item() / count
-        return step_loss
+        return accumulate_micro_batches(self.trainer, micro_batches, reduce=True)
 
     def samples(self, micro_batches: Sequence[Any]) -> int:
         return sum(batch_size_of(b) for b in micro_batches)

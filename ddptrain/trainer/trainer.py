@@ -65,6 +65,7 @@ from .ema import EmaWeights
 from .evaluation import sanity_check, validation_pass
 from .inference import run_predict, run_test
 from .invariant import InvariantSteps
+from .local_steps import LocalSteps
 from .metrics import LoggedMetrics, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optimizers import OptimizerSet, build_optimizer, build_scheduler
 from .precision import Precision
@@ -224,10 +225,13 @@ class Trainer:
     def configure_step_strategy(self, votes: Callable[[], list[float]]) -> StepStrategy:
         """How a step's micro-batches become a parameter update (:mod:`.steps`), given this rank's
         stop votes to carry in the step's reduction. Default: invariant mode's shards and exact sums
-        under ``trainer.world_size_invariant``, ZeRO's sharded optimizer under ``dist.zero_stage``
-        1 or 2, else plain DDP. Called once per fit, after the model, data and optimizers are built."""
+        under ``trainer.world_size_invariant``, local SGD / DiLoCo under ``dist.sync``, ZeRO's
+        sharded optimizer under ``dist.zero_stage`` 1 or 2, else plain DDP. Called once per fit,
+        after the model, data and optimizers are built."""
         if self.config.trainer.world_size_invariant:
             return InvariantSteps(self, votes)
+        if self.config.dist.sync != "every_step":
+            return LocalSteps(self, votes)
         return ZeroSteps(self, votes) if self.config.dist.zero_stage else DataParallelSteps(self, votes)
 
     def configure_callbacks(self) -> list[Callback]:
@@ -256,6 +260,7 @@ class Trainer:
             self._call("on_fit_start")
             self._sanity_check()  # a few validation batches: a broken validation_step fails now
             self._agree_to_stop(wait=True)
+            self.metrics.start_training()  # the first logging window's time and bytes start here
             while self.state.epoch < self.config.trainer.epochs and not self._stopping():
                 if not self.train_epoch():
                     break  # stopped mid-epoch (max_steps / stop_after_steps / max_time)
@@ -554,11 +559,13 @@ class Trainer:
             if self.config.trainer.log_every_steps:  # 0: no step-level logging at all
                 self._call("on_log", scalars)
         stopped = self.stopped_by is not None  # by a signal: no evaluation, a checkpoint now
+        changed = self.stopped_early and self.strategy.end_fit()  # local SGD: an outer step over the last steps
         if not stopped and self.val_set is not None:
-            self._evaluate_once()
+            self.evaluate() if changed else self._evaluate_once()
         step, epoch, module = self.state.step, self.state.epoch, self.model.module
         self.model.sync_buffers()  # the digest is of the model rank 0 checkpoints, on every rank
-        final = self.metrics.final(module, step=step, epoch=epoch, fit_s=fit_s)  # collective
+        with self.strategy.synchronized_weights():  # local SGD: the consensus, not this rank's copy
+            final = self.metrics.final(module, step=step, epoch=epoch, fit_s=fit_s)  # collective
         if stopped:
             final.update(stopped_by=self.stopped_by, checkpoint=str(self.checkpointer.save_at_stop()))
         final["stopped_early"] = self.stopped_early
@@ -592,13 +599,15 @@ class Trainer:
     def evaluated_weights(self) -> Iterator[None]:
         """The weights evaluations, ``test`` and ``predict`` use, in the model for the block: the
         moving average under ``trainer.ema.evaluate`` (collective then: rank 0's averaged buffers
-        are broadcast), else the trained weights."""
-        if self.ema is not None and self.config.trainer.ema.evaluate:
-            with self.ema.swapped_in():
-                self.model.sync_buffers()  # rank 0's averaged statistics (collective): one model is evaluated
+        are broadcast), the ranks' consensus under ``dist.sync=local_sgd|diloco``, else the
+        trained weights."""
+        with self.strategy.synchronized_weights():  # local SGD / DiLoCo: the consensus
+            if self.ema is not None and self.config.trainer.ema.evaluate:
+                with self.ema.swapped_in():
+                    self.model.sync_buffers()  # rank 0's averaged statistics (collective): one model is evaluated
+                    yield
+            else:
                 yield
-        else:
-            yield
 
     def _sanity_check(self) -> None:
         """``trainer.num_sanity_val_steps`` validation batches before the first step; on every start,

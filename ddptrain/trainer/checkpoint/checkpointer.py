@@ -262,7 +262,7 @@ class Checkpointer:
             "epoch": self.state.epoch,
             "samples_in_epoch": self.state.samples_in_epoch,
             "world_size": self.process_group.size(),
-            "model": self.model.state_dict(),
+            "model": self.model.state_dict() if self.strategy is None else self.strategy.model_state_dict(self.model),
             **self._optimizer_entries(),  # optimizer, scheduler
             "grad_scaler": None if self.precision is None else self.precision.state_dict(),
             "strategy": {} if self.strategy is None else self.strategy.state_dict(),
