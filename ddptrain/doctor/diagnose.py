@@ -69,6 +69,7 @@ class JobFacts:
     bucket_sizes: tuple[tuple[int, ...], ...]
     buckets_at: Callable[[float], tuple[tuple[int, ...], ...]] = field(repr=False, default=None)
     compute_probe: dict | None = None
+    samples_per_step: int = 0  # the global batch (0: unknown; no bytes per sample then)
 
     @property
     def shares_cores(self) -> bool:
@@ -242,14 +243,57 @@ def _slow_network(b, ranks, facts, link, model) -> dict | None:
     overlappable = 0.0  # what smaller buckets would hide: no_overlap's, not the link's
     if facts.buckets_at is not None and nbytes:
         overlappable = max(0.0, step - model.with_buckets(facts.buckets_at(_quarter_mb(nbytes))))
+    options = local_sync_options(b, facts, model.link)
+    best = recommended_local_sync(options)
     return _cause(
         "slow_network",
         (exposed - overlappable) * bandwidth / (bandwidth + latency) / step,
         f"bandwidth-bound: {nbytes / MB:.3g} MiB of gradients per step at {busbw:.3g} GB/s busbw leave "
-        f"{exposed:.3g} s exposed after backward; use a faster link (doctor.link_gbps=... predicts one), or more "
-        "samples per all-reduce: double data.global_batch_size (the predicted step trains twice the samples)",
-        2 * (step - exposed - b["sync_wait_s"]) + exposed + b["sync_wait_s"],
+        f"{exposed:.3g} s exposed after backward; talk less often: dist.sync=diloco dist.sync_every="
+        f"{best['sync_every']} predicts {best['predicted_step_s']:.3g} s per step ({best['speedup']:.3g}x, "
+        f"{best['sync_every']}x fewer bytes; local_sgd costs the same). {LOCAL_SYNC_CONVERGENCE} "
+        "Otherwise a faster link (doctor.link_gbps=... predicts one), or double data.global_batch_size",
+        best["predicted_step_s"],
+        sync_options=options,
     )
+
+
+LOCAL_SYNC_EVERY = (4, 16, 64)  # the H of dist.sync_every the doctor predicts
+# The doctor predicts time, not convergence: the advice says so.
+LOCAL_SYNC_CONVERGENCE = (
+    "Convergence per sample differs (fewer, larger updates): compare the accuracy after the same samples "
+    "before keeping it (scripts/bench_slow_link.py measures both on a rate-limited link)."
+)
+
+
+def local_sync_options(b: dict, facts: JobFacts, link: LinkModel) -> list[dict]:
+    """Each way of syncing, predicted: ``every_step`` (this run) and ``dist.sync=local_sgd|diloco``
+    at each H of ``LOCAL_SYNC_EVERY``: ``{sync, sync_every, predicted_step_s, speedup,
+    bytes_per_sample}``.
+
+    A local step is this step without its exposed communication (the wait for the slowest rank
+    stays: a slow rank is as slow between outer steps), plus one all-reduce of every parameter
+    byte, fully exposed, every H steps. Bytes per sample: this rank's payload over the global batch.
+    """
+    nbytes = sum(sum(x) for x in facts.bucket_sizes)
+    local = b["step_s"] - b["comm_exposed_s"]
+    outer = link.allreduce_s(nbytes, facts.world_size)
+    per_sample = (lambda n: n / facts.samples_per_step) if facts.samples_per_step else (lambda n: None)
+    rows = [dict(sync="every_step", sync_every=1, predicted_step_s=b["step_s"], bytes_per_sample=per_sample(nbytes))]
+    for h in LOCAL_SYNC_EVERY:
+        step = local + outer / h
+        rows.append(dict(sync="diloco", sync_every=h, predicted_step_s=step, bytes_per_sample=per_sample(nbytes / h)))
+    for row in rows:
+        row["speedup"] = b["step_s"] / row["predicted_step_s"] if row["predicted_step_s"] > 0 else 1.0
+    return rows
+
+
+def recommended_local_sync(options: list[dict]) -> dict:
+    """The smallest H whose predicted step is within 10% of the largest H's: talking less often
+    than that saves little time and costs convergence."""
+    local = [o for o in options if o["sync"] != "every_step"]
+    floor = min(o["predicted_step_s"] for o in local)
+    return next(o for o in sorted(local, key=lambda o: o["sync_every"]) if o["predicted_step_s"] <= 1.1 * floor)
 
 
 def _small_buckets(b, ranks, facts, link, model) -> dict | None:

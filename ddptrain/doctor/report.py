@@ -4,7 +4,9 @@ Shape (tools read it; keys beyond these may be added, none removed)::
 
     {"world_size", "step_s", "breakdown": {...}, "per_rank": [...],
      "link": {"latency_s", "busbw_GBps", ...},
-     "causes": [{"cause", "rank"?, "share", "advice", "predicted_step_s"}],
+     "causes": [{"cause", "rank"?, "share", "advice", "predicted_step_s",
+                 "sync_options"? (slow_network: [{"sync", "sync_every", "predicted_step_s", "speedup",
+                                  "bytes_per_sample"}])}],
      "scaling": [{"world_size", "predicted_step_s", "efficiency", "global_batch_size"}],
      "scaling_mode": {"kind": "weak", "samples_per_rank", "meaning"}}
 
@@ -75,6 +77,10 @@ def format_report(report: dict, written: list[tuple[Path, str]] = ()) -> str:
             f"  {c['cause']}{who}: {c['share']:.0%} of the step -> {c['advice']} "
             f"[predicted step {_ms(c['predicted_step_s'])} ms]"
         )
+        for o in c.get("sync_options", ()):
+            how = "dist.sync=every_step (now)" if o["sync"] == "every_step" else f"dist.sync_every={o['sync_every']}"
+            per_sample = "" if o["bytes_per_sample"] is None else f", {o['bytes_per_sample']:.4g} B/sample"
+            lines.append(f"    {how}: {_ms(o['predicted_step_s'])} ms/step ({o['speedup']:.2f}x){per_sample}")
     scaling = ", ".join(
         f"{s['world_size']}: {_ms(s['predicted_step_s'])} ms ({s['efficiency']:.0%})" for s in report["scaling"]
     )

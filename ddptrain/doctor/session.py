@@ -114,6 +114,7 @@ class DoctorCallback(Callback):
             find_unused=dist.find_unused_parameters,
             bucket_sizes=tuple(tuple(s) for s in collective_bytes(reducer.plan, hooked)),
             buckets_at=buckets_at,
+            samples_per_step=trainer.config.data.global_batch_size,
         )
 
     def _write(self, trainer, everyone: list[dict], facts: JobFacts, link_rows: list[dict]) -> dict:

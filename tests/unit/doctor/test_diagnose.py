@@ -146,6 +146,44 @@ def test_exposed_bytes_on_a_slow_link_are_slow_network():
     assert cause["cause"] == "slow_network" and cause["share"] > 0.9
 
 
+def test_a_slow_link_predicts_local_steps_from_the_link_model_and_the_compute():
+    """Each H's step: this step without its exposed communication, plus one all-reduce of every
+    gradient byte over the fitted link every H steps; the advice names the smallest H within 10% of
+    the largest H's step, with the override to type."""
+    link = LinkModel(alpha_s=50e-6, bandwidth_Bps=20e6 / 8)  # 20 Mbit/s
+    nbytes = 4 << 20
+    outer = link.allreduce_s(nbytes, 2)  # ~3.4 s
+    facts = _facts(bucket_sizes=((nbytes,),), buckets_at=_split(nbytes), samples_per_step=256)
+    cause, b = _first(_records(comm_s=outer, backward_s=0.5), facts, link)
+    assert cause["cause"] == "slow_network"
+    compute = b["step_s"] - b["comm_exposed_s"]
+    by_h = {o["sync_every"]: o for o in cause["sync_options"]}
+    assert by_h[1]["sync"] == "every_step" and by_h[1]["predicted_step_s"] == b["step_s"]
+    for h in (4, 16, 64):
+        assert by_h[h]["predicted_step_s"] == pytest.approx(compute + outer / h)
+        assert by_h[h]["bytes_per_sample"] == pytest.approx(nbytes / h / 256)
+        assert by_h[h]["speedup"] == pytest.approx(b["step_s"] / by_h[h]["predicted_step_s"])
+    # an outer all-reduce of ~3.4 s against ~0.5 s of compute: only H=64 comes within 10% of H=64
+    assert by_h[16]["predicted_step_s"] > 1.1 * by_h[64]["predicted_step_s"]
+    assert "dist.sync=diloco dist.sync_every=64" in cause["advice"]
+    assert cause["predicted_step_s"] == by_h[64]["predicted_step_s"]
+    assert "Convergence per sample differs" in cause["advice"]
+
+
+def test_the_smallest_sync_every_that_gets_most_of_the_saving_is_advised():
+    link = LinkModel(alpha_s=50e-6, bandwidth_Bps=20e6 / 8)
+    nbytes = 320_000  # mnist_fast's gradients: 0.26 s per all-reduce at 20 Mbit/s
+    outer = link.allreduce_s(nbytes, 2)
+    facts = _facts(bucket_sizes=((nbytes // 4,),) * 4, buckets_at=_split(nbytes))  # four buckets: overlap is fine
+    cause, b = _first(_records(comm_s=outer, backward_s=0.1), facts, link)
+    assert cause["cause"] == "slow_network"
+    compute = b["step_s"] - b["comm_exposed_s"]
+    expected = next(h for h in (4, 16, 64) if compute + outer / h <= 1.1 * (compute + outer / 64))
+    assert expected == 16
+    assert f"dist.sync_every={expected} predicts" in cause["advice"]
+    assert all(o["bytes_per_sample"] is None for o in cause["sync_options"])  # the global batch is unknown
+
+
 def test_many_tiny_all_reduces_are_small_buckets_and_25_mb_predicts_the_saving():
     tiny = ((50_000,),) * 60
     facts = _facts(bucket_cap_mb=0.05, bucket_sizes=tiny, buckets_at=_split(3_000_000))
