@@ -25,7 +25,7 @@ rounds the change of one round, not the weights themselves.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ from torch import nn
 from ..comm.process_group import ProcessGroup
 from ..comm.ring import ring_all_reduce
 from ..comm.types import ReduceOp
+from .swap import swapped_in
 
 __all__ = ["OuterSync", "SYNC_MODES"]
 
@@ -112,35 +113,28 @@ class OuterSync:
             torch._foreach_copy_(live, self.consensus)
             return summed[sum(sizes) :].tolist()
 
-    @contextlib.contextmanager
-    def consensus_in(self) -> Iterator[None]:
+    def consensus_in(self) -> contextlib.AbstractContextManager:
         """The consensus in the module for the block (identical on every rank), this rank's local
         copy back afterwards, bit for bit."""
-        live = self.live
-        with torch.no_grad():
-            local = [t.clone() for t in live]
-            torch._foreach_copy_(live, self.consensus)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(live, local)
+        return swapped_in(self.live, self.consensus)
 
     def local_weights(self) -> list[torch.Tensor]:
         """Copies of this rank's local tensors (the :attr:`live` order), for a checkpoint."""
         return [t.detach().clone() for t in self.live]
 
-    def resume(self, local: Sequence[torch.Tensor]) -> None:
+    def resume(self, local: Sequence[torch.Tensor] | None = None) -> None:
         """After a checkpoint's ``model`` entry (the consensus) was loaded into the module: take the
-        consensus from it, then put this rank's ``local`` tensors (:meth:`local_weights`) in."""
+        consensus from it, then put this rank's ``local`` tensors (:meth:`local_weights`) in
+        (``None``: the copy starts at the consensus, a new round)."""
         live = self.live
-        if len(local) != len(live) or any(a.shape != b.shape for a, b in zip(local, live)):
+        if local is not None and (len(local) != len(live) or any(a.shape != b.shape for a, b in zip(local, live))):
             raise ValueError(
                 "the checkpoint's local weights do not fit this model: resume with the model that wrote it"
             )
         with torch.no_grad():
             torch._foreach_copy_(self.consensus, live)
-            torch._foreach_copy_(live, [t.to(b.device, b.dtype) for t, b in zip(local, live)])
+            if local is not None:
+                torch._foreach_copy_(live, [t.to(b.device, b.dtype) for t, b in zip(local, live)])
 
     def state_dict(self) -> dict[str, Any]:
         """The outer optimizer's state (``diloco``; the same on every rank), or nothing."""

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..config import EmaConfig
+from ..ddp.swap import swapped_in
 
 __all__ = ["EmaWeights"]
 
@@ -79,15 +80,8 @@ class EmaWeights:
         if self.averages is None:
             yield
             return
-        live = self._tensors()
-        with torch.no_grad():
-            trained = [t.clone() for t in live]
-            torch._foreach_copy_(live, self.averages)
-        try:
+        with swapped_in(self._tensors(), self.averages):
             yield
-        finally:
-            with torch.no_grad():
-                torch._foreach_copy_(live, trained)
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's ``ema`` entry: ``decay``, ``updates`` and ``weights`` (:meth:`weights`)."""

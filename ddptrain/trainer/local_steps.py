@@ -38,14 +38,13 @@ from ..comm.objects import all_gather_object
 from ..config import ConfigError
 from ..ddp.comm_hooks import COMPRESSIONS
 from ..ddp.outer import OuterSync
-from .data import batch_size_of, group_micro_batches
-from .steps import StepStrategy, accumulate_micro_batches
+from .steps import MicroBatchSteps, accumulate_micro_batches
 from .stopping import NUM_VOTES
 
 __all__ = ["LocalSteps"]
 
 
-class LocalSteps(StepStrategy):
+class LocalSteps(MicroBatchSteps):
     """Local steps and an outer step every ``dist.sync_every`` steps (see the module docstring)."""
 
     def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
@@ -64,14 +63,8 @@ class LocalSteps(StepStrategy):
         self.every = dist.sync_every
         self._votes: list[float] | None = None
 
-    def batches(self) -> Iterator[list[Any]]:
-        return group_micro_batches(self.trainer.train_batches(), self.trainer.config.trainer.grad_accum_steps)
-
     def forward_backward(self, micro_batches: Sequence[Any]) -> float:
         return accumulate_micro_batches(self.trainer, micro_batches, reduce=False)
-
-    def samples(self, micro_batches: Sequence[Any]) -> int:
-        return sum(batch_size_of(b) for b in micro_batches)
 
     def optimizer_step(self) -> None:
         """The inner step on this rank's own gradient, then the outer step when one is due."""
@@ -112,7 +105,7 @@ class LocalSteps(StepStrategy):
         dist, rank = self.trainer.config.dist, self.trainer.rank
         world_size = self.trainer.world_size
         if not state:  # a checkpoint of dist.sync=every_step: its model starts the first round
-            self.outer.resume(self.outer.local_weights())
+            self.outer.resume()
             return
         if state.get("sync") != dist.sync:
             written = state.get("sync")

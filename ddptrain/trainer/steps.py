@@ -52,7 +52,7 @@ import torch
 from .data import batch_size_of, group_micro_batches, move_to
 from .stopping import NUM_VOTES
 
-__all__ = ["StepStrategy", "DataParallelSteps"]
+__all__ = ["StepStrategy", "MicroBatchSteps", "DataParallelSteps"]
 
 
 class StepStrategy(ABC):
@@ -168,24 +168,28 @@ def log_grad_norm(trainer: Any, norm: torch.Tensor) -> None:
     trainer.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
 
 
-class DataParallelSteps(StepStrategy):
-    """Plain data parallelism through our DDP: ``trainer.grad_accum_steps`` micro-batches per step
-    (the last step of an epoch may get fewer), gradients accumulated locally under ``no_sync()``
-    and averaged over ranks in the last micro-batch's backward. Each loss is divided by the number
-    of micro-batches, so the gradient is that of their mean."""
+class MicroBatchSteps(StepStrategy):
+    """A step of ``trainer.grad_accum_steps`` micro-batches of this rank's samples (the last step of
+    an epoch may get fewer), each loss divided by their number so the gradient is that of their
+    mean: what plain DDP, ZeRO and local SGD share. Subclasses say whether backward reduces."""
+
+    def batches(self) -> Iterator[list[Any]]:
+        return group_micro_batches(self.trainer.train_batches(), self.trainer.config.trainer.grad_accum_steps)
+
+    def samples(self, micro_batches: Sequence[Any]) -> int:
+        return sum(batch_size_of(b) for b in micro_batches)
+
+
+class DataParallelSteps(MicroBatchSteps):
+    """Plain data parallelism through our DDP: gradients accumulated locally under ``no_sync()``
+    and averaged over ranks in the last micro-batch's backward."""
 
     def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
         super().__init__(trainer, votes)
         trainer.model.register_sideband(NUM_VOTES, votes)  # the votes ride in the gradient all-reduce
 
-    def batches(self) -> Iterator[list[Any]]:
-        return group_micro_batches(self.trainer.train_batches(), self.trainer.config.trainer.grad_accum_steps)
-
     def forward_backward(self, micro_batches: Sequence[Any]) -> float:
         return accumulate_micro_batches(self.trainer, micro_batches, reduce=True)
-
-    def samples(self, micro_batches: Sequence[Any]) -> int:
-        return sum(batch_size_of(b) for b in micro_batches)
 
     def take_votes(self) -> list[float] | None:
         return self.trainer.model.take_sideband()
