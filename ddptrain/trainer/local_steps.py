@@ -61,6 +61,7 @@ class LocalSteps(MicroBatchSteps):
             dist.algorithm,
         )
         self.every = dist.sync_every
+        self.synced_step = trainer.state.step  # the step of the last outer step (checkpointed)
         self._votes: list[float] | None = None
 
     def forward_backward(self, micro_batches: Sequence[Any]) -> float:
@@ -72,6 +73,7 @@ class LocalSteps(MicroBatchSteps):
         step = self.trainer.state.step + 1  # the step being completed
         if step % self.every == 0 or step == self.trainer.total_steps:
             self._votes = self.outer.step(self.votes())
+            self.synced_step = step
         else:
             self._votes = [0.0] * NUM_VOTES  # nobody is heard between outer steps
 
@@ -81,9 +83,10 @@ class LocalSteps(MicroBatchSteps):
 
     def end_fit(self) -> bool:
         """An outer step over the steps since the last one, if any (collective). True if it ran."""
-        if self.trainer.state.step % self.every == 0:
-            return False
+        if self.trainer.state.step == self.synced_step:
+            return False  # the last step had its outer step: another would move the model (momentum)
         self.outer.step()
+        self.synced_step = self.trainer.state.step
         return True
 
     @contextlib.contextmanager
@@ -99,7 +102,12 @@ class LocalSteps(MicroBatchSteps):
         """Every rank's local weights and inner-optimizer state, and the outer optimizer's (collective)."""
         mine = {"weights": self.outer.local_weights(), "optimizer": self.trainer.optimizer_set.state_dict()}
         ranks = all_gather_object(self.trainer.process_group, tree_map(_to_cpu, mine))
-        return {"sync": self.trainer.config.dist.sync, "ranks": ranks, **self.outer.state_dict()}
+        return {
+            "sync": self.trainer.config.dist.sync,
+            "synced_step": self.synced_step,
+            "ranks": ranks,
+            **self.outer.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         dist, rank = self.trainer.config.dist, self.trainer.rank
@@ -122,6 +130,7 @@ class LocalSteps(MicroBatchSteps):
         self.outer.resume(ranks[rank]["weights"])  # the model entry (the consensus) is already loaded
         self.trainer.optimizer_set.load_state_dict(ranks[rank]["optimizer"])
         self.outer.load_state_dict(state)
+        self.synced_step = state["synced_step"]
 
 
 def _to_cpu(value: Any) -> Any:

@@ -168,6 +168,51 @@ def test_the_diloco_outer_step_equals_a_reference_outside_the_trainer(tmp_path):
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
 
 
+class StopAtTheEnd(Task):
+    """Sets ``should_stop`` at the end of the last epoch: after the last planned step's outer step."""
+
+    def configure_callbacks(self):
+        class Stop(Callback):
+            def on_epoch_end(self, trainer, epoch, metrics):
+                trainer.should_stop = epoch == trainer.config.trainer.epochs - 1
+
+        return [*super().configure_callbacks(), Stop()]
+
+
+def test_an_early_stop_after_the_last_outer_step_takes_no_second_one(tmp_path):
+    """A fit that stops for should_stop right after its last planned step already had that step's
+    outer step: another one (a zero pseudo-gradient, but Nesterov's momentum) would move the model."""
+    sgd = {"name": "sgd", "lr": 0.2, "momentum": 0.0}
+    dist = {"sync": "diloco", "sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+    results = run_threaded(_fit, 2, tmp_path, cls=StopAtTheEnd, optimizer=sgd, dist=dist, timeout_s=120)
+    assert all(final["stopped_early"] and final["step"] == 20 for _, final, _ in results)
+    expected = _reference(Task, [task.seen for task, _, _ in results], 20, 3, 0.2, 0.7, 0.9)
+    for task, _, _ in results:
+        for name, tensor in task.model.module.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
+
+
+class StopAtStart(Task):
+    def configure_callbacks(self):
+        class Stop(Callback):
+            def on_fit_start(self, trainer):
+                trainer.should_stop = True
+
+        return [*super().configure_callbacks(), Stop()]
+
+
+def test_a_resume_at_an_outer_step_that_stops_at_once_keeps_the_checkpoints_model(tmp_path):
+    """The checkpoint says which step had the last outer step: resumed right there and stopped
+    before any step, the fit owes no outer step (DiLoCo's momentum would move the model)."""
+    dist = {"sync": "diloco", "sync_every": 3}
+    run_threaded(_fit, 2, tmp_path, dist=dist, stop_after_steps=6, timeout_s=120)
+    saved = torch.load(tmp_path / "checkpoints" / "step_000000006.pt", weights_only=False)["model"]
+    results = run_threaded(_fit, 2, tmp_path, cls=StopAtStart, dist=dist, resume="latest", timeout_s=120)
+    for task, final, _ in results:
+        assert final["stopped_early"] and final["step"] == 6
+        assert all(torch.equal(tensor, saved[name]) for name, tensor in task.model.module.state_dict().items())
+
+
 def test_local_sgd_averages_parameters_and_batch_norm_statistics_as_a_reference_does(tmp_path):
     sgd = {"name": "sgd", "lr": 0.2, "momentum": 0.0}
     dist = {"sync": "local_sgd", "sync_every": 4}
