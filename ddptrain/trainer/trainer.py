@@ -285,6 +285,7 @@ class Trainer:
         self._call("on_epoch_start", epoch)
         metrics: dict[str, Any] = {"epoch": epoch + 1}
         started, loss_sum, steps = time.perf_counter(), 0.0, 0
+        self.metrics.start_epoch()
         self.model.train()
         for micro_batches in self.phases.batches(self.strategy.batches()):  # phases: profiler labels, the doctor
             with self.phases.span("forward_backward"):

@@ -1,6 +1,8 @@
 """The Trainer's loop: hooks and seams in a job of one, and the loop at 2-3 ranks on the threaded
 process group, held against a plain single-process training loop computed here."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,6 +95,23 @@ def test_fit_in_one_process_calls_hooks_in_order(tmp_path):
     assert metrics["train/loss_last"] < metrics["train/loss_first"]
     assert (tmp_path / "metrics.json").is_file()
     assert not torch.distributed.is_initialized()
+
+
+class SlowValidation(TinyTrainer):
+    def validation_step(self, model, batch):
+        time.sleep(0.25)  # two batches: half a second per evaluation
+        return super().validation_step(model, batch)
+
+
+def test_training_time_leaves_out_every_evaluation(tmp_path):
+    # Evaluations every 3 steps fall inside epochs (steps 3, 6 of 4-step epochs) and at their ends.
+    trainer = SlowValidation(_config(tmp_path, eval_every_steps=3, num_sanity_val_steps=0))
+    started = time.perf_counter()
+    metrics = trainer.fit()
+    wall = time.perf_counter() - started
+    assert metrics["time/eval_s"] >= 4 * 0.5  # steps 3, 4, 6, 8
+    assert metrics["time/train_s"] + metrics["time/eval_s"] <= min(wall, metrics["time/fit_s"])
+    assert metrics["time/train_s"] < 0.5, "an evaluation was counted as training time"
 
 
 def test_max_steps_and_grad_accumulation(tmp_path):
