@@ -13,12 +13,21 @@ real machines. Each setting trains the same samples (``--epochs``), evaluating e
 - ``MB sent/rank``: the payload this rank handed to communication (``comm/bytes_sent`` of
   ``metrics.json``), and ``MB on link``: what crossed the veth link from host A, both ways
   (the kernel's byte counters: headers and retransmissions included);
-- ``ms/step``: median over the logging windows (``train/samples_per_s``).
+- ``ms/step``: training seconds per step, outer steps included (``time/train_s`` / steps).
+
+Checkpoints are off in every run (a local-sync checkpoint gathers every rank's copy; that is not
+the step time compared here). First, unless ``--no-doctor``, ``python -m ddptrain.doctor`` measures
+``every_step`` on the same link; the script then trains the option it recommends too (if not
+already in the list) and prints each option's predicted ms/step next to the measured one.
+
+MNIST is found as a run finds it: ``data.root`` or ``$DDPTRAIN_DATA_SOURCES`` (set it to the directory
+holding ``MNIST/raw``), no download.
 
 Needs root and iproute2 (``ip netns``, ``tc``). Run it alone on the machine: it measures time.
 
     .venv/bin/python scripts/bench_slow_link.py                    # every_step, local_sgd H=16, diloco H=16
-    .venv/bin/python scripts/bench_slow_link.py --syncs diloco --sync-every 4 16 64
+    .venv/bin/python scripts/bench_slow_link.py --syncs diloco --sync-every 4 16 64 --no-doctor
+    .venv/bin/python scripts/bench_slow_link.py --syncs diloco --set dist.outer_momentum=0.5 seed=1 --no-doctor
 
 Measured figures go to benchmarks/README.md with the command and the date.
 """
@@ -29,7 +38,6 @@ import argparse
 import csv
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -76,37 +84,49 @@ class TwoHosts:
         return sum(int(x) for x in out.split())
 
 
+COMMON = [
+    "recipe=mnist_fast",
+    "trainer.progress=false",
+    "trainer.checkpoint_every_epochs=0",  # a local-sync checkpoint gathers every rank's copy: not
+    "trainer.checkpoint_at_end=false",  # part of the step time compared here
+    "dist.threads_per_worker=1",  # 4 ranks on this machine's cores, whatever each host thinks
+    "data.download=false",
+]
+
+
+def launch(hosts: TwoHosts, module: str, overrides: list[str], out: Path, timeout: float) -> None:
+    """``python -m module overrides`` under torchrun, 2 ranks on each host; raises if a host fails."""
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("MASTER_ADDR", None)
+    procs = []
+    for node, (ns, dev) in enumerate(zip(hosts.ns, hosts.dev)):
+        cmd = ["ip", "netns", "exec", ns, torchrun, "--nnodes", "2", "--node-rank", str(node)]
+        cmd += ["--nproc-per-node", "2", "--master-addr", hosts.addr[0], "--master-port", "29577"]
+        cmd += ["-m", module, *COMMON, *overrides, f"trainer.output_dir={out}"]
+        log = open(out.parent / f"{out.name}.host{node}.log", "w")  # noqa: SIM115 (closed with the process)
+        procs.append((subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME=dev), stdout=log, stderr=log), log))
+    for proc, log in procs:
+        code = proc.wait(timeout=timeout)
+        log.close()
+        if code:
+            raise SystemExit(f"{module} {' '.join(overrides)}: host exited {code}; see {log.name}")
+
+
 def train(hosts: TwoHosts, sync: str, every: int, args, out: Path) -> dict:
     """One run of the recipe on both hosts; its figures."""
-    torchrun = str(Path(sys.executable).parent / "torchrun")
     overrides = [
-        "recipe=mnist_fast",
         f"dist.sync={sync}",
         f"dist.sync_every={every}",
         f"trainer.epochs={args.epochs}",
         f"trainer.eval_every_steps={args.eval_every}",
         "trainer.eval_every_epochs=0",
         "trainer.log_every_steps=10",
-        "trainer.progress=false",
         "trainer.num_sanity_val_steps=0",
-        "dist.threads_per_worker=1",  # 4 ranks on this machine's cores, whatever each host thinks
-        "data.download=false",
-        f"trainer.output_dir={out}",
+        *args.set,
     ]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    env.pop("MASTER_ADDR", None)
-    before, started, procs = hosts.link_bytes(), time.perf_counter(), []
-    for node, (ns, dev) in enumerate(zip(hosts.ns, hosts.dev)):
-        cmd = ["ip", "netns", "exec", ns, torchrun, "--nnodes", "2", "--node-rank", str(node)]
-        cmd += ["--nproc-per-node", "2", "--master-addr", hosts.addr[0], "--master-port", "29577"]
-        cmd += ["-m", "ddptrain", *overrides]
-        log = open(out.parent / f"{out.name}.host{node}.log", "w")  # noqa: SIM115 (closed with the process)
-        procs.append((subprocess.Popen(cmd, env=dict(env, GLOO_SOCKET_IFNAME=dev), stdout=log, stderr=log), log))
-    for proc, log in procs:
-        code = proc.wait(timeout=args.timeout)
-        log.close()
-        if code:
-            raise SystemExit(f"{sync} H={every}: host exited {code}; see {log.name}")
+    before, started = hosts.link_bytes(), time.perf_counter()
+    launch(hosts, "ddptrain", overrides, out, args.timeout)
     wall = time.perf_counter() - started
     final = json.loads((out / "metrics.json").read_text())
     with open(out / "metrics.csv") as f:
@@ -114,20 +134,35 @@ def train(hosts: TwoHosts, sync: str, every: int, args, out: Path) -> dict:
     evals = [
         (int(r["step"]), float(r["eval/accuracy"]), float(r["time/train_s"])) for r in rows if r.get("eval/accuracy")
     ]
-    windows = [float(r["train/samples_per_s"]) for r in rows if r.get("train/samples_per_s")]
     reached = next(((step, t) for step, acc, t in evals if acc >= args.target), None)
     return {
-        "sync": sync if sync == "every_step" else f"{sync} H={every}",
+        "sync": label(sync, every),
         "time_to_target_s": None if reached is None else reached[1],
         "step_at_target": None if reached is None else reached[0],
         "final_accuracy": final["eval/accuracy"],
         "mb_sent_per_rank": final["comm/bytes_sent"] / 1e6,
         "mb_on_link": (hosts.link_bytes() - before) / 1e6,
-        "ms_per_step": 1000 * 256 / statistics.median(windows),  # mnist_fast's global batch: 256
+        "ms_per_step": 1000 * final["time/train_s"] / final["step"],
         "train_s": final["time/train_s"],
         "wall_s": wall,
         "evals": evals,
     }
+
+
+def label(sync: str, every: int) -> str:
+    return sync if sync == "every_step" else f"{sync} H={every}"
+
+
+def diagnose(hosts: TwoHosts, args, out: Path) -> dict:
+    """``python -m ddptrain.doctor`` at every_step on the same link: its measured step and the
+    option it recommends, with that option's predicted step."""
+    launch(hosts, "ddptrain.doctor", ["doctor.steps=20", *args.set], out, args.timeout)
+    report = json.loads((out / "doctor.json").read_text())
+    cause = next((c for c in report["causes"] if c["cause"] == "slow_network"), None)
+    if cause is None:
+        raise SystemExit(f"the doctor did not name slow_network on this link: {report['causes']}; see {out}")
+    best = next(o for o in cause["sync_options"] if o["predicted_step_s"] == cause["predicted_step_s"])
+    return {"step_s": report["step_s"], "options": cause["sync_options"], "recommended": best}
 
 
 def main() -> None:
@@ -140,17 +175,28 @@ def main() -> None:
     parser.add_argument("--rate", default="20mbit")
     parser.add_argument("--timeout", type=float, default=3600)
     parser.add_argument("--out", type=Path, default=Path("/tmp/ddptrain-bench-slow-link"))
+    parser.add_argument("--no-doctor", action="store_true", help="skip the doctor's prediction check")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides for every run")
     args = parser.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root: it creates network namespaces and shapes their link with tc")
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, doctor = [], None
     with TwoHosts(args.rate) as hosts:
+
+        def run(sync: str, every: int) -> None:
+            result = train(hosts, sync, every, args, args.out / f"{sync}-{every}")
+            results.append(result)
+            print(json.dumps({k: v for k, v in result.items() if k != "evals"}), flush=True)
+
+        if not args.no_doctor:
+            doctor = diagnose(hosts, args, args.out / "doctor")
+            print(json.dumps(doctor), flush=True)
         for sync in args.syncs:
             for every in [1] if sync == "every_step" else args.sync_every:
-                result = train(hosts, sync, every, args, args.out / f"{sync}-{every}")
-                results.append(result)
-                print(json.dumps({k: v for k, v in result.items() if k != "evals"}), flush=True)
+                run(sync, every)
+        if doctor and not any(r["sync"] == label("diloco", doctor["recommended"]["sync_every"]) for r in results):
+            run("diloco", doctor["recommended"]["sync_every"])  # the advice, measured
     anchor = next((r["time_to_target_s"] for r in results if r["sync"] == "every_step"), None)
     print(f"\n{args.epochs} epoch(s) of recipe=mnist_fast, 4 ranks on 2 hosts, link {args.rate} each way")
     columns = ("vs every_step", "final acc", "MB sent/rank", "MB on link", "ms/step")
@@ -164,7 +210,18 @@ def main() -> None:
             f"| {r['sync']} | {shown} | {ratio} | {r['final_accuracy']:.2%} | {r['mb_sent_per_rank']:.1f} "
             f"| {r['mb_on_link']:.1f} | {r['ms_per_step']:.0f} |"
         )
-    (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    if doctor:
+        measured = {r["sync"]: r["ms_per_step"] for r in results}
+        print(f"\nthe doctor at every_step on this link: step {1000 * doctor['step_s']:.0f} ms (median of its window)")
+        print("| option | predicted ms/step | measured ms/step | predicted / measured |")
+        print("|---|---|---|---|")
+        for o in doctor["options"]:
+            name = label(o["sync"], o["sync_every"])
+            predicted, got = 1000 * o["predicted_step_s"], measured.get(name)
+            mark = " (recommended)" if o is doctor["recommended"] or o == doctor["recommended"] else ""
+            shown = "-" if got is None else f"{got:.0f} | {predicted / got:.2f}"
+            print(f"| {name}{mark} | {predicted:.0f} | {shown} |")
+    (args.out / "results.json").write_text(json.dumps({"runs": results, "doctor": doctor}, indent=2))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Shape (tools read it; keys beyond these may be added, none removed)::
                  "sync_options"? (slow_network: [{"sync", "sync_every", "predicted_step_s", "speedup",
                                   "bytes_per_sample"}])}],
      "scaling": [{"world_size", "predicted_step_s", "efficiency", "global_batch_size"}],
-     "scaling_mode": {"kind": "weak", "samples_per_rank", "meaning"}}
+     "scaling_mode": {"kind": "weak", "samples_per_rank", "meaning"},
+     "job": {"ranks_per_host", "threads", "cores", ..., "compute_probe": {"now_s", ...} or null}}
 
 The scaling prediction is weak scaling: every rank keeps this run's samples per step, so the global
 batch grows with the world size (``global_batch_size`` of each row).
@@ -47,6 +48,7 @@ def doctor_json(
             "buckets": len(facts.bucket_sizes),
             "allreduces_per_step": sum(len(b) for b in facts.bucket_sizes),
             "gradient_bytes": sum(sum(b) for b in facts.bucket_sizes),
+            "compute_probe": facts.compute_probe,
         },
     }
 

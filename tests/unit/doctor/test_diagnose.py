@@ -170,6 +170,24 @@ def test_a_slow_link_predicts_local_steps_from_the_link_model_and_the_compute():
     assert "Convergence per sample differs" in cause["advice"]
 
 
+def test_a_local_step_computes_at_the_speed_the_probe_measured_without_communication():
+    """Under every_step a step's forward holds the wait for rank 0's buffers and its backward
+    shares the cores with the transport; between outer steps neither happens, so a local step's
+    forward and backward are the probe's (no_sync, every rank at once), the rest of the step kept."""
+    link = LinkModel(alpha_s=50e-6, bandwidth_Bps=20e6 / 8)
+    nbytes = 320_000
+    outer = link.allreduce_s(nbytes, 2)
+    probe = {"threads_now": 1, "now_s": 0.02, "threads_fit": 1, "fit_s": 0.02, "warm_s": [0.02, 0.02]}
+    facts = _facts(bucket_sizes=((nbytes,),), buckets_at=_split(nbytes), compute_probe=probe)
+    cause, b = _first(_records(comm_s=[outer + 0.01, outer], forward_s=[0.04, 0.05], backward_s=0.03), facts, link)
+    assert b["sync_wait_s"] > 0.004  # rank 0 waits for rank 1 every step: not between outer steps
+    assert cause["cause"] == "slow_network"
+    rest = b["data_s"] + b["find_unused_s"] + b["optimizer_s"] + b["other_s"]
+    by_h = {o["sync_every"]: o for o in cause["sync_options"]}
+    for h in (4, 16, 64):
+        assert by_h[h]["predicted_step_s"] == pytest.approx(rest + 0.02 + outer / h)
+
+
 def test_the_smallest_sync_every_that_gets_most_of_the_saving_is_advised():
     link = LinkModel(alpha_s=50e-6, bandwidth_Bps=20e6 / 8)
     nbytes = 320_000  # mnist_fast's gradients: 0.26 s per all-reduce at 20 Mbit/s
