@@ -39,12 +39,10 @@ on stderr; a failed rank's full traceback goes to ``<run dir>/error.log``
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shlex
 import signal
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,18 +100,32 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(code)
 
 
-@contextlib.contextmanager
-def _stop_signals_deferred() -> Iterator[None]:
-    """SIGINT/SIGTERM inside the block are noted, then raised after it as ``StoppedBySignal``: raised
-    inside torch's import, a ``KeyboardInterrupt`` crosses C++ code and aborts the process."""
-    noted: list[str] = []
-    previous = take_stop_signals(lambda n, _f: noted.append(signal.Signals(n).name))
-    try:
-        yield
-    finally:
-        restore_signals(previous)
-    if noted:
-        raise StoppedBySignal(noted[0])
+class _StopSignalsDeferred:
+    """While active (a context manager), SIGINT/SIGTERM are noted, and raised as ``StoppedBySignal``
+    at :meth:`release`: at the end of the block, or earlier, where the job starts. Raised inside
+    torch's import, a ``KeyboardInterrupt`` crosses C++ code and aborts the process; raised inside
+    OmegaConf or Hydra, it leaves their objects half-built (an ``AttributeError`` follows, exit 1,
+    not 130). So the start-up runs their code with the signals deferred, up to the job."""
+
+    def __enter__(self) -> _StopSignalsDeferred:
+        self.noted: list[str] = []
+        self._previous: dict | None = take_stop_signals(lambda n, _f: self.noted.append(signal.Signals(n).name))
+        return self
+
+    def release(self) -> None:
+        """Signals act again from here; one noted meanwhile is raised now (idempotent)."""
+        if self._previous is not None:
+            restore_signals(self._previous)
+            self._previous = None
+        if self.noted:
+            raise StoppedBySignal(self.noted[0])
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is None:
+            self.release()
+        elif self._previous is not None:  # an error is on its way out: it wins over a noted signal
+            restore_signals(self._previous)
+            self._previous = None
 
 
 def _raise_stopped(signum: int, frame) -> None:
@@ -151,7 +163,9 @@ def _main(argv: list[str]) -> int:
     except ValueError as exc:
         return _error(f"the launcher environment is inconsistent: {exc}", EXIT_BAD_CONFIG)
     hydra_argv, fresh = list(argv), None
-    with _stop_signals_deferred():  # Hydra and OmegaConf code cannot take a KeyboardInterrupt mid-way
+    # Hydra and OmegaConf code, ours and hydra.main's, cannot take a KeyboardInterrupt mid-way: a
+    # signal waits for the job to start (or for a refusal, or the end of --cfg/--help).
+    with _StopSignalsDeferred() as deferred:
         if not any(a in _INFO_FLAGS for a in argv):
             problem = _check_overrides(argv)
             if problem:
@@ -165,20 +179,21 @@ def _main(argv: list[str]) -> int:
                 return _error(problem, EXIT_BAD_CONFIG)
             if not any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):  # a job will run (no --cfg, no -m)
                 hydra_argv, fresh = _fix_run_dir(argv, run_dir)
-    if env.is_launched_externally() and env.rank != 0 and not any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
-        return _run_other_rank(argv)  # ranks > 0: the same config, without a run directory of their own
-    if any(a in ("--help", "-h") for a in argv) and not any(a.startswith("recipe=") for a in argv):
-        hydra_argv.append("recipe=mnist")  # --help shows a composed config, and recipe has no default
-    codes: list[int] = []
-    from .app import run_hydra_main
+        if env.is_launched_externally() and env.rank != 0 and not any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
+            return _run_other_rank(argv, deferred)  # ranks > 0: the same config, without a run directory of their own
+        if any(a in ("--help", "-h") for a in argv) and not any(a.startswith("recipe=") for a in argv):
+            hydra_argv.append("recipe=mnist")  # --help shows a composed config, and recipe has no default
+        codes: list[int] = []
+        from .app import run_hydra_main
 
-    def task(cfg: Any, run_dir: str, sweep: bool) -> None:
-        code, keeps_nothing = _run_job(cfg, run_dir, sweep, argv)
-        if keeps_nothing and fresh is not None and not sweep:
-            _remove_empty_run_dir(Path(run_dir), fresh)
-        codes.append(code)
+        def task(cfg: Any, run_dir: str, sweep: bool) -> None:
+            deferred.release()  # the job starts: from here a signal stops it (a noted one, now)
+            code, keeps_nothing = _run_job(cfg, run_dir, sweep, argv)
+            if keeps_nothing and fresh is not None and not sweep:
+                _remove_empty_run_dir(Path(run_dir), fresh)
+            codes.append(code)
 
-    run_hydra_main(hydra_argv, task)
+        run_hydra_main(hydra_argv, task)
     return max(codes, default=EXIT_OK)
 
 
@@ -330,13 +345,14 @@ def _hydra_message(exc: BaseException) -> str:
     return ": ".join(lines)
 
 
-def _run_other_rank(argv: list[str]) -> int:
+def _run_other_rank(argv: list[str], deferred: _StopSignalsDeferred) -> int:
     from .app import compose_config
 
     try:
         cfg = compose_config(argv)
     except Exception as exc:  # noqa: BLE001 - rank 0 reports the same problem in full
         return _error(_hydra_message(exc), EXIT_BAD_CONFIG)
+    deferred.release()  # the job starts
     return _run_job(cfg, None, False, argv)[0]
 
 
@@ -369,7 +385,7 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
         if full_error:
             raise
         return _error(str(exc), EXIT_BAD_CONFIG), True
-    with _stop_signals_deferred():  # torch's C++ import code cannot take a KeyboardInterrupt
+    with _StopSignalsDeferred():  # torch's C++ import code cannot take a KeyboardInterrupt
         from ..data import DatasetCorruptError, DatasetNotFoundError
         from ..launch import LaunchTimeoutError, WorkerFailedError
         from ..runner import run

@@ -198,6 +198,38 @@ def test_a_stop_signal_while_the_job_starts_prints_one_line_and_exits_128_plus_i
     assert _session_processes(proc.pid) == [], f"processes left running after {sig.name}"
 
 
+# Ctrl-C while hydra.main composes the job's config: sent from inside Hydra's own code.
+_SIGINT_INSIDE_HYDRA = """
+import os, signal, sys, hydra.main
+run = sys.modules["hydra.main"]._run_hydra
+def inside(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGINT)
+    print("HYDRA WENT ON", file=sys.stderr)
+    return run(*args, **kwargs)
+sys.modules["hydra.main"]._run_hydra = inside
+from ddptrain.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_ctrl_c_inside_hydra_waits_for_hydra_then_stops_the_start(tmp_path):
+    # A KeyboardInterrupt raised inside OmegaConf leaves its nodes half-built: the start then died
+    # with exit 1 and an AttributeError traceback (seen under load). Hydra must finish; the job
+    # then stops before it starts, with the one line and 130.
+    proc = subprocess.run(
+        [PYTHON, "-c", _SIGINT_INSIDE_HYDRA, *TINY, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "HYDRA WENT ON" in proc.stderr, proc.stderr
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "stopped by SIGINT" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
 def test_a_job_started_with_sigint_ignored_keeps_ignoring_it(tmp_path):
     # `nohup python -m ddptrain ... &` (or any background job of a non-interactive shell) starts
     # with SIGINT ignored: a Ctrl-C in that terminal is not meant for it, and Python leaves the
