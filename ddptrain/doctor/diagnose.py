@@ -300,8 +300,7 @@ def local_step_s(b: dict, facts: JobFacts) -> float:
     probe = facts.compute_probe
     if not probe:
         return b["step_s"] - b["comm_exposed_s"]
-    rest = b["step_s"] - b["comm_exposed_s"] - b["sync_wait_s"] - b["forward_s"] - b["backward_s"]
-    return rest + probe["now_s"]
+    return b["data_s"] + probe["now_s"] + b["find_unused_s"] + b["optimizer_s"] + b["other_s"]
 
 
 def recommended_local_sync(options: list[dict]) -> dict:
@@ -309,7 +308,8 @@ def recommended_local_sync(options: list[dict]) -> dict:
     than that saves little time and costs convergence."""
     local = [o for o in options if o["sync"] != "every_step"]
     floor = min(o["predicted_step_s"] for o in local)
-    return next(o for o in sorted(local, key=lambda o: o["sync_every"]) if o["predicted_step_s"] <= 1.1 * floor)
+    near = [o for o in local if o["predicted_step_s"] <= floor + 0.1 * abs(floor)]
+    return min(near, key=lambda o: o["sync_every"])
 
 
 def _small_buckets(b, ranks, facts, link, model) -> dict | None:
