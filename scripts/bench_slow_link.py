@@ -44,6 +44,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from ddptrain.doctor.diagnose import recommended_local_sync  # noqa: E402
+
 TAG = 77  # namespace, device and address names: ddptb77a/b, vb77a/b, 10.233.77.1/2
 
 
@@ -161,8 +164,8 @@ def diagnose(hosts: TwoHosts, args, out: Path) -> dict:
     cause = next((c for c in report["causes"] if c["cause"] == "slow_network"), None)
     if cause is None:
         raise SystemExit(f"the doctor did not name slow_network on this link: {report['causes']}; see {out}")
-    best = next(o for o in cause["sync_options"] if o["predicted_step_s"] == cause["predicted_step_s"])
-    return {"step_s": report["step_s"], "options": cause["sync_options"], "recommended": best}
+    options = cause["sync_options"]
+    return {"step_s": report["step_s"], "options": options, "recommended": recommended_local_sync(options)}
 
 
 def main() -> None:
@@ -218,7 +221,7 @@ def main() -> None:
         for o in doctor["options"]:
             name = label(o["sync"], o["sync_every"])
             predicted, got = 1000 * o["predicted_step_s"], measured.get(name)
-            mark = " (recommended)" if o is doctor["recommended"] or o == doctor["recommended"] else ""
+            mark = " (recommended)" if o == doctor["recommended"] else ""
             shown = "-" if got is None else f"{got:.0f} | {predicted / got:.2f}"
             print(f"| {name}{mark} | {predicted:.0f} | {shown} |")
     (args.out / "results.json").write_text(json.dumps({"runs": results, "doctor": doctor}, indent=2))

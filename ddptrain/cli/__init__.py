@@ -113,17 +113,19 @@ class _StopSignalsDeferred:
         return self
 
     def release(self) -> None:
-        """Signals act again from here; one noted meanwhile is raised now (idempotent)."""
-        if self._previous is not None:
-            restore_signals(self._previous)
-            self._previous = None
+        """Signals act again from here; one noted meanwhile is raised now."""
+        self._restore()
         if self.noted:
             raise StoppedBySignal(self.noted[0])
 
     def __exit__(self, exc_type, *exc) -> None:
         if exc_type is None:
             self.release()
-        elif self._previous is not None:  # an error is on its way out: it wins over a noted signal
+        else:
+            self._restore()  # an error is on its way out: it wins over a noted signal
+
+    def _restore(self) -> None:
+        if self._previous is not None:
             restore_signals(self._previous)
             self._previous = None
 

@@ -142,7 +142,7 @@ class TrainingMetrics:
         self.last_eval_step = -1
         self.times = {"train_s": 0.0, "eval_s": 0.0}
         self.training_started: float | None = None  # start_training
-        self._eval_s_at_epoch_start = 0.0  # start_epoch
+        self._epoch_started = (0.0, 0.0)  # start_epoch: the clock and eval_s then
         self.smoke_probe_start: tuple[int, float] | None = None
         """``(step, loss)`` of the smoke check's probe before training (``None`` until measured)."""
 
@@ -195,18 +195,17 @@ class TrainingMetrics:
         self.bytes_at_window_start = self._bytes_sent()
 
     def start_epoch(self) -> None:
-        """An epoch's steps start now: evaluations recorded from here to :meth:`end_epoch` are not
-        training time."""
-        self._eval_s_at_epoch_start = self.times["eval_s"]
+        """An epoch's steps start now: its training time counts from here to :meth:`end_epoch`."""
+        self._epoch_started = (time.perf_counter(), self.times["eval_s"])
 
     def end_epoch(
-        self, loss_sum: float, steps: int, seconds: float, logged: Entries | None = None, metric_names=()
+        self, loss_sum: float, steps: int, logged: Entries | None = None, metric_names=()
     ) -> dict[str, float]:
-        """Account an epoch's training time (``seconds`` since :meth:`start_epoch`, less the
-        evaluations within them: ``trainer.eval_every_steps``); ``train/epoch_loss`` over every rank's
-        steps (collective), with ``logged`` (this rank's epoch-level ``self.log`` entries) reduced in
-        the same collective."""
-        self.times["train_s"] += seconds - (self.times["eval_s"] - self._eval_s_at_epoch_start)
+        """Account the epoch's training time (since :meth:`start_epoch`, less the evaluations within
+        it: ``trainer.eval_every_steps``); ``train/epoch_loss`` over every rank's steps (collective),
+        with ``logged`` (this rank's epoch-level ``self.log`` entries) reduced in the same collective."""
+        started, eval_s = self._epoch_started
+        self.times["train_s"] += time.perf_counter() - started - (self.times["eval_s"] - eval_s)
         (total_loss, total_steps), user = _reduce(self.process_group, [loss_sum, steps], logged, metric_names)
         return {**({"train/epoch_loss": total_loss / total_steps} if total_steps > 0 else {}), **user}
 

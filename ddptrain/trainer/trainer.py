@@ -284,8 +284,8 @@ class Trainer:
         epoch = self.state.epoch
         self._call("on_epoch_start", epoch)
         metrics: dict[str, Any] = {"epoch": epoch + 1}
-        started, loss_sum, steps = time.perf_counter(), 0.0, 0
-        self.metrics.start_epoch()
+        loss_sum, steps = 0.0, 0
+        self.metrics.start_epoch()  # the epoch's training time counts from here
         self.model.train()
         for micro_batches in self.phases.batches(self.strategy.batches()):  # phases: profiler labels, the doctor
             with self.phases.span("forward_backward"):
@@ -301,8 +301,8 @@ class Trainer:
             self._after_step(loss, samples)
             if self._stopping() or self.steps_done_in_epoch >= self.steps_per_epoch:  # limit_train_batches
                 break
-        seconds, pg = time.perf_counter() - started, self.process_group
-        reduce = lambda entries, names: self.metrics.end_epoch(loss_sum, steps, seconds, entries, names)  # noqa: E731
+        pg = self.process_group
+        reduce = lambda entries, names: self.metrics.end_epoch(loss_sum, steps, entries, names)  # noqa: E731
         metrics.update(self.logged.reduced("epoch", pg, reduce))  # collective, with self.log(on_epoch=True) values
         if self.steps_done_in_epoch < self.steps_per_epoch:
             return False  # stopped mid-epoch
