@@ -22,6 +22,7 @@ import difflib
 import os
 import types
 import typing
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,9 @@ __all__ = [
     "DoctorConfig",
     "EarlyStoppingConfig",
     "EmaConfig",
+    "CheckpointConfig",
+    "ProfilerConfig",
+    "MOVED_KEYS",
     "LrFindConfig",
     "check_fields",
     "max_time_seconds",
@@ -336,6 +340,51 @@ class EmaConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """``trainer.checkpoint.*``: when checkpoints are written, how many are kept, and the best ones
+    (written by :class:`ddptrain.trainer.callbacks.checkpoint.PeriodicCheckpoint` and
+    :class:`ddptrain.trainer.callbacks.best.BestCheckpoints`; the layout is :class:`ddptrain.rundir.RunDir`'s)."""
+
+    every_epochs: int = bounded(1, at_least=0)
+    """Write a checkpoint every this many epochs (0: never at epoch ends)."""
+    every_steps: int = bounded(0, at_least=0)
+    """Also write one every this many optimizer steps (0: never mid-epoch)."""
+    at_end: bool = True
+    """Write a checkpoint when training stops, if the last one is older."""
+    keep_last: int = bounded(
+        3,
+        at_least=1,
+        fix="; to write no checkpoints set trainer.checkpoint.every_epochs=0 and trainer.checkpoint.at_end=false",
+    )
+    """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
+    monitor: str | None = None
+    """Also keep the best checkpoints by this metric (e.g. ``eval/accuracy``, ``eval/loss``,
+    ``train/loss``) in ``<output_dir>/checkpoints/best``, each storing its value; ``trainer.resume=best``
+    and ``ddptrain.load_model(run, which="best")`` take the best. ``None``: no best checkpoints."""
+    mode: str = one_of("min", ("min", "max"))
+    """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy) for ``monitor``."""
+    save_top_k: int = bounded(1, at_least=1)
+    """How many best checkpoints ``monitor`` keeps (exactly these; ties keep the earlier step)."""
+
+
+@dataclass
+class ProfilerConfig:
+    """``trainer.profiler.*``: torch.profiler over a few optimizer steps
+    (:class:`ddptrain.trainer.callbacks.profiler.ProfilerCallback`)."""
+
+    enabled: bool = False
+    """Profile ``active`` optimizer steps (after ``wait`` skipped and ``warmup`` discarded ones) and
+    write one Chrome trace per rank to ``<output_dir>/profile/`` (for TensorBoard's profiler plugin
+    and Perfetto)."""
+    wait: int = bounded(1, at_least=0)
+    """Optimizer steps skipped before profiling (the first steps are not typical)."""
+    warmup: int = bounded(1, at_least=0)
+    """Steps the profiler warms up on (recorded, then discarded)."""
+    active: int = bounded(3, at_least=1)
+    """Steps recorded in the trace."""
+
+
+@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -402,36 +451,10 @@ class TrainerConfig:
     """Reduce and log training scalars (a step line on the console, every logger) every this many
     optimizer steps; ``0``: none during training, only the epoch lines and scalars (quiet CI logs,
     one collective fewer per window)."""
-    checkpoint_every_epochs: int = bounded(1, at_least=0)
-    """Write a checkpoint every this many epochs (0: never at epoch ends)."""
-    checkpoint_every_steps: int = bounded(0, at_least=0)
-    """Also write one every this many optimizer steps (0: never mid-epoch)."""
-    checkpoint_at_end: bool = True
-    """Write a checkpoint when training stops, if the last one is older."""
-    keep_last_checkpoints: int = bounded(
-        3,
-        at_least=1,
-        fix="; to write no checkpoints set trainer.checkpoint_every_epochs=0 and trainer.checkpoint_at_end=false",
-    )
-    """Checkpoints kept on disk; older ones are deleted after a newer one is safely written."""
-    profile: bool = False
-    """Run torch.profiler over a few optimizer steps (``profile_wait``, ``profile_warmup``,
-    ``profile_active``) and write one Chrome trace per rank to ``<output_dir>/profile/`` (for
-    TensorBoard's profiler plugin and Perfetto)."""
-    profile_wait: int = bounded(1, at_least=0)
-    """``profile``: optimizer steps skipped before profiling (the first steps are not typical)."""
-    profile_warmup: int = bounded(1, at_least=0)
-    """``profile``: steps the profiler warms up on (recorded, then discarded)."""
-    profile_active: int = bounded(3, at_least=1)
-    """``profile``: steps recorded in the trace."""
-    checkpoint_monitor: str | None = None
-    """Also keep the best checkpoints by this metric (e.g. ``eval/accuracy``, ``eval/loss``,
-    ``train/loss``) in ``<output_dir>/checkpoints/best``, each storing its value; ``trainer.resume=best``
-    and ``ddptrain.load_model(run, which="best")`` take the best. ``None``: no best checkpoints."""
-    checkpoint_mode: str = one_of("min", ("min", "max"))
-    """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy) for ``checkpoint_monitor``."""
-    checkpoint_save_top_k: int = bounded(1, at_least=1)
-    """How many best checkpoints ``checkpoint_monitor`` keeps (exactly these; ties keep the earlier step)."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When checkpoints are written and which are kept (the newest ones, and the best by a metric)."""
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    """torch.profiler over a few optimizer steps (off by default)."""
     resume: str | None = None
     """Resume from a checkpoint file, a directory (its newest valid checkpoint), ``latest`` (this
     run's newest checkpoint; when its directory has none and is one of ``outputs/<recipe>/``, the
@@ -547,12 +570,16 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict | None = None) -> Config:
-        """Build a Config from nested dictionaries, refusing unknown keys and wrong types.
+        """Build a Config from nested dictionaries, refusing unknown keys and wrong types. A moved
+        key's old spelling (:data:`MOVED_KEYS`) is taken with a ``FutureWarning`` naming the new one.
 
         Raises:
             ConfigError: naming the dotted key, the value and what is accepted.
         """
-        return _build(cls, data or {}, "")
+        data, moved = rename_moved_keys(data or {}) if isinstance(data, dict) else (data, [])
+        for old in moved:
+            warnings.warn(moved_key_note(old), FutureWarning, stacklevel=2)
+        return _build(cls, data, "")
 
     def to_dict(self) -> dict:
         """Plain nested dictionaries (safe to store in a checkpoint)."""
@@ -608,6 +635,58 @@ def check_fields(obj: Any, prefix: str = "") -> None:
                 raise ConfigError(f"{key}={value} must be {'at least 1' if low == 1 else f'>= {low:g}'}{fix}")
             if above is not None and value <= above:
                 raise ConfigError(f"{key}={value} must be {'positive' if above == 0 else f'> {above:g}'}{fix}")
+
+
+# -- keys that moved: the old spelling still works -----------------------------------------------
+MOVED_KEYS = {
+    "trainer.checkpoint_every_epochs": "trainer.checkpoint.every_epochs",
+    "trainer.checkpoint_every_steps": "trainer.checkpoint.every_steps",
+    "trainer.checkpoint_at_end": "trainer.checkpoint.at_end",
+    "trainer.keep_last_checkpoints": "trainer.checkpoint.keep_last",
+    "trainer.checkpoint_monitor": "trainer.checkpoint.monitor",
+    "trainer.checkpoint_mode": "trainer.checkpoint.mode",
+    "trainer.checkpoint_save_top_k": "trainer.checkpoint.save_top_k",
+    "trainer.profile": "trainer.profiler.enabled",
+    "trainer.profile_wait": "trainer.profiler.wait",
+    "trainer.profile_warmup": "trainer.profiler.warmup",
+    "trainer.profile_active": "trainer.profiler.active",
+}
+"""Keys that moved into a section: old dotted spelling -> new one. The old spelling keeps working
+(the CLI's overrides, :meth:`Config.from_dict`, a checkpoint's stored config) and says the new one."""
+
+
+def moved_key_note(old: str) -> str:
+    """What to tell a user who wrote the moved key ``old``."""
+    return f"{old} is now {MOVED_KEYS[old]} (the old spelling still works; write the new one)"
+
+
+def rename_moved_keys(data: dict) -> tuple[dict, list[str]]:
+    """``data`` (nested dictionaries) with every moved key at its new place, and the old keys found.
+
+    Raises:
+        ConfigError: both spellings of one key are given, with different values.
+    """
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}  # the sections we edit are copies
+    found = []
+    for old, new in MOVED_KEYS.items():
+        section, _, name = old.rpartition(".")
+        holder = data.get(section)
+        if not isinstance(holder, dict) or name not in holder:
+            continue
+        value = holder.pop(name)
+        *path, leaf = new.split(".")[1:]
+        target = holder
+        for part in path:  # the new key's sections, made or copied
+            child = dict(target.get(part) or {})
+            target[part] = child
+            target = child
+        if leaf in target and target[leaf] != value:
+            raise ConfigError(
+                f"{old}={value!r} and {new}={target[leaf]!r} are the same key ({old} moved): give only {new}"
+            )
+        target[leaf] = value
+        found.append(old)
+    return data, found
 
 
 # -- unknown keys: what to say instead ----------------------------------------------------------

@@ -5,7 +5,7 @@ bare network (no ``module.`` DDP prefix): the recipe's model takes it with
 ``model.load_state_dict(weights, strict=True)``. Only the weights: no optimizer, config or code
 (to rebuild the model inside ddptrain, use ``ddptrain.load_model``).
 
-- ``--which latest`` (default: the newest valid checkpoint) or ``best`` (by ``trainer.checkpoint_monitor``);
+- ``--which latest`` (default: the newest valid checkpoint) or ``best`` (by ``trainer.checkpoint.monitor``);
   RUN_DIR may also be a checkpoint file or a ``checkpoints/`` directory.
 - ``--ema``: the moving average of the weights (``trainer.ema.decay``) instead of the trained ones.
 - ``--format torch``: ``torch.save`` of the dict; read it with ``torch.load(path, weights_only=True)``.

@@ -38,7 +38,7 @@ def load_model(
     Args:
         source: a run directory (e.g. ``outputs/mnist/<date>``), its ``checkpoints/`` or
             ``checkpoints/best``, or a checkpoint file.
-        which: ``latest`` (the newest valid checkpoint) or ``best`` (by ``trainer.checkpoint_monitor``).
+        which: ``latest`` (the newest valid checkpoint) or ``best`` (by ``trainer.checkpoint.monitor``).
         trainer_class: the Trainer subclass whose ``configure_model`` builds the network (a class
             or a dotted path); default: the one that wrote the checkpoint.
         map_location: where the weights go (``"cpu"``, ``"cuda:0"``...).

@@ -10,10 +10,10 @@ the same on every rank). Rank 0 and the launcher write into it::
     metrics.csv          every reduced metric (``trainer.csv``), with ``hparams.yaml`` beside it
     tensorboard/         TensorBoard event files (``trainer.tensorboard``)
     mlruns/              an MLflow file store (``trainer.mlflow``)
-    profile/             torch.profiler traces, one per rank (``trainer.profile``)
+    profile/             torch.profiler traces, one per rank (``trainer.profiler.enabled``)
     doctor.json          the doctor's report, with ``doctor_trace.json`` (``trainer.doctor``)
-    checkpoints/         ``step_<n>.pt``, the newest ``trainer.keep_last_checkpoints`` of them
-    checkpoints/best/    the best ``trainer.checkpoint_save_top_k`` by ``trainer.checkpoint_monitor``
+    checkpoints/         ``step_<n>.pt``, the newest ``trainer.checkpoint.keep_last`` of them
+    checkpoints/best/    the best ``trainer.checkpoint.save_top_k`` by ``trainer.checkpoint.monitor``
 
 Hydra adds ``.hydra/`` (the composed config). This module imports nothing heavy: the command line
 reads it before torch is imported.

@@ -30,8 +30,8 @@ def run(compile_: bool, args: argparse.Namespace, run_dir: Path) -> dict:
     steps = args.steps * args.windows
     cmd = [sys.executable, "-m", "ddptrain", "recipe=mnist_fast", f"trainer.compile={str(compile_).lower()}"]
     cmd += [f"trainer.max_steps={steps}", f"trainer.log_every_steps={args.steps}", "trainer.progress=false"]
-    cmd += ["trainer.eval_every_epochs=0", "trainer.limit_val_batches=1", "trainer.checkpoint_at_end=false"]
-    cmd += ["trainer.checkpoint_every_epochs=0", f"hydra.run.dir={run_dir}", *args.overrides]
+    cmd += ["trainer.eval_every_epochs=0", "trainer.limit_val_batches=1", "trainer.checkpoint.at_end=false"]
+    cmd += ["trainer.checkpoint.every_epochs=0", f"hydra.run.dir={run_dir}", *args.overrides]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")

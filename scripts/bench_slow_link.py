@@ -90,8 +90,8 @@ class TwoHosts:
 COMMON = [
     "recipe=mnist_fast",
     "trainer.progress=false",
-    "trainer.checkpoint_every_epochs=0",  # a local-sync checkpoint gathers every rank's copy: not
-    "trainer.checkpoint_at_end=false",  # part of the step time compared here
+    "trainer.checkpoint.every_epochs=0",  # a local-sync checkpoint gathers every rank's copy: not
+    "trainer.checkpoint.at_end=false",  # part of the step time compared here
     "dist.threads_per_worker=1",  # 4 ranks on this machine's cores, whatever each host thinks
     "data.download=false",
 ]

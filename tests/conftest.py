@@ -56,6 +56,15 @@ def pytest_collection_modifyitems(config, items):
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
 
+def merged(base: dict, changes: dict) -> dict:
+    """``base`` with ``changes`` applied section by section: a nested dictionary (``checkpoint``)
+    updates the one in ``base`` instead of replacing it."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """The environment for a CLI subprocess: ours, unbuffered, without launcher variables."""
     env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS}

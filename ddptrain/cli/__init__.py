@@ -145,6 +145,12 @@ def _main(argv: list[str]) -> int:
     if any(a in ("--version", "-V") for a in argv):
         print(version_line())
         return EXIT_OK
+    from ..config import moved_key_note
+    from .overrides import rename_moved_keys_in
+
+    argv, moved = rename_moved_keys_in(argv)
+    for old in moved:
+        print(f"ddptrain: note: {moved_key_note(old)}", file=sys.stderr)
     topic = _help_topic(argv)
     if topic is not None:
         return _print_topic(topic, argv)

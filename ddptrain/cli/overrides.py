@@ -20,12 +20,13 @@ import typing
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from ..config import Config, field_type_text, keys_hint, suggest_key, unknown_key_message
+from ..config import MOVED_KEYS, Config, field_type_text, keys_hint, suggest_key, unknown_key_message
 
 __all__ = [
     "GROUPS",
     "FLAGS_WITH_VALUE",
     "override_tokens",
+    "rename_moved_keys_in",
     "config_dirs_of",
     "group_options",
     "first_problem",
@@ -60,6 +61,25 @@ def override_tokens(argv: Sequence[str]) -> list[str]:
         elif not arg.startswith("-"):
             tokens.append(arg)
     return tokens
+
+
+def rename_moved_keys_in(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The command line with each moved key's old spelling (:data:`ddptrain.config.MOVED_KEYS`)
+    replaced by the new one, in overrides and in ``--help KEY``; and the old keys found."""
+    renamed, found, skip = [], [], False
+    for arg in argv:
+        if skip:  # a flag's value (--config-dir DIR)
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in FLAGS_WITH_VALUE
+        else:
+            sign = arg[: len(arg) - len(arg.lstrip("+~"))]
+            key, equals, value = arg[len(sign) :].partition("=")
+            if key in MOVED_KEYS:
+                found.append(key)
+                arg = f"{sign}{MOVED_KEYS[key]}{equals}{value}"
+        renamed.append(arg)
+    return renamed, found
 
 
 def config_dirs_of(argv: Sequence[str], package_dir: Path) -> list[Path]:
@@ -207,6 +227,8 @@ def configuration_markdown() -> str:
                 out += ["", f"### `{name}`", "", text, ""]
             else:
                 out.append(f"- **`{name}`** (`{type_}`, default `{default}`): {text}")
+    out += ["", "## Moved keys", "", "The old spelling still works, with a note that says the new one.", ""]
+    out += [f"- `{old}` is now `{new}`" for old, new in MOVED_KEYS.items()]
     return "\n".join(out) + "\n"
 
 

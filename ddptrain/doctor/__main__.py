@@ -22,8 +22,8 @@ def doctor_argv(argv: list[str]) -> list[str]:
     extra = {
         "trainer.doctor": "true",
         "trainer.max_steps": str(warmup + steps),
-        "trainer.checkpoint_every_epochs": "0",
-        "trainer.checkpoint_at_end": "false",
+        "trainer.checkpoint.every_epochs": "0",
+        "trainer.checkpoint.at_end": "false",
         "trainer.eval_every_epochs": "0",
         "trainer.smoke_check": "false",
     }

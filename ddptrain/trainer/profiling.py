@@ -1,7 +1,7 @@
 """The phases of a training step, made visible on purpose: profiler labels and phase listeners.
 
 ``profiled("ddptrain/forward_backward")`` is ``torch.profiler.record_function`` while a profiler is
-recording (``trainer.profile=true``, :class:`.callbacks.profiler.ProfilerCallback`) and a no-op
+recording (``trainer.profiler.enabled=true``, :class:`.callbacks.profiler.ProfilerCallback`) and a no-op
 otherwise, so the loop pays nothing for the labels when it is not profiled.
 
 :class:`StepPhases` announces the same phases to listeners (``ddptrain doctor`` times steps this

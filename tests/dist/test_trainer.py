@@ -16,6 +16,7 @@ from ddptrain import Config, Trainer
 from ddptrain.testing import run_distributed
 from ddptrain.trainer import CheckpointError
 from ddptrain.trainer.checkpoint import list_checkpoints, load_checkpoint
+from tests.conftest import merged
 
 # One pytest-xdist worker for the module (scripts/test.sh runs --dist loadgroup): two_rank_runs is made once.
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240), pytest.mark.xdist_group("dist-trainer")]
@@ -31,13 +32,12 @@ def make_config(output_dir, **trainer) -> Config:
         "grad_accum_steps": 2,
         "grad_clip_norm": 0.5,
         "log_every_steps": 5,
-        "checkpoint_every_epochs": 1,
-        "keep_last_checkpoints": 10,
+        "checkpoint": {"every_epochs": 1, "keep_last": 10},
         "progress": False,
         "tensorboard": False,
         "output_dir": str(output_dir),
     }
-    base.update(trainer)
+    base = merged(base, trainer)
     return Config.from_dict(
         {
             "model": {"_target_": "ddptrain.recipes.mnist.Net", "conv_dropout": 0.3, "fc_dropout": 0.5},
@@ -83,17 +83,12 @@ def resume_body(rank, world_size, root):
     # D: a mid-epoch checkpoint every 3 steps, only the last 2 kept; resume from step 9's file.
     d1, _ = _fit(
         root / "every3",
-        checkpoint_every_steps=3,
-        checkpoint_every_epochs=0,
-        keep_last_checkpoints=2,
+        checkpoint={"every_steps": 3, "every_epochs": 0, "keep_last": 2, "at_end": False},
         stop_after_steps=9,
-        checkpoint_at_end=False,
     )
     d2, _ = _fit(
         root / "every3",
-        checkpoint_every_steps=3,
-        checkpoint_every_epochs=0,
-        keep_last_checkpoints=2,
+        checkpoint={"every_steps": 3, "every_epochs": 0, "keep_last": 2},
         resume=str(root / "every3" / "checkpoints" / "step_000000009.pt"),
     )
     out["every3_resumed"] = d2

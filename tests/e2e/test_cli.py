@@ -5,6 +5,7 @@ from the ``mnist_root`` fixture: a data root ddptrain's own loader prepared once
 """
 
 import json
+import re
 import time
 from pathlib import Path
 
@@ -51,8 +52,13 @@ def test_smoke_run_mnist(tmp_path, mnist_root, recipe):
 
 
 def test_cfg_job_prints_the_composed_config(tmp_path):
-    proc = run_cli("recipe=mnist", "dist.world_size=4", "trainer.epochs=1", "--cfg", "job", cwd=tmp_path, timeout=60)
+    moved = "trainer.checkpoint_every_steps=7"  # a moved key's old spelling: still works, and says the new one
+    proc = run_cli(
+        "recipe=mnist", "dist.world_size=4", "trainer.epochs=1", moved, "--cfg", "job", cwd=tmp_path, timeout=60
+    )
     assert proc.returncode == 0, proc.stderr
+    assert "trainer.checkpoint_every_steps is now trainer.checkpoint.every_steps" in proc.stderr
+    assert re.search(r"\n  checkpoint:\n    every_epochs: 1\n    every_steps: 7\n", proc.stdout), proc.stdout
     for line in (
         "trainer_class: ddptrain.recipes.mnist.MnistTrainer",
         "world_size: 4",
@@ -244,7 +250,7 @@ def torchrun_run(tmp_path_factory):
         "ddptrain",
         *TINY,
         "trainer.max_steps=6",
-        "trainer.checkpoint_every_steps=3",
+        "trainer.checkpoint.every_steps=3",
         f"hydra.run.dir={run_dir}",
         "launcher=torchrun",
         cwd=cwd,

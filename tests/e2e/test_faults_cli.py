@@ -28,7 +28,7 @@ SYNTHETIC = [
     "trainer.epochs=3",
     "data.num_train_samples=6000",
     "data.num_val_samples=200",
-    "trainer.checkpoint_every_steps=10",
+    "trainer.checkpoint.every_steps=10",
     "trainer.progress=false",
     "trainer.tensorboard=false",
     "dist.timeout_s=30",
@@ -173,7 +173,7 @@ def test_torchrun_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
 MNIST_ONE_EPOCH = [
     "recipe=mnist",
     "trainer.epochs=1",
-    "trainer.checkpoint_every_steps=100",
+    "trainer.checkpoint.every_steps=100",
     "trainer.progress=false",
     "trainer.tensorboard=false",
     "dist.timeout_s=30",

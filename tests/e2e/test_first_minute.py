@@ -78,7 +78,7 @@ def test_the_python_api_writes_its_run_under_outputs_not_into_the_working_direct
 def test_resume_latest_without_a_run_directory_continues_the_newest_run_of_the_recipe(tmp_path):
     """Trap 3: ``trainer.resume=latest`` without the old run's directory trained from scratch, rc 0,
     with one WARNING line. Now it takes the newest run of that recipe under outputs/ ..."""
-    first = run_cli(*TINY, "trainer.max_steps=4", "trainer.checkpoint_every_steps=2", cwd=tmp_path)
+    first = run_cli(*TINY, "trainer.max_steps=4", "trainer.checkpoint.every_steps=2", cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     (old_run,) = (tmp_path / "outputs" / "synthetic").iterdir()
     resumed = run_cli(*TINY, "trainer.max_steps=6", "trainer.resume=latest", cwd=tmp_path)
@@ -136,7 +136,7 @@ def test_epoch_labels_name_the_epoch_the_step_belongs_to_and_come_in_order(tmp_p
         *TINY,
         "trainer.epochs=2",
         "trainer.log_every_steps=3",  # 8 is no multiple of 3: the epoch's last steps are flushed at its end
-        "trainer.checkpoint_monitor=eval/loss",
+        "trainer.checkpoint.monitor=eval/loss",
         "trainer.early_stopping.monitor=eval/loss",
         "trainer.early_stopping.patience=0",
         "trainer.early_stopping.min_delta=100",  # the second evaluation is no improvement: stop

@@ -19,7 +19,7 @@ TINY = ["recipe=synthetic", "data.num_train_samples=512", "data.num_val_samples=
 
 def test_a_cli_run_keeps_its_best_and_load_model_rebuilds_the_recipes_model(tmp_path):
     run_dir = tmp_path / "run"
-    best = ["trainer.checkpoint_monitor=eval/accuracy", "trainer.checkpoint_mode=max", "trainer.epochs=2"]
+    best = ["trainer.checkpoint.monitor=eval/accuracy", "trainer.checkpoint.mode=max", "trainer.epochs=2"]
     proc = run_cli(*TINY, *best, f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     model = ddptrain.load_model(run_dir, which="best")
@@ -45,7 +45,7 @@ def test_a_cli_run_keeps_its_best_and_load_model_rebuilds_the_recipes_model(tmp_
 
 def test_profile_on_the_command_line_writes_one_trace_per_rank(tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(*TINY, "trainer.epochs=1", "trainer.profile=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    proc = run_cli(*TINY, "trainer.epochs=1", "trainer.profiler.enabled=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     traces = sorted((run_dir / "profile").glob("*.pt.trace.json"))
     assert [p.name.split(".")[0] for p in traces] == ["rank0", "rank1"]

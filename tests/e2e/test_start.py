@@ -124,7 +124,7 @@ def test_help_piped_into_head_ends_quietly(tmp_path):
 
 @pytest.mark.parametrize(
     "override, code",
-    [("dist.world_size=0", 2), ("trainer.keep_last_checkpoints=0", 2), ("trainer.resume=/nonexistent", 2)],
+    [("dist.world_size=0", 2), ("trainer.checkpoint.keep_last=0", 2), ("trainer.resume=/nonexistent", 2)],
 )
 def test_a_refused_run_leaves_no_run_directory(tmp_path, override, code):
     proc = run_cli(*TINY, override, cwd=tmp_path, timeout=120)

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from ddptrain.config import Config, ConfigError, TrainerConfig
+from ddptrain.config import MOVED_KEYS, Config, ConfigError, TrainerConfig, leaf_keys
 from ddptrain.preflight import per_rank_batch_size, resolve_backend, validate
 
 
@@ -33,6 +33,30 @@ def test_every_field_has_a_docstring():
                     assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
                         f"{node.name}.{stmt.target.id} has no docstring"
                     )
+
+
+def test_every_moved_key_leads_to_a_key_of_the_schema_and_its_old_spelling_is_gone():
+    keys = set(leaf_keys(Config))
+    assert set(MOVED_KEYS.values()) <= keys
+    assert not set(MOVED_KEYS) & keys
+
+
+def test_a_moved_keys_old_spelling_builds_the_new_key_and_warns_with_its_name():
+    with pytest.warns(FutureWarning, match=r"trainer\.checkpoint_monitor is now trainer\.checkpoint\.monitor"):
+        old = Config.from_dict({"trainer": {"checkpoint_monitor": "eval/loss", "profile": True, "epochs": 3}})
+    new = Config.from_dict(
+        {"trainer": {"checkpoint": {"monitor": "eval/loss"}, "profiler": {"enabled": True}, "epochs": 3}}
+    )
+    assert old == new and old.trainer.checkpoint.monitor == "eval/loss" and old.trainer.profiler.enabled
+
+
+def test_both_spellings_of_a_moved_key_must_agree():
+    both = {"trainer": {"keep_last_checkpoints": 2, "checkpoint": {"keep_last": 5}}}
+    with pytest.raises(ConfigError, match=r"trainer\.keep_last_checkpoints=2 and trainer\.checkpoint\.keep_last=5"):
+        Config.from_dict(both)
+    with pytest.warns(FutureWarning):
+        agreed = Config.from_dict({"trainer": {"keep_last_checkpoints": 5, "checkpoint": {"keep_last": 5}}})
+    assert agreed.trainer.checkpoint.keep_last == 5
 
 
 def test_from_dict_nested_and_coerced():
@@ -92,7 +116,7 @@ def test_global_batch_not_divisible_names_both_numbers_and_the_fix():
         ({"trainer": {"max_steps": 0}}, "trainer.max_steps=0 must be at least 1"),
         ({"trainer": {"device": "tpu"}}, "trainer.device='tpu': use 'cpu' or 'cuda'"),
         ({"dist": {"backend": "nccl"}}, "dist.backend=nccl needs trainer.device=cuda"),
-        ({"trainer": {"keep_last_checkpoints": 0}}, "keep_last_checkpoints=0 must be at least 1"),
+        ({"trainer": {"checkpoint": {"keep_last": 0}}}, "trainer.checkpoint.keep_last=0 must be at least 1"),
     ],
 )
 def test_validation_errors(changes, match):
@@ -143,7 +167,7 @@ def test_the_schema_states_the_rules_of_its_choice_and_count_keys():
     keys = {key for key, _ in RULED}
     # A sample of each kind, so that a rule dropped from the schema (and so from validate and
     # --help) is noticed here, not by a user whose typo ran with a silent default.
-    assert {"optimizer.name", "launcher.name", "dist.backend", "trainer.progress", "trainer.checkpoint_mode"} <= keys
+    assert {"optimizer.name", "launcher.name", "dist.backend", "trainer.progress", "trainer.checkpoint.mode"} <= keys
     assert {"trainer.epochs", "trainer.max_steps", "optimizer.lr", "dist.timeout_s", "doctor.steps"} <= keys
     assert len(keys) >= 35, sorted(keys)
 

@@ -26,7 +26,7 @@ SUFFIX = {"torch": "pt", "safetensors": "safetensors"}
 def run(tmp_path_factory):
     """A finished run: a step checkpoint per epoch and the best by eval/loss; read-only for the tests."""
     directory = tmp_path_factory.mktemp("run")
-    fitted = _fit(directory, epochs=3, checkpoint_monitor="eval/loss", checkpoint_save_top_k=1)
+    fitted = _fit(directory, epochs=3, checkpoint={"monitor": "eval/loss", "save_top_k": 1})
     return directory, fitted.val_dataloader().tensors[0]
 
 

@@ -41,21 +41,20 @@ def from_config(config: TrainerConfig) -> list[Callback]:
         callbacks.append(MLflowLogger())
     if config.wandb:
         callbacks.append(WandbLogger())
-    if config.checkpoint_every_epochs or config.checkpoint_every_steps or config.checkpoint_at_end:
+    saving = config.checkpoint
+    if saving.every_epochs or saving.every_steps or saving.at_end:
         callbacks.append(
             CheckpointCallback(
-                every_epochs=config.checkpoint_every_epochs,
-                every_steps=config.checkpoint_every_steps,
-                at_end=config.checkpoint_at_end,
-                keep_last=config.keep_last_checkpoints,
+                every_epochs=saving.every_epochs,
+                every_steps=saving.every_steps,
+                at_end=saving.at_end,
+                keep_last=saving.keep_last,
             )
         )
-    if config.profile:
-        callbacks.append(ProfilerCallback(config.profile_wait, config.profile_warmup, config.profile_active))
-    if config.checkpoint_monitor:
-        callbacks.append(
-            BestCheckpoints(config.checkpoint_monitor, config.checkpoint_mode, config.checkpoint_save_top_k)
-        )
+    if config.profiler.enabled:
+        callbacks.append(ProfilerCallback(config.profiler.wait, config.profiler.warmup, config.profiler.active))
+    if saving.monitor:
+        callbacks.append(BestCheckpoints(saving.monitor, saving.mode, saving.save_top_k))
     stop = config.early_stopping
     if stop.monitor:
         callbacks.append(EarlyStopping(stop.monitor, stop.mode, stop.patience, stop.min_delta))

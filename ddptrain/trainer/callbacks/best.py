@@ -129,7 +129,7 @@ class BestCheckpoints(Callback):
             return
         produced = ", ".join(sorted(k for k in self.produced if k not in ("epoch", "step"))) or "none yet"
         raise ConfigError(
-            f"trainer.checkpoint_monitor={self.monitor!r} is never produced by this run, so no best "
-            f"checkpoint can be kept. The metrics it produces: {produced}. Set trainer.checkpoint_monitor "
+            f"trainer.checkpoint.monitor={self.monitor!r} is never produced by this run, so no best "
+            f"checkpoint can be kept. The metrics it produces: {produced}. Set trainer.checkpoint.monitor "
             "to one of them (eval/* come from validation_step, train/* from the log points), or unset it."
         )

@@ -1,4 +1,4 @@
-"""``trainer.profile=true``: torch.profiler over a few optimizer steps, one trace per rank.
+"""``trainer.profiler.enabled=true``: torch.profiler over a few optimizer steps, one trace per rank.
 
 The schedule is torch's: skip ``wait`` steps, warm up ``warmup`` (recorded, then discarded),
 record ``active`` steps, once. Each rank writes ``<output_dir>/profile/rank<r>.<time>.pt.trace.json``

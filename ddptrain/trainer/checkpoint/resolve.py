@@ -169,8 +169,8 @@ def best_checkpoint(directory: PathLike, what: str = "best") -> Path:
         latest = list_checkpoints(directory.parent)
         raise CheckpointError(
             f"{what}: there is no best checkpoint in {directory}. Best checkpoints are kept only when "
-            "the run sets trainer.checkpoint_monitor=<metric> (with trainer.checkpoint_mode and "
-            "trainer.checkpoint_save_top_k)"
+            "the run sets trainer.checkpoint.monitor=<metric> (with trainer.checkpoint.mode and "
+            "trainer.checkpoint.save_top_k)"
             + (f"; this run has latest checkpoints: use 'latest' ({latest[-1].name})." if latest else ".")
         )
     monitors = sorted({(e["name"], e["mode"]) for _, e in entries})

@@ -108,8 +108,7 @@ def _fit(rank, ws, output_dir):
                 "epochs": 1,
                 "progress": False,
                 "tensorboard": False,
-                "checkpoint_every_epochs": 0,
-                "checkpoint_at_end": False,
+                "checkpoint": {"every_epochs": 0, "at_end": False},
                 "output_dir": output_dir,
             },
         }

@@ -54,10 +54,7 @@ def _best_run(tmp_path, monitor, mode, k, epochs=6, data=None, **extra):
         data,
         {"lr": 2.0, "momentum": 0.9},
         epochs=epochs,
-        checkpoint_every_epochs=1,
-        checkpoint_monitor=monitor,
-        checkpoint_mode=mode,
-        checkpoint_save_top_k=k,
+        checkpoint={"every_epochs": 1, "monitor": monitor, "mode": mode, "save_top_k": k},
         **extra,
     )
     TinyTrainer(config, callbacks=[recorder]).fit()
@@ -114,9 +111,7 @@ def test_resume_best_continues_from_the_best_step_and_keeps_its_ranking(tmp_path
         None,
         {"lr": 2.0, "momentum": 0.9},
         epochs=7,
-        checkpoint_every_epochs=1,
-        checkpoint_monitor="eval/loss",
-        checkpoint_save_top_k=2,
+        checkpoint={"every_epochs": 1, "monitor": "eval/loss", "save_top_k": 2},
         resume="best",
     )
     TinyTrainer(config, callbacks=[start, more]).fit()
@@ -132,13 +127,13 @@ def test_a_monitor_never_produced_is_named_with_the_metrics_that_exist(tmp_path)
     with pytest.raises(ConfigError) as info:
         _best_run(tmp_path, "eval/acc", "max", 1, epochs=2)
     message = str(info.value)
-    assert "trainer.checkpoint_monitor='eval/acc'" in message
+    assert "trainer.checkpoint.monitor='eval/acc'" in message
     assert "eval/accuracy" in message and "eval/loss" in message and "train/loss" in message
 
 
 def test_best_without_best_checkpoints_is_an_error_that_says_how(tmp_path):
-    TinyTrainer(_config(tmp_path, epochs=1, checkpoint_every_epochs=1)).fit()
-    with pytest.raises(CheckpointError, match=r"no best checkpoint.*trainer.checkpoint_monitor.*'latest'"):
+    TinyTrainer(_config(tmp_path, epochs=1, checkpoint={"every_epochs": 1})).fit()
+    with pytest.raises(CheckpointError, match=r"no best checkpoint.*trainer.checkpoint.monitor.*'latest'"):
         TinyTrainer(_config(tmp_path, epochs=2, resume="best")).fit()
 
 
@@ -159,11 +154,11 @@ def test_the_mode_and_k_are_checked_before_any_worker_starts():
     from ddptrain.preflight import validate
 
     with pytest.raises(
-        ConfigError, match=r"trainer.checkpoint_mode='maximum' is not one of min, max \(did you mean max\?\)"
+        ConfigError, match=r"trainer.checkpoint.mode='maximum' is not one of min, max \(did you mean max\?\)"
     ):
-        validate(Config.from_dict({"trainer": {"checkpoint_mode": "maximum"}}), 2)
-    with pytest.raises(ConfigError, match="trainer.checkpoint_save_top_k=0 must be at least 1"):
-        validate(Config.from_dict({"trainer": {"checkpoint_save_top_k": 0}}), 2)
+        validate(Config.from_dict({"trainer": {"checkpoint": {"mode": "maximum"}}}), 2)
+    with pytest.raises(ConfigError, match="trainer.checkpoint.save_top_k=0 must be at least 1"):
+        validate(Config.from_dict({"trainer": {"checkpoint": {"save_top_k": 0}}}), 2)
 
 
 class LoggingTrainer(TinyTrainer):
@@ -180,10 +175,7 @@ def test_a_metric_logged_with_self_log_can_be_monitored(tmp_path):
         None,
         {"lr": 2.0, "momentum": 0.9},
         epochs=6,
-        checkpoint_every_epochs=1,
-        checkpoint_monitor="val_acc",
-        checkpoint_mode="max",
-        checkpoint_save_top_k=2,
+        checkpoint={"every_epochs": 1, "monitor": "val_acc", "mode": "max", "save_top_k": 2},
     )
     LoggingTrainer(config, callbacks=[recorder]).fit()
     values = [(step, m["val_acc"]) for step, m in recorder.seen]

@@ -16,6 +16,7 @@ from ddptrain.trainer.callbacks import (
     WandbLogger,
     from_config,
 )
+from tests.conftest import merged
 
 PACKAGE = Path(callbacks_package.__file__).parent
 MODULE = "ddptrain.trainer.callbacks"
@@ -67,10 +68,10 @@ def test_the_config_chooses_the_built_in_callbacks():
 
     assert kinds() == [ProgressCallback, TensorBoardCallback, CSVLogger, CheckpointCallback]
     assert kinds(mlflow=True, wandb=True, csv=False, tensorboard=False)[1:3] == [MLflowLogger, WandbLogger]
-    off = {"tensorboard": False, "csv": False, "checkpoint_every_epochs": 0, "checkpoint_at_end": False}
+    off = {"tensorboard": False, "csv": False, "checkpoint": {"every_epochs": 0, "at_end": False}}
     assert kinds(**off) == [ProgressCallback]
-    assert kinds(**{**off, "checkpoint_every_steps": 5}) == [ProgressCallback, CheckpointCallback]
-    checkpoint = from_config(
-        Config.from_dict({"trainer": {"checkpoint_every_steps": 5, "keep_last_checkpoints": 2}}).trainer
-    )[-1]
+    assert kinds(**merged(off, {"checkpoint": {"every_steps": 5}})) == [ProgressCallback, CheckpointCallback]
+    checkpoint = from_config(Config.from_dict({"trainer": {"checkpoint": {"every_steps": 5, "keep_last": 2}}}).trainer)[
+        -1
+    ]
     assert (checkpoint.every_steps, checkpoint.keep_last, checkpoint.every_epochs) == (5, 2, 1)

@@ -208,7 +208,7 @@ def test_early_stopping_state_survives_a_resume(tmp_path):
     """Plateau from the first evaluation, checks every 2 steps, patience 3: the uninterrupted run
     stops at step 8. Stopped at step 4 (one check without improvement behind it) and resumed, the
     run must stop at 8 too, not start counting again (it would stop at 12)."""
-    kwargs = {"epochs": 10, "eval_every_steps": 2, "checkpoint_every_steps": 2}
+    kwargs = {"epochs": 10, "eval_every_steps": 2, "checkpoint": {"every_steps": 2}}
     kwargs["early_stopping"] = {"monitor": "eval/loss", "patience": 3}
     straight = ZeroLr(_config(tmp_path / "straight", **kwargs)).fit()
     ZeroLr(_config(tmp_path / "mid", stop_after_steps=4, **kwargs)).fit()

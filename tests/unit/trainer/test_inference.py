@@ -21,8 +21,8 @@ class PredictAtEnd(Callback):
 def _after_fit(rank, world_size, tmp):
     at_end = PredictAtEnd()
     config = _config(tmp, {"global_batch_size": 12, "eval_batch_size": 3}, {"lr": 2.0, "momentum": 0.9}, epochs=5)
-    config.trainer.checkpoint_every_epochs = 1  # lr 2: the best evaluation is not the last one
-    config.trainer.checkpoint_monitor = "eval/loss"
+    config.trainer.checkpoint.every_epochs = 1  # lr 2: the best evaluation is not the last one
+    config.trainer.checkpoint.monitor = "eval/loss"
     trainer = TinyTrainer(config, callbacks=[at_end])
     trainer.fit()
     weights = {k: v.clone() for k, v in trainer.model.module.state_dict().items()}

@@ -13,6 +13,7 @@ from torch.utils.data import TensorDataset
 from ddptrain import Config, ConfigError, Trainer
 from ddptrain.config import instantiate
 from ddptrain.testing import run_threaded
+from tests.conftest import merged
 
 # Threads share one process: every rank must build the same initial model without racing on the
 # global generator, so the initial weights are made once here.
@@ -56,12 +57,11 @@ def _config(tmp_path, model, invariant=True, **trainer):
         "log_every_steps": 1,
         "progress": False,
         "tensorboard": False,
-        "checkpoint_every_epochs": 0,
-        "checkpoint_at_end": False,
+        "checkpoint": {"every_epochs": 0, "at_end": False},
         "output_dir": str(tmp_path),
         "world_size_invariant": invariant,
     }
-    base.update(trainer)
+    base = merged(base, trainer)
     _initial_state(model)  # here, in the test's thread
     return Config.from_dict(
         {
@@ -245,7 +245,7 @@ def _stop_then_resume(rank, world_size, config):
 def test_stop_at_2_ranks_mid_epoch_then_resume_at_4_continues_bitwise(tmp_path):
     model = "ddptrain.recipes.mnist.Net"
     whole = run_threaded(_fit, 2, ImagesTrainer, _config(tmp_path / "whole", model), timeout_s=120)[0]
-    first = _config(tmp_path / "run", model, stop_after_steps=10, checkpoint_at_end=True)
+    first = _config(tmp_path / "run", model, stop_after_steps=10, checkpoint={"at_end": True})
     run_threaded(_fit, 2, ImagesTrainer, first, timeout_s=120)  # epoch 2, step 3 of 7
     resume = {"resume": str(tmp_path / "run"), "allow_world_size_change": True}
     second = _config(tmp_path / "run", model, **resume)

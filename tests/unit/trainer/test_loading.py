@@ -11,6 +11,7 @@ import ddptrain.loading  # used as ddptrain.loading.find_checkpoint: import it, 
 from ddptrain import Callback, ConfigError
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.checkpoint import CheckpointError, list_checkpoints
+from tests.conftest import merged
 
 from .test_trainer import TinyTrainer, _config
 
@@ -24,7 +25,9 @@ class DropoutTrainer(TinyTrainer):
 
 
 def _fit(tmp_path, cls=DropoutTrainer, **trainer):
-    config = _config(tmp_path, None, {"lr": 2.0, "momentum": 0.9}, checkpoint_every_epochs=1, **trainer)
+    config = _config(
+        tmp_path, None, {"lr": 2.0, "momentum": 0.9}, **merged({"checkpoint": {"every_epochs": 1}}, trainer)
+    )
     config.model = {"width": 6}
     fitted = cls(config)
     fitted.fit()
@@ -32,7 +35,7 @@ def _fit(tmp_path, cls=DropoutTrainer, **trainer):
 
 
 def test_load_model_rebuilds_the_users_model_with_the_weights_in_eval_mode(tmp_path):
-    fitted = _fit(tmp_path, epochs=5, checkpoint_monitor="eval/loss", checkpoint_save_top_k=2)
+    fitted = _fit(tmp_path, epochs=5, checkpoint={"monitor": "eval/loss", "save_top_k": 2})
     x, y = fitted.val_dataloader().tensors
     latest = ddptrain.load_model(tmp_path)  # the run directory; which="latest"
     assert isinstance(latest, nn.Sequential) and latest[0].out_features == 6  # through configure_model + config
@@ -55,7 +58,7 @@ def test_load_model_rebuilds_the_users_model_with_the_weights_in_eval_mode(tmp_p
 
 
 def test_plain_torch_load_weights_only_reads_every_checkpoint(tmp_path):
-    _fit(tmp_path, epochs=2, checkpoint_monitor="eval/accuracy", checkpoint_mode="max")
+    _fit(tmp_path, epochs=2, checkpoint={"monitor": "eval/accuracy", "mode": "max"})
     files = list_checkpoints(tmp_path / "checkpoints") + list_checkpoints(tmp_path / "checkpoints" / "best")
     assert len(files) == 3
     for path in files:
@@ -93,7 +96,7 @@ def _fine_tune(rank, world_size, source_dir, target_dir, init_from):
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_init_from_starts_a_new_run_from_the_weights_only(tmp_path, world_size):
-    _fit(tmp_path / "a", epochs=2, checkpoint_monitor="eval/loss")
+    _fit(tmp_path / "a", epochs=2, checkpoint={"monitor": "eval/loss"})
     for source in ("a", "a/checkpoints/best"):
         expected = torch.load(ddptrain.loading.find_checkpoint(tmp_path / source), weights_only=True)["model"]
         results = run_threaded(

@@ -57,7 +57,7 @@ def test_metrics_csv_holds_every_reduced_value_at_its_step(tmp_path):
 
 
 def test_metrics_csv_of_a_resumed_run_continues_the_first(tmp_path):
-    kwargs = {"checkpoint_every_steps": 2}
+    kwargs = {"checkpoint": {"every_steps": 2}}
     TinyTrainer(_config(tmp_path / "straight", **kwargs)).fit()
     TinyTrainer(_config(tmp_path / "mid", stop_after_steps=6, **kwargs)).fit()
     TinyTrainer(

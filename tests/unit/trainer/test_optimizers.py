@@ -76,7 +76,7 @@ def test_two_optimizers_are_each_stepped_and_zeroed(tmp_path, world_size):
 
 
 def test_two_optimizers_resume_exactly(tmp_path):
-    kwargs = {"data": {"global_batch_size": 12}, "checkpoint_every_steps": 3}
+    kwargs = {"data": {"global_batch_size": 12}, "checkpoint": {"every_steps": 3}}
     straight = TwoOptimizers(_config(tmp_path / "straight", **kwargs)).fit()
     TwoOptimizers(_config(tmp_path / "mid", stop_after_steps=3, **kwargs)).fit()
     saved = load_checkpoint(tmp_path / "mid" / "checkpoints" / "step_000000003.pt")
@@ -164,7 +164,7 @@ def test_reduce_lr_on_plateau_reduces_the_rate_on_every_plateau_epoch(tmp_path):
 
 
 def test_reduce_lr_on_plateau_state_survives_a_resume(tmp_path):
-    kwargs = {"checkpoint_every_epochs": 1}
+    kwargs = {"checkpoint": {"every_epochs": 1}}
     straight = Frozen(_config(tmp_path / "straight", epochs=4, **kwargs))
     straight.fit()
     Frozen(_config(tmp_path / "mid", epochs=4, stop_after_steps=8, **kwargs)).fit()

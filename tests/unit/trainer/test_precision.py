@@ -65,7 +65,7 @@ def test_bf16_mixed_trains_through_our_ddp_on_cpu(tmp_path, algorithm):
 
 
 def test_bf16_mixed_checkpoints_hold_no_scaler_and_resume_exactly(tmp_path):
-    kwargs = {"data": {"global_batch_size": 12}, "precision": "bf16-mixed", "checkpoint_every_steps": 3}
+    kwargs = {"data": {"global_batch_size": 12}, "precision": "bf16-mixed", "checkpoint": {"every_steps": 3}}
     straight = FixedInitTrainer(_config(tmp_path / "straight", **kwargs)).fit()
     FixedInitTrainer(_config(tmp_path / "mid", stop_after_steps=3, **kwargs)).fit()
     assert load_checkpoint(tmp_path / "mid" / "checkpoints" / "step_000000003.pt")["grad_scaler"] is None
@@ -86,7 +86,12 @@ def test_16_mixed_on_cpu_is_refused_with_the_fix(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed needs CUDA")
 def test_16_mixed_on_cuda_scales_and_checkpoints_the_scaler(tmp_path):
-    kwargs = {"data": {"global_batch_size": 12}, "precision": "16-mixed", "device": "cuda", "checkpoint_every_steps": 3}
+    kwargs = {
+        "data": {"global_batch_size": 12},
+        "precision": "16-mixed",
+        "device": "cuda",
+        "checkpoint": {"every_steps": 3},
+    }
     config = _config(tmp_path / "mid", stop_after_steps=3, **kwargs)
     config.dist.backend = "nccl"
     FixedInitTrainer(config).fit()

@@ -1,4 +1,4 @@
-"""``trainer.profile=true``: a Chrome-trace JSON file per rank under <output_dir>/profile, with
+"""``trainer.profiler.enabled=true``: a Chrome-trace JSON file per rank under <output_dir>/profile, with
 the scheduled steps and the Trainer's phase names (what TensorBoard's plugin and Perfetto read)."""
 
 import json
@@ -22,7 +22,7 @@ def _events(path):
 
 @pytest.mark.parametrize(("wait", "warmup", "active"), [(1, 1, 3), (0, 2, 2)])
 def test_profile_writes_a_chrome_trace_of_the_scheduled_steps(tmp_path, wait, warmup, active):
-    config = _config(tmp_path, epochs=2, profile=True, profile_wait=wait, profile_warmup=warmup, profile_active=active)
+    config = _config(tmp_path, epochs=2, profiler={"enabled": True, "wait": wait, "warmup": warmup, "active": active})
     TinyTrainer(config).fit()  # 8 steps
     traces = sorted((tmp_path / "profile").glob("*.pt.trace.json"))
     assert [p.name.split(".")[0] for p in traces] == ["rank0"]
@@ -37,5 +37,5 @@ def test_profile_writes_a_chrome_trace_of_the_scheduled_steps(tmp_path, wait, wa
 def test_no_profile_no_trace_and_the_schedule_is_checked(tmp_path):
     TinyTrainer(_config(tmp_path, epochs=1)).fit()
     assert not (tmp_path / "profile").exists()
-    with pytest.raises(ConfigError, match="trainer.profile_active=0 must be at least 1"):
-        validate(Config.from_dict({"trainer": {"profile": True, "profile_active": 0}}), 2)
+    with pytest.raises(ConfigError, match="trainer.profiler.active=0 must be at least 1"):
+        validate(Config.from_dict({"trainer": {"profiler": {"enabled": True, "active": 0}}}), 2)

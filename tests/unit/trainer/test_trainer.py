@@ -12,6 +12,7 @@ from torch.utils.data import Dataset, TensorDataset
 from ddptrain import Callback, Config, SmokeCheckError, Trainer, comm
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.checkpoint import load_checkpoint
+from tests.conftest import merged
 
 
 def _config(tmp_path, data=None, optimizer=None, **trainer):
@@ -20,11 +21,10 @@ def _config(tmp_path, data=None, optimizer=None, **trainer):
         "log_every_steps": 2,
         "progress": False,
         "tensorboard": False,
-        "checkpoint_every_epochs": 0,
-        "checkpoint_at_end": False,
+        "checkpoint": {"every_epochs": 0, "at_end": False},
         "output_dir": str(tmp_path),
     }
-    base.update(trainer)
+    base = merged(base, trainer)
     return Config.from_dict(
         {
             "model": {"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 3},
@@ -262,7 +262,7 @@ class LoaderTrainer(TinyTrainer):
 def test_checkpoint_position_is_what_was_trained_on_despite_prefetch(tmp_path):
     """Two DataLoader workers fetch batches ahead of the step; the checkpoint must hold the
     samples trained on (the trainer reports them to the sampler), or a resume skips samples."""
-    kwargs = {"data": {"num_workers": 2}, "grad_accum_steps": 2, "checkpoint_every_steps": 1}
+    kwargs = {"data": {"num_workers": 2}, "grad_accum_steps": 2, "checkpoint": {"every_steps": 1}}
     stopped = LoaderTrainer(_config(tmp_path / "stop", stop_after_steps=3, **kwargs)).fit()
     saved = load_checkpoint(tmp_path / "stop" / "checkpoints" / "step_000000003.pt")
     assert stopped["step"] == 3 and saved["epoch"] == 0
@@ -276,7 +276,7 @@ def test_checkpoint_position_is_what_was_trained_on_despite_prefetch(tmp_path):
 def test_a_checkpoint_at_a_logging_step_keeps_that_steps_loss(tmp_path):
     """Logging every 2 steps, checkpointing every 2: the checkpoint of step 2 holds step 2's logged
     loss, so a run resumed from it reports the same loss history as the run left alone."""
-    kwargs = {"checkpoint_every_steps": 2}
+    kwargs = {"checkpoint": {"every_steps": 2}}
     straight = TinyTrainer(_config(tmp_path / "straight", **kwargs))
     straight.fit()
     TinyTrainer(_config(tmp_path / "mid", stop_after_steps=2, **kwargs)).fit()
@@ -346,7 +346,7 @@ def test_data_parallel_loop_equals_one_process_on_the_global_batch(tmp_path, wor
 
 
 def _stop_and_resume(rank, world_size, root):
-    kwargs = {"data": {"global_batch_size": 12}, "grad_accum_steps": 2, "checkpoint_every_steps": 3}
+    kwargs = {"data": {"global_batch_size": 12}, "grad_accum_steps": 2, "checkpoint": {"every_steps": 3}}
     straight = FixedInitTrainer(_config(root / "straight", **kwargs)).fit()
     FixedInitTrainer(_config(root / "mid", stop_after_steps=3, **kwargs)).fit()  # mid-epoch: 3 of 4 steps
     resumed = FixedInitTrainer(_config(root / "mid", resume="latest", **kwargs)).fit()
