@@ -197,9 +197,8 @@ class _CommThread:
             if started:
                 self._start(*item)
             # Invariant: the loop holds no reference to a job's buffers (see _start) when _poll may
-            # complete it. Its waiter runs on at once; a reference left here until this thread next
-            # gets a core would keep a gradient's storage used twice, and DDP would copy that
-            # gradient instead of reducing it in place.
+            # complete it: once the waiter is done with them they are freed, not kept until this
+            # thread next gets a core.
             item = None
             progressed = self._poll() or started
             sleep = poll_min_s if progressed else min(2 * sleep, poll_max_s)
@@ -209,8 +208,7 @@ class _CommThread:
         """Run one queued job: post its request(s), or complete it at once.
 
         A method of its own so that nothing of the job outlives it in the loop's locals: a stale
-        reference to a finished request would keep its tensor's storage alive, and DDP only
-        reduces a gradient in place when nothing else holds its storage."""
+        reference to a finished request would keep its tensors' memory alive."""
         try:
             result = fn()
             if isinstance(result, _Posted):
@@ -246,8 +244,7 @@ class _CommThread:
         """Test the requests in flight and complete the finished ones; True if any finished.
 
         A finished job leaves ``_pending`` (and with it the buffers its ``fn`` holds) before its
-        waiter is woken: a waiter that ran on while this thread still held them would see the
-        storage of a gradient it reduced in place used twice, and take the copying path."""
+        waiter is woken: what the waiter frees afterwards is freed at once."""
         still, finished = [], []
         for entry in self._pending:
             outcome = self._test(*entry)
