@@ -17,7 +17,9 @@ fi
 # "timed") then run two at a time, and the tests that measure speed (marker "alone") one at a
 # time; tests/conftest.py lists both. DDPTRAIN_TEST_WORKERS=1: one plain run.
 # --dist loadgroup: tests that read one expensive launch or module fixture carry the same
-# xdist_group mark and go to one worker, so the launch runs once, not once per worker.
+# xdist_group mark and go to one worker, so the launch runs once, not once per worker. The timed
+# phase has no such groups and mostly waits (signals, timeouts): --dist worksteal hands a worker
+# that ran dry the other's queued tests, so the phase does not end on one worker's long tail.
 workers=${DDPTRAIN_TEST_WORKERS:-3}
 run() {
   set +e
@@ -34,7 +36,7 @@ fi
 started=$SECONDS
 rc1=0; run -n "$workers" --dist loadgroup -m "not timed and not alone" "$@" || rc1=$?
 echo "[test] parallel phase ($workers workers): exit $rc1 after $((SECONDS - started)) s"
-rc2=0; run -n 2 -m timed "$@" || rc2=$?
+rc2=0; run -n 2 --dist worksteal -m timed "$@" || rc2=$?
 echo "[test] timed phase (2 workers): exit $rc2 after $((SECONDS - started)) s"
 rc3=0; run -m alone "$@" || rc3=$?
 echo "[test] alone phase: exit $rc3; whole run $((SECONDS - started)) s"
