@@ -42,6 +42,7 @@ __all__ = [
     "EmaConfig",
     "CheckpointConfig",
     "ProfilerConfig",
+    "LoggersConfig",
     "MOVED_KEYS",
     "LrFindConfig",
     "check_fields",
@@ -385,6 +386,22 @@ class ProfilerConfig:
 
 
 @dataclass
+class LoggersConfig:
+    """``trainer.loggers.*``: which loggers write the reduced metrics (rank 0, under ``<output_dir>``;
+    :func:`ddptrain.trainer.callbacks.from_config` adds them)."""
+
+    tensorboard: bool = True
+    """Write TensorBoard event files under ``<output_dir>/tensorboard`` (rank 0)."""
+    csv: bool = True
+    """Write every reduced metric to ``<output_dir>/metrics.csv`` and the config to ``hparams.yaml`` (rank 0)."""
+    mlflow: bool = False
+    """Log metrics and the config to an MLflow run in ``<output_dir>/mlruns`` (needs ``ddptrain[loggers]``)."""
+    wandb: bool = False
+    """Log metrics and the config to an offline Weights & Biases run under ``<output_dir>/wandb``
+    (needs ``ddptrain[loggers]``; ``wandb sync`` uploads it)."""
+
+
+@dataclass
 class TrainerConfig:
     """The training loop, evaluation, logging and checkpoints."""
 
@@ -471,15 +488,8 @@ class TrainerConfig:
     """Directory for checkpoints, TensorBoard logs and metrics; the CLI sets Hydra's run dir.
     ``None``: ``outputs/<recipe.name>/<YYYY-MM-DD_HH-MM-SS>`` under the working directory, the
     CLI's default too (:func:`default_output_dir`). Rank 0's value is used on every rank."""
-    tensorboard: bool = True
-    """Write TensorBoard event files under ``<output_dir>/tensorboard`` (rank 0)."""
-    csv: bool = True
-    """Write every reduced metric to ``<output_dir>/metrics.csv`` and the config to ``hparams.yaml`` (rank 0)."""
-    mlflow: bool = False
-    """Log metrics and the config to an MLflow run in ``<output_dir>/mlruns`` (needs ``ddptrain[loggers]``)."""
-    wandb: bool = False
-    """Log metrics and the config to an offline Weights & Biases run under ``<output_dir>/wandb``
-    (needs ``ddptrain[loggers]``; ``wandb sync`` uploads it)."""
+    loggers: LoggersConfig = field(default_factory=LoggersConfig)
+    """Which loggers write the reduced metrics (rank 0, under ``<output_dir>``)."""
     progress: str = one_of("auto", ("auto", "true", "false"), fold_case=True)
     """tqdm progress bars on rank 0: ``true``, ``false``, or ``auto`` (on when stdout is a
     terminal). The step lines of the log go to the console only without a bar."""
@@ -650,6 +660,10 @@ MOVED_KEYS = {
     "trainer.profile_wait": "trainer.profiler.wait",
     "trainer.profile_warmup": "trainer.profiler.warmup",
     "trainer.profile_active": "trainer.profiler.active",
+    "trainer.tensorboard": "trainer.loggers.tensorboard",
+    "trainer.csv": "trainer.loggers.csv",
+    "trainer.mlflow": "trainer.loggers.mlflow",
+    "trainer.wandb": "trainer.loggers.wandb",
 }
 """Keys that moved into a section: old dotted spelling -> new one. The old spelling keeps working
 (the CLI's overrides, :meth:`Config.from_dict`, a checkpoint's stored config) and says the new one."""

@@ -7,9 +7,9 @@ the same on every rank). Rank 0 and the launcher write into it::
     error.log            the traceback of the rank that failed
     metrics.json         the final metrics, ``params_sha256`` and ``params_agree``
     test_metrics.json    what ``Trainer.test`` measured
-    metrics.csv          every reduced metric (``trainer.csv``), with ``hparams.yaml`` beside it
-    tensorboard/         TensorBoard event files (``trainer.tensorboard``)
-    mlruns/              an MLflow file store (``trainer.mlflow``)
+    metrics.csv          every reduced metric (``trainer.loggers.csv``), with ``hparams.yaml`` beside it
+    tensorboard/         TensorBoard event files (``trainer.loggers.tensorboard``)
+    mlruns/              an MLflow file store (``trainer.loggers.mlflow``)
     profile/             torch.profiler traces, one per rank (``trainer.profiler.enabled``)
     doctor.json          the doctor's report, with ``doctor_trace.json`` (``trainer.doctor``)
     checkpoints/         ``step_<n>.pt``, the newest ``trainer.checkpoint.keep_last`` of them

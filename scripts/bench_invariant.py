@@ -50,7 +50,7 @@ def run_once(mode: str, steps: int, world_size: int, recipe: str, extra: list[st
         "trainer.eval_every_epochs=0",
         "trainer.checkpoint.at_end=false",
         "trainer.checkpoint.every_epochs=0",
-        "trainer.tensorboard=false",
+        "trainer.loggers.tensorboard=false",
         "trainer.progress=false",
         f"hydra.run.dir={run_dir}",
         MODES[mode],

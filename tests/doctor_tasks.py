@@ -96,7 +96,7 @@ def doctor_config(
                 "doctor": True,
                 "checkpoint": {"every_epochs": 0, "at_end": False},
                 "eval_every_epochs": 0,
-                "tensorboard": False,
+                "loggers": {"tensorboard": False},
                 "progress": "false",
                 "log_every_steps": 1000,
                 "output_dir": str(output_dir),

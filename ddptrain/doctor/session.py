@@ -197,7 +197,7 @@ def _time_compute(trainer, batch, threads: int, repeats: int, each_together: boo
 def _tensorboard(trainer, breakdown: dict):
     """The breakdown as TensorBoard scalars ``doctor/<phase>`` (when the run writes TensorBoard);
     the directory written to, or ``None``."""
-    if not trainer.config.trainer.tensorboard:
+    if not trainer.config.trainer.loggers.tensorboard:
         return None
     from torch.utils.tensorboard import SummaryWriter
 

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..config import CheckpointConfig, Config
+from ..config import CheckpointConfig, Config, LoggersConfig
 
 __all__ = ["dev_run_batches", "dev_run_config", "remove_dev_run_dir", "DEV_RUN_DIR_PREFIX"]
 
@@ -48,10 +48,7 @@ def dev_run_config(config: Config) -> Config:
         eval_every_epochs=1,
         eval_every_steps=0,
         checkpoint=CheckpointConfig(every_epochs=0, every_steps=0, at_end=False, monitor=None),
-        tensorboard=False,
-        csv=False,
-        mlflow=False,
-        wandb=False,
+        loggers=LoggersConfig(tensorboard=False, csv=False, mlflow=False, wandb=False),
         profiler=dataclasses.replace(t.profiler, enabled=False),
         doctor=False,
         output_dir=output_dir,

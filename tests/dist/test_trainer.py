@@ -34,7 +34,7 @@ def make_config(output_dir, **trainer) -> Config:
         "log_every_steps": 5,
         "checkpoint": {"every_epochs": 1, "keep_last": 10},
         "progress": False,
-        "tensorboard": False,
+        "loggers": {"tensorboard": False},
         "output_dir": str(output_dir),
     }
     base = merged(base, trainer)
@@ -69,7 +69,7 @@ def resume_body(rank, world_size, root):
     root = Path(root)
     out = {}
     # A: two epochs straight (TensorBoard on, to read its events back).
-    a, ta = _fit(root / "straight", tensorboard=True)
+    a, ta = _fit(root / "straight", loggers={"tensorboard": True})
     out["straight"] = a
     out["loss_history"] = ta.loss_history
     # B: stop in the middle of epoch 2 (step 13, as if preempted), then resume from the newest checkpoint.

@@ -30,7 +30,7 @@ if __name__ == "__main__":
         {
             "model": {"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 3},
             "data": {"global_batch_size": 16, "eval_batch_size": 4},
-            "trainer": {"epochs": 1, "progress": "false", "tensorboard": False, "output_dir": sys.argv[1]},
+            "trainer": {"epochs": 1, "progress": "false", "loggers": {"tensorboard": False}, "output_dir": sys.argv[1]},
         }
     )
     trainer = Task(config)

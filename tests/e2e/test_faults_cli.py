@@ -30,7 +30,7 @@ SYNTHETIC = [
     "data.num_val_samples=200",
     "trainer.checkpoint.every_steps=10",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers.tensorboard=false",
     "dist.timeout_s=30",
 ]
 
@@ -175,7 +175,7 @@ MNIST_ONE_EPOCH = [
     "trainer.epochs=1",
     "trainer.checkpoint.every_steps=100",
     "trainer.progress=false",
-    "trainer.tensorboard=false",
+    "trainer.loggers.tensorboard=false",
     "dist.timeout_s=30",
 ]
 

@@ -30,7 +30,7 @@ def _run(run_dir: Path, mnist_root: Path, *overrides: str) -> dict:
         f"trainer.max_steps={STEPS}",
         "trainer.log_every_steps=1",
         "trainer.progress=false",
-        "trainer.tensorboard=false",
+        "trainer.loggers.tensorboard=false",
         f"hydra.run.dir={run_dir}",
         *overrides,
         cwd=ROOT,

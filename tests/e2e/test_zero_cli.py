@@ -23,7 +23,7 @@ def _run(run_dir: Path, *overrides: str) -> dict:
         "recipe=synthetic",
         f"trainer.max_steps={STEPS}",
         "trainer.progress=false",
-        "trainer.tensorboard=false",
+        "trainer.loggers.tensorboard=false",
         f"hydra.run.dir={run_dir}",
         *overrides,
         cwd=ROOT,

@@ -84,7 +84,7 @@ def test_unknown_key_suggests_the_closest():
     "section,key,value,words",
     [
         ("trainer", "epochs", "ten", "must be an integer"),
-        ("trainer", "tensorboard", "yes", "must be true or false"),
+        ("trainer", "deterministic", "yes", "must be true or false"),
         ("optimizer", "lr", True, "must be a number"),
         ("trainer", "epochs", 2.5, "must be an integer"),
     ],

@@ -33,13 +33,14 @@ def from_config(config: TrainerConfig) -> list[Callback]:
     """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, (best)
     checkpoints, early stopping."""
     callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress))]
-    if config.tensorboard:
+    loggers = config.loggers
+    if loggers.tensorboard:
         callbacks.append(TensorBoardCallback())
-    if config.csv:
+    if loggers.csv:
         callbacks.append(CSVLogger())
-    if config.mlflow:
+    if loggers.mlflow:
         callbacks.append(MLflowLogger())
-    if config.wandb:
+    if loggers.wandb:
         callbacks.append(WandbLogger())
     saving = config.checkpoint
     if saving.every_epochs or saving.every_steps or saving.at_end:

@@ -6,12 +6,12 @@ Every logger receives the same values: the training scalars of each logging wind
 ``self.log``'s epoch values), all at the optimizer step they belong to; and, once per fit, the
 composed configuration as hyper-parameters.
 
-- :class:`CSVLogger` (on by default, ``trainer.csv``): ``<run>/metrics.csv``, one row per step
+- :class:`CSVLogger` (on by default, ``trainer.loggers.csv``): ``<run>/metrics.csv``, one row per step
   that logged anything, one column per metric; ``<run>/hparams.yaml``.
-- ``TensorBoardCallback`` (``trainer.tensorboard``): event files, hyper-parameters in the HParams tab.
-- :class:`MLflowLogger` (``trainer.mlflow``): an MLflow run in a local file store
+- ``TensorBoardCallback`` (``trainer.loggers.tensorboard``): event files, hyper-parameters in the HParams tab.
+- :class:`MLflowLogger` (``trainer.loggers.mlflow``): an MLflow run in a local file store
   (``<run>/mlruns``), the configuration as parameters.
-- :class:`WandbLogger` (``trainer.wandb``): a Weights & Biases run in offline mode under
+- :class:`WandbLogger` (``trainer.loggers.wandb``): a Weights & Biases run in offline mode under
   ``<run>/wandb`` (``wandb sync`` uploads it later), the configuration as its config.
 
 MLflow and W&B are imported only when used: ``pip install ddptrain[loggers]``.

@@ -107,7 +107,7 @@ def _fit(rank, ws, output_dir):
             "trainer": {
                 "epochs": 1,
                 "progress": False,
-                "tensorboard": False,
+                "loggers": {"tensorboard": False},
                 "checkpoint": {"every_epochs": 0, "at_end": False},
                 "output_dir": output_dir,
             },

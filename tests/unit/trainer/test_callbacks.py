@@ -67,8 +67,11 @@ def test_the_config_chooses_the_built_in_callbacks():
         return [type(c) for c in from_config(Config.from_dict({"trainer": trainer}).trainer)]
 
     assert kinds() == [ProgressCallback, TensorBoardCallback, CSVLogger, CheckpointCallback]
-    assert kinds(mlflow=True, wandb=True, csv=False, tensorboard=False)[1:3] == [MLflowLogger, WandbLogger]
-    off = {"tensorboard": False, "csv": False, "checkpoint": {"every_epochs": 0, "at_end": False}}
+    assert kinds(loggers={"mlflow": True, "wandb": True, "csv": False, "tensorboard": False})[1:3] == [
+        MLflowLogger,
+        WandbLogger,
+    ]
+    off = {"loggers": {"tensorboard": False, "csv": False}, "checkpoint": {"every_epochs": 0, "at_end": False}}
     assert kinds(**off) == [ProgressCallback]
     assert kinds(**merged(off, {"checkpoint": {"every_steps": 5}})) == [ProgressCallback, CheckpointCallback]
     checkpoint = from_config(Config.from_dict({"trainer": {"checkpoint": {"every_steps": 5, "keep_last": 2}}}).trainer)[

@@ -26,7 +26,7 @@ def _fit(rank, world_size, out, compression, zero_stage):
             "data": {"global_batch_size": 24},
             "dist": {"grad_compression": compression, "zero_stage": zero_stage, "bucket_cap_mb": 0.0002},
             "optimizer": {"name": "adamw", "lr": 0.01},
-            "trainer": {"epochs": 2, "progress": False, "tensorboard": False, "output_dir": str(out)},
+            "trainer": {"epochs": 2, "progress": False, "loggers": {"tensorboard": False}, "output_dir": str(out)},
         }
     )
     task = Task(config)

@@ -56,7 +56,7 @@ def _config(tmp_path, model, invariant=True, **trainer):
         "epochs": 2,
         "log_every_steps": 1,
         "progress": False,
-        "tensorboard": False,
+        "loggers": {"tensorboard": False},
         "checkpoint": {"every_epochs": 0, "at_end": False},
         "output_dir": str(tmp_path),
         "world_size_invariant": invariant,

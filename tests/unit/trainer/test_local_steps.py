@@ -82,7 +82,13 @@ def _config(out, optimizer=None, dist=None, **trainer):
             "data": {"global_batch_size": GLOBAL_BATCH, "eval_batch_size": 10},
             "optimizer": optimizer or {"name": "sgd", "lr": 0.1, "momentum": 0.9},
             "dist": dist or {},
-            "trainer": {"epochs": 2, "progress": False, "tensorboard": False, "output_dir": str(out), **trainer},
+            "trainer": {
+                "epochs": 2,
+                "progress": False,
+                "loggers": {"tensorboard": False},
+                "output_dir": str(out),
+                **trainer,
+            },
         }
     )
 

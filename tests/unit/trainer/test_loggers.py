@@ -38,7 +38,7 @@ def _rows(path):
 
 def test_metrics_csv_holds_every_reduced_value_at_its_step(tmp_path):
     record = Record()
-    trainer = Logs(_config(tmp_path, csv=True), callbacks=[record])
+    trainer = Logs(_config(tmp_path, loggers={"csv": True}), callbacks=[record])
     final = trainer.fit()
     rows = _rows(tmp_path / "metrics.csv")
     assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]  # log_every_steps=2, 4 steps per epoch
@@ -70,7 +70,7 @@ def test_metrics_csv_of_a_resumed_run_continues_the_first(tmp_path):
 
 
 def test_the_csv_logger_can_be_turned_off(tmp_path):
-    TinyTrainer(_config(tmp_path, csv=False, epochs=1)).fit()
+    TinyTrainer(_config(tmp_path, loggers={"csv": False}, epochs=1)).fit()
     assert not (tmp_path / "metrics.csv").exists() and (tmp_path / "metrics.json").exists()
 
 
@@ -78,7 +78,7 @@ def test_tensorboard_records_the_hyperparameters(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.plugins.hparams import plugin_data_pb2
 
-    TinyTrainer(_config(tmp_path, tensorboard=True, epochs=1)).fit()
+    TinyTrainer(_config(tmp_path, loggers={"tensorboard": True}, epochs=1)).fit()
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     content = acc.PluginTagToContent("hparams")["_hparams_/session_start_info"]
@@ -92,7 +92,7 @@ def test_mlflow_run_in_a_local_file_store(tmp_path):
     pytest.importorskip("mlflow", reason="MLflow is optional: pip install 'ddptrain[loggers]'")
     from mlflow.tracking import MlflowClient
 
-    trainer = Logs(_config(tmp_path, mlflow=True))
+    trainer = Logs(_config(tmp_path, loggers={"mlflow": True}))
     trainer.fit()
     client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
     (run,) = client.search_runs([client.get_experiment_by_name("ddptrain").experiment_id])
@@ -128,4 +128,4 @@ def test_a_missing_logger_package_says_how_to_install_it(tmp_path, monkeypatch):
         monkeypatch.setitem(sys.modules, name, None)  # import raises ImportError, installed or not
     expected = r"MLflowLogger needs the 'mlflow.tracking' package .*pip install 'ddptrain\[loggers\]'"
     with pytest.raises(ImportError, match=expected):
-        TinyTrainer(_config(tmp_path, mlflow=True, epochs=1)).fit()
+        TinyTrainer(_config(tmp_path, loggers={"mlflow": True}, epochs=1)).fit()

@@ -15,7 +15,13 @@ def _config(out, **trainer):
         {
             "model": {"_target_": "torch.nn.Linear", "in_features": 8, "out_features": 3},
             "data": {"global_batch_size": 10, "eval_batch_size": 7},
-            "trainer": {"epochs": 1, "progress": False, "tensorboard": False, "output_dir": str(out), **trainer},
+            "trainer": {
+                "epochs": 1,
+                "progress": False,
+                "loggers": {"tensorboard": False},
+                "output_dir": str(out),
+                **trainer,
+            },
         }
     )
 

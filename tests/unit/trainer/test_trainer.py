@@ -20,7 +20,7 @@ def _config(tmp_path, data=None, optimizer=None, **trainer):
         "epochs": 2,
         "log_every_steps": 2,
         "progress": False,
-        "tensorboard": False,
+        "loggers": {"tensorboard": False},
         "checkpoint": {"every_epochs": 0, "at_end": False},
         "output_dir": str(tmp_path),
     }

@@ -45,7 +45,13 @@ def _config(out, zero_stage, **trainer):
             "data": {"global_batch_size": 24},
             "dist": {"algorithm": "ring", "zero_stage": zero_stage, "bucket_cap_mb": 0.0002},
             "optimizer": {"name": "adamw", "lr": 0.01, "weight_decay": 0.1},
-            "trainer": {"epochs": 2, "progress": False, "tensorboard": False, "output_dir": str(out), **trainer},
+            "trainer": {
+                "epochs": 2,
+                "progress": False,
+                "loggers": {"tensorboard": False},
+                "output_dir": str(out),
+                **trainer,
+            },
         }
     )
 
