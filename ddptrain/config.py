@@ -343,7 +343,7 @@ class EmaConfig:
 @dataclass
 class CheckpointConfig:
     """``trainer.checkpoint.*``: when checkpoints are written, how many are kept, and the best ones
-    (written by :class:`ddptrain.trainer.callbacks.checkpoint.PeriodicCheckpoint` and
+    (written by :class:`ddptrain.trainer.callbacks.checkpoint.CheckpointCallback` and
     :class:`ddptrain.trainer.callbacks.best.BestCheckpoints`; the layout is :class:`ddptrain.rundir.RunDir`'s)."""
 
     every_epochs: int = bounded(1, at_least=0)
