@@ -346,11 +346,23 @@ def _remove_empty_run_dir(run_dir: Path, fresh: list[Path]) -> None:
 
 
 def _hydra_message(exc: BaseException) -> str:
-    """Hydra's composition error in one or two lines: what failed and why."""
-    lines = [str(exc).splitlines()[0]] if str(exc) else [type(exc).__name__]
+    """Hydra's composition error in one or two lines: what failed and why. A moved key in a YAML file
+    (which Hydra reads, so it cannot be renamed there as on the command line) gets its new name."""
+    text = str(exc)
+    lines = text.splitlines() or [type(exc).__name__]
+    head = lines[0]
+    if head.endswith(":") and len(lines) > 1:  # "In 'recipe/x': ConfigKeyError raised while composing config:"
+        head = f"{head} {lines[1].strip()}"
+    parts = [head]
     if exc.__cause__ is not None and str(exc.__cause__):
-        lines.append(str(exc.__cause__).splitlines()[0])
-    return ": ".join(lines)
+        parts.append(str(exc.__cause__).splitlines()[0])
+    message = ": ".join(parts)
+    from ..config import MOVED_KEYS
+
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.strip().startswith("full_key:")), None)
+    if key in MOVED_KEYS:
+        message += f". {key} is now {MOVED_KEYS[key]}: write that in the YAML file (the command line takes both)"
+    return message
 
 
 def _run_other_rank(argv: list[str], deferred: _StopSignalsDeferred) -> int:
