@@ -688,10 +688,14 @@ def rename_moved_keys(data: dict) -> tuple[dict, list[str]]:
         if not isinstance(holder, dict) or name not in holder:
             continue
         value = holder.pop(name)
-        *path, leaf = new.split(".")[1:]
-        target = holder
-        for part in path:  # the new key's sections, made or copied
-            child = dict(target.get(part) or {})
+        *path, leaf = new.split(".")
+        target = data
+        for depth, part in enumerate(path):  # the new key's sections, made or copied (never the caller's)
+            child = target.get(part)
+            if child is not None and not isinstance(child, dict):
+                section_key = ".".join(path[: depth + 1])
+                raise ConfigError(f"{section_key} must be a mapping of keys to values, got {child!r}")
+            child = dict(child or {})
             target[part] = child
             target = child
         if leaf in target and target[leaf] != value:
