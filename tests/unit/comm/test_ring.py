@@ -35,6 +35,13 @@ class Network:
         self.lock = threading.Lock()
         self.sent = defaultdict(list)  # rank -> [numel of each message]
 
+    def queue(self, src: int, dst: int, tag: int) -> queue.Queue:
+        """The queue from ``src`` to ``dst`` for ``tag``, made under the lock: defaultdict's factory
+        runs Python code, so a sender and its receiver creating one queue at once could each get
+        their own, and the receiver would wait on a queue nobody fills."""
+        with self.lock:
+            return self.queues[(src, dst, tag)]
+
 
 class _RecvWork(Work):
     def __init__(self, q, tensor):
@@ -63,12 +70,12 @@ class FakeGroup(ProcessGroup):
         self._check_peer(dst, "send", "dst")
         with self.net.lock:
             self.net.sent[self._rank].append(tensor.numel())
-        self.net.queues[(self._rank, dst, tag)].put(tensor.clone())
+        self.net.queue(self._rank, dst, tag).put(tensor.clone())
         return CompletedWork("send", [tensor])
 
     def _recv(self, tensor, src, tag=0):
         self._check_peer(src, "recv", "src")
-        return _RecvWork(self.net.queues[(src, self._rank, tag)], tensor)
+        return _RecvWork(self.net.queue(src, self._rank, tag), tensor)
 
     def _unused(self, *args, **kwargs):
         raise NotImplementedError("the ring must only use send/recv")
@@ -234,10 +241,10 @@ def test_multi_dimensional_tensor_keeps_its_shape():
 
 def test_ring_messages_do_not_steal_user_messages():
     net = Network()
-    net.queues[(0, 1, 0)].put(torch.tensor([42.0]))  # a user's message from rank 0 to 1, tag 0, not yet received
+    net.queue(0, 1, 0).put(torch.tensor([42.0]))  # a user's message from rank 0 to 1, tag 0, not yet received
     got, _ = run_ring([torch.ones(4), torch.ones(4) * 2], ReduceOp.SUM, net)
     assert all(torch.equal(t, torch.full((4,), 3.0)) for t in got)
-    assert net.queues[(0, 1, 0)].get_nowait().item() == 42.0
+    assert net.queue(0, 1, 0).get_nowait().item() == 42.0
     assert RING_TAG != 0
 
 
