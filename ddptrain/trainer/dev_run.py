@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from ..config import CheckpointConfig, Config, LoggersConfig
+from ..config import Config
 
 __all__ = ["dev_run_batches", "dev_run_config", "remove_dev_run_dir", "DEV_RUN_DIR_PREFIX"]
 
@@ -47,8 +47,8 @@ def dev_run_config(config: Config) -> Config:
         num_sanity_val_steps=0,
         eval_every_epochs=1,
         eval_every_steps=0,
-        checkpoint=CheckpointConfig(every_epochs=0, every_steps=0, at_end=False, monitor=None),
-        loggers=LoggersConfig(tensorboard=False, csv=False, mlflow=False, wandb=False),
+        checkpoint=dataclasses.replace(t.checkpoint, every_epochs=0, every_steps=0, at_end=False, monitor=None),
+        loggers=dataclasses.replace(t.loggers, tensorboard=False, csv=False, mlflow=False, wandb=False),
         profiler=dataclasses.replace(t.profiler, enabled=False),
         doctor=False,
         output_dir=output_dir,
