@@ -1,9 +1,15 @@
 """Running a whole job from a :class:`Config`: spawn local ranks, or be one rank of an external launch.
 
 ``run(config)`` is what ``python -m ddptrain`` calls after composing the config; Python users can
-call it too. Before any worker starts it checks everything it can in this one process (config,
-device, data, the checkpoint to resume from), so a mistake costs a second and prints one error
-instead of one traceback per rank.
+call it too. Before any worker starts it checks everything it can (config, device, data, the
+checkpoint to resume from), so a mistake costs a second and prints one error instead of one
+traceback per rank.
+
+The local launcher itself never imports torch: it only starts, watches and restarts processes.
+The checks that need torch (the trainer class, the data, the checkpoint) run in one short-lived
+process forked from the preloaded server that will fork the workers (:func:`prepare_job`), and
+their verdict comes back pickled (the errors live in :mod:`ddptrain.errors`, which imports no
+torch). That saves a second of CPU per run, and the launcher's memory stays small.
 """
 
 from __future__ import annotations
@@ -16,17 +22,14 @@ from typing import Any
 
 from . import envvars
 from .config import Config, ConfigError, default_output_dir, locate
-from .doctor.session import doctor_callbacks
-from .launch import MpiexecNotFoundError, WorkerFailedError, launch
+from .launch import MpiexecNotFoundError, WorkerFailedError, forkserver, launch
 from .launch.env import ClusterEnvironment, detect_environment
+from .launch.spawn import spawn_workers
 from .logs import setup_logging
 from .preflight import check_device, resolve_backend, validate
 from .rundir import RunDir
-from .trainer.checkpoint import preflight_resume, resume_after_restart
-from .trainer.dev_run import dev_run_config
-from .tune.lr_find import LRFinder
 
-__all__ = ["run", "load_trainer_class", "plugin_callbacks"]
+__all__ = ["run", "prepare_job", "load_trainer_class", "plugin_callbacks"]
 
 _log = logging.getLogger("ddptrain.runner")
 
@@ -64,15 +67,13 @@ def run(config: Config) -> dict[str, Any]:
         ddptrain.launch.WorkerFailedError: a rank failed (its message and traceback included).
     """
     env = detect_environment()
-    cls = load_trainer_class(config)
-    # trainer.fast_dev_run: its limits and one temporary output directory for the launcher and every
-    # local rank (the ranks delete it when they pass)
-    config = dev_run_config(config)
     if env.is_launched_externally():
+        cls = load_trainer_class(config)
+        config = _dev_run_config(config)
         _check_launcher(config, env)
         validate(config, env.world_size)
         check_device(config, env.local_world_size)
-        cls.prepare_data(config)  # every rank: safe, dataset caches are written atomically
+        cls.prepare_data(config)  # every rank: dataset caches are written atomically
         return _run_rank(env.rank, env.world_size, config)
     if config.launcher.name != "local":
         name = config.launcher.name
@@ -81,22 +82,13 @@ def run(config: Config) -> dict[str, Any]:
             f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
             "to spawn the workers here."
         )
-    if not config.trainer.output_dir:  # one directory for the launcher and every worker
-        config = dataclasses.replace(
-            config, trainer=dataclasses.replace(config.trainer, output_dir=default_output_dir(config))
-        )
+    validate(config, config.dist.world_size)  # no torch needed: a bad value answers at once
+    config = _checked_in_a_preloaded_process(config)
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
-    world_size = config.dist.world_size
-    validate(config, world_size)
-    check_device(config, world_size)
-    if config.model.get("_target_"):
-        locate(config.model["_target_"], "model._target_")  # a typo fails here, not once per rank
-    preflight_resume(config, world_size)
-    cls.prepare_data(config)  # once, here: decompression and missing files surface before spawning
     restarts = 0
     while True:
         try:
-            return _start_workers(config, world_size)[0]
+            return _start_workers(config, config.dist.world_size)[0]
         except WorkerFailedError as exc:
             if restarts >= config.launcher.max_restarts:
                 raise
@@ -112,8 +104,79 @@ def run(config: Config) -> dict[str, Any]:
             )
 
 
+def prepare_job(config: Config) -> Config:
+    """Everything the local launcher checks and prepares before it starts the workers; the
+    config the workers get (``trainer.fast_dev_run``'s limits, the run directory filled in).
+
+    Loads the trainer class and the model's class (a typo fails here, once, not once per rank),
+    checks the device and the checkpoint to resume from, and runs the trainer's ``prepare_data``
+    (decompression and missing files surface before any rank starts).
+    """
+    cls = load_trainer_class(config)
+    # trainer.fast_dev_run: its limits and one temporary output directory for the launcher and every
+    # local rank (the ranks delete it when they pass)
+    config = _dev_run_config(config)
+    if not config.trainer.output_dir:  # one directory for the launcher and every worker
+        config = dataclasses.replace(
+            config, trainer=dataclasses.replace(config.trainer, output_dir=default_output_dir(config))
+        )
+    setup_logging(None, config.trainer.output_dir)  # what the checks log goes to the run's log too
+    world_size = config.dist.world_size
+    validate(config, world_size)
+    check_device(config, world_size)
+    if config.model.get("_target_"):
+        locate(config.model["_target_"], "model._target_")
+    from .trainer.checkpoint import preflight_resume
+
+    preflight_resume(config, world_size)
+    cls.prepare_data(config)
+    return config
+
+
+class _RemoteTraceback(Exception):
+    """The traceback of an error raised in the process that ran :func:`prepare_job` (shown as the
+    cause of the same error re-raised in the launcher)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _prepare_job_and_report(rank: int, world_size: int, config: Config) -> tuple:
+    """In the forked checker: ``("ok", config)``, or ``("error", exception, traceback text)``.
+    Errors are returned, not raised, so that the launcher raises the same exception (a
+    ``ConfigError`` is a refusal with rc 2, not a failed rank)."""
+    import traceback
+
+    try:
+        return "ok", prepare_job(config)
+    except Exception as exc:  # noqa: BLE001 - every refusal goes back to the launcher as itself
+        return "error", exc, traceback.format_exc()
+
+
+def _checked_in_a_preloaded_process(config: Config) -> Config:
+    """:func:`prepare_job` in a process forked from the preloaded server (see the module
+    docstring), or here where no server can run (not Linux)."""
+    if not forkserver.available():
+        return prepare_job(config)
+    outcome = spawn_workers(_prepare_job_and_report, 1, args=(config,), threads=1)[0]
+    if resolve_backend(config, "local") == "mpi":
+        forkserver.discard()  # mpiexec starts the ranks: the idle server would only hold memory
+    if outcome[0] == "ok":
+        return outcome[1]
+    _, exc, remote = outcome
+    raise exc from _RemoteTraceback(remote)
+
+
+def _dev_run_config(config: Config) -> Config:
+    from .trainer.dev_run import dev_run_config
+
+    return dev_run_config(config)
+
+
 def _resume_from_latest(config: Config) -> Config:
     """The config of a restart: resume from this run's newest valid checkpoint, if it has one."""
+    from .trainer.checkpoint import resume_after_restart
+
     resume = resume_after_restart(RunDir(config.trainer.output_dir or "."))
     if resume is None:
         return config  # nothing written yet: start again as the first attempt did
@@ -174,4 +237,7 @@ def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
 def plugin_callbacks(config: Config) -> list:
     """The callbacks whose work the config asks for (``trainer.doctor``, ``dist.bucket_cap_mb=auto``,
     ``trainer.lr_find``): the runner adds them; a ``fit()`` called by hand must get them too."""
+    from .doctor.session import doctor_callbacks
+    from .tune.lr_find import LRFinder
+
     return [*doctor_callbacks(config), *([LRFinder(config.lr_find)] if config.trainer.lr_find else [])]

@@ -406,10 +406,9 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
             raise
         return _error(str(exc), EXIT_BAD_CONFIG), True
     with _StopSignalsDeferred():  # torch's C++ import code cannot take a KeyboardInterrupt
-        from ..data import DatasetCorruptError, DatasetNotFoundError
+        from ..errors import CheckpointError, DatasetCorruptError, DatasetNotFoundError, SmokeCheckError
         from ..launch import LaunchTimeoutError, WorkerFailedError
         from ..runner import run
-        from ..trainer import CheckpointError, SmokeCheckError
     try:
         metrics = run(config)
     except ConfigError as exc:  # what needs the job: a checkpoint to resume, the data, a plug-in

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .. import envvars
-from ..comm import forensics
 from .env import threads_per_rank
 from .failures import WorkerFailedError
 from .mpi_launch import launch_under_mpiexec
@@ -100,7 +99,7 @@ def ledger_directory(env: dict | None):
         env["DDPTRAIN_LEDGER_DIR"] = directory
     previous = None
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGUSR1, lambda *_: print(forensics.dump(directory), file=sys.stderr))
+        previous = signal.signal(signal.SIGUSR1, lambda *_: print(_dump(directory), file=sys.stderr))
     try:
         yield env, directory
     finally:
@@ -110,11 +109,20 @@ def ledger_directory(env: dict | None):
             shutil.rmtree(made, ignore_errors=True)
 
 
+def _dump(directory: str) -> str:
+    # Imported when asked for: the ledger's reader needs torch, which the launcher otherwise never imports.
+    from ..comm import forensics
+
+    return forensics.dump(directory)
+
+
 def with_forensics(exc: WorkerFailedError, directory: str) -> WorkerFailedError:
     """A rank that died of a signal (a backend's abort, the OOM killer, kill -9) reports nothing:
     add what the ledgers tell (the collective the ranks disagreed on, who was behind)."""
     if exc.worker_traceback or "Collective ledger:" in str(exc) or directory.lower() == "off":
         return exc
+    from ..comm import forensics
+
     extra = forensics.explain_job(directory, stacks=False)
     if not extra:
         return exc

@@ -44,6 +44,7 @@ from ..comm.objects import all_gather_object
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
 from ..config import DataConfig
+from ..errors import SmokeCheckError
 from .data import batch_size_of, make_batches, move_to
 from .rng import preserved_rng_state
 
@@ -299,10 +300,6 @@ class ExactMean:
         metrics: dict[str, float] = {f"{prefix}{k}": totals[i] / count for i, k in enumerate(names)}
         metrics[f"{prefix}samples"] = int(round(count))
         return {**metrics, **user}
-
-
-class SmokeCheckError(RuntimeError):
-    """``trainer.smoke_check``: the loss did not fall, or the ranks' parameters differ."""
 
 
 class SmokeProbe:

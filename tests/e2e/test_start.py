@@ -34,10 +34,10 @@ _REPORT_TORCH = (
 )
 
 
-def _run_reporting_torch(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, bool]:
+def _run_reporting_torch(*args: str, cwd: Path, **env: str) -> tuple[subprocess.CompletedProcess, bool]:
     """Run the CLI; the result and whether its process imported torch before exiting."""
     proc = subprocess.run(
-        [PYTHON, "-c", _REPORT_TORCH, *args], cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=60
+        [PYTHON, "-c", _REPORT_TORCH, *args], cwd=cwd, env=cli_env(**env), capture_output=True, text=True, timeout=120
     )
     assert "TORCH:" in proc.stderr, proc.stderr
     return proc, "TORCH: True" in proc.stderr
@@ -67,6 +67,26 @@ def test_config_errors_help_and_version_answer_without_importing_torch(tmp_path,
     for word in words:
         assert word in proc.stdout + proc.stderr
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "args, code, words",
+    [
+        (TINY, 0, ["ddptrain: recipe synthetic finished on 2 rank(s) at step 1"]),
+        # found by the checks that need torch, which run in a process forked from the fork server
+        (["recipe=synthetic", "trainer.resume=latest"], 2, ["trainer.resume=latest: no checkpoint in"]),
+        (["recipe=mnist", "data.root=nowhere", "data.download=false"], 1, ["MNIST was not found", "data.root=<dir>"]),
+    ],
+)
+def test_the_local_launcher_trains_and_refuses_without_importing_torch(tmp_path, args, code, words):
+    """The launcher only starts and watches processes: torch, a second of CPU and hundreds of MB,
+    is imported by the fork server alone, and the checks' errors come back as themselves."""
+    proc, imported_torch = _run_reporting_torch(*args, cwd=tmp_path, DDPTRAIN_DATA_SOURCES="")
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    assert not imported_torch, f"the launcher of {args} imported torch"
+    for word in words:
+        assert word in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 def test_help_key_prints_its_name_type_rule_default_and_documentation(tmp_path):

@@ -26,6 +26,7 @@ from typing import Any, Union
 import torch
 
 from ...config import ConfigError
+from ...errors import CheckpointError, NothingToResumeError
 
 __all__ = [
     "CheckpointError",
@@ -48,14 +49,6 @@ FORMAT_VERSION = 1
 REQUIRED_KEYS = ("format_version", "step", "epoch", "world_size", "model", "optimizer", "sampler", "rng")
 _NAME = re.compile(r"^step_(\d+)\.pt$")
 PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on Python 3.10
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, truncated, corrupt, or does not fit this run."""
-
-
-class NothingToResumeError(ConfigError, CheckpointError):
-    """``trainer.resume=latest`` found no checkpoint to continue from (a configuration problem: rc 2)."""
 
 
 class CheckpointWarning(UserWarning):
