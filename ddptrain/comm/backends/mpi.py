@@ -21,6 +21,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NamedTuple
@@ -57,6 +58,12 @@ _IDLE_WAKE_S = 0.05
 # busy with backward, every wake-up is taken from compute (a fixed 0.2 ms cost ~8% of the 18M
 # MLP's step time on 2 cores, measured with scripts/bench_ddp.py --backend mpi).
 # Bounds: DDPTRAIN_MPI_POLL_MIN_S and DDPTRAIN_MPI_POLL_MAX_S (ddptrain.envvars), read when the thread starts.
+# While a caller blocks on a result the thread polls without sleeping, but only for the first
+# _EAGER_POLL_S of each wait: a collective that takes longer is waiting for a peer (one still in
+# backward, evaluating, saving a checkpoint), and spinning then takes a core from that peer on a
+# host with more ranks than cores (3 s of waiting cost 2.4 s of CPU). Past it the sleeps above
+# apply, so a late peer's collective completes at most DDPTRAIN_MPI_POLL_MAX_S after it arrives.
+_EAGER_POLL_S = 0.05
 
 # The ``MPI.Op`` (by attribute name) of each reduction; AVG is a SUM divided afterwards.
 _MPI_OP_NAMES = {
@@ -162,6 +169,7 @@ class _CommThread:
         self._pending: list[_Pending] = []
         self._groups: dict[int, _ProbedGroup] = {}  # by id(group)
         self._waiters, self._waiters_lock = 0, threading.Lock()
+        self._wait_began = 0.0  # time.monotonic() of the latest waiting(+1)
         self._replies: list[_Reply] = []
         self._thread = threading.Thread(target=self._loop, name="ddptrain-mpi", daemon=True)
         self._thread.start()
@@ -173,9 +181,12 @@ class _CommThread:
 
     def waiting(self, delta: int) -> None:
         """A caller starts (+1) or stops (-1) blocking on a result. While anyone blocks, nothing
-        on this rank computes that polling could slow down: the loop polls without sleeping."""
+        on this rank computes that polling could slow down: the loop polls without sleeping for
+        the first _EAGER_POLL_S of the wait."""
         with self._waiters_lock:
             self._waiters += delta
+            if delta > 0:
+                self._wait_began = time.monotonic()
         if delta > 0:
             self._queue.put(())  # cut the current sleep short
 
@@ -185,7 +196,7 @@ class _CommThread:
         sleep = poll_min_s
         while True:
             try:
-                if self._pending and self._waiters:
+                if self._pending and self._waiters and time.monotonic() - self._wait_began < _EAGER_POLL_S:
                     item = self._queue.get_nowait()
                 else:
                     item = self._queue.get(timeout=sleep if self._pending else _IDLE_WAKE_S)
