@@ -114,6 +114,24 @@ def test_an_idle_server_that_was_killed_is_replaced():
     assert _idle_server_pid() not in (None, server)
 
 
+def _builds_an_optimizer(rank: int, world_size: int) -> float:
+    """CPU seconds this worker spends building its first torch optimizer."""
+    import torch
+
+    started = time.process_time()
+    torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    return time.process_time() - started
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_a_server_started_for_a_job_preloads_what_building_an_optimizer_imports():
+    """Building any torch optimizer imports torch._dynamo: over a second of CPU in every worker
+    (1.3-1.5 s measured here) unless the server imported it once before forking them."""
+    forkserver.discard()  # the server of this job is started for it, with the job's preload
+    cpu_s = spawn_workers(_builds_an_optimizer, 2, threads=1)
+    assert max(cpu_s) < 0.3, f"building an SGD took {cpu_s} s of CPU in the workers"
+
+
 def test_a_failing_worker_is_reported_and_nothing_is_left(tmp_path):
     for method in ("forkserver", "spawn"):
         with pytest.raises(WorkerFailedError) as err:
