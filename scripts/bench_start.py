@@ -47,14 +47,16 @@ model(torch.randn(64, 784)).sum().backward()
 optimizer.step()
 """
 _TORCH_DDP = """
+import socket
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def worker(rank):
+def worker(rank, port):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(784, 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.randn(64, 784)).sum().backward()
@@ -63,7 +65,10 @@ def worker(rank):
 
 
 if __name__ == "__main__":
-    mp.spawn(worker, nprocs=2)
+    with socket.socket() as s:  # a free port: a fixed one may still be held from the last run (TIME_WAIT)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(port,), nprocs=2)
 """
 ANCHORS = {
     "torch floor (1 process, one SGD step)": _ONE_STEP,
@@ -77,7 +82,9 @@ def _run_anchor(code: str, timeout_s: float = 300) -> float:
         script = Path(cwd) / "anchor.py"  # a file, not -c: spawn re-imports the main module
         script.write_text(code)
         started = time.monotonic()
-        subprocess.run([PYTHON, str(script)], cwd=cwd, check=True, timeout=timeout_s, capture_output=True)
+        proc = subprocess.run([PYTHON, str(script)], cwd=cwd, timeout=timeout_s, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"the anchor exited {proc.returncode}:\n{proc.stderr[-2000:]}")
         return time.monotonic() - started
 
 
