@@ -68,8 +68,10 @@ def run(config: Config) -> dict[str, Any]:
     """
     env = detect_environment()
     if env.is_launched_externally():
+        from .trainer.dev_run import dev_run_config
+
         cls = load_trainer_class(config)
-        config = _dev_run_config(config)
+        config = dev_run_config(config)
         _check_launcher(config, env)
         validate(config, env.world_size)
         check_device(config, env.local_world_size)
@@ -82,7 +84,6 @@ def run(config: Config) -> dict[str, Any]:
             f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
             "to spawn the workers here."
         )
-    validate(config, config.dist.world_size)  # no torch needed: a bad value answers at once
     config = _checked_in_a_preloaded_process(config)
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
     restarts = 0
@@ -112,10 +113,12 @@ def prepare_job(config: Config) -> Config:
     checks the device and the checkpoint to resume from, and runs the trainer's ``prepare_data``
     (decompression and missing files surface before any rank starts).
     """
+    from .trainer.dev_run import dev_run_config
+
     cls = load_trainer_class(config)
     # trainer.fast_dev_run: its limits and one temporary output directory for the launcher and every
     # local rank (the ranks delete it when they pass)
-    config = _dev_run_config(config)
+    config = dev_run_config(config)
     if not config.trainer.output_dir:  # one directory for the launcher and every worker
         config = dataclasses.replace(
             config, trainer=dataclasses.replace(config.trainer, output_dir=default_output_dir(config))
@@ -165,12 +168,6 @@ def _checked_in_a_preloaded_process(config: Config) -> Config:
         return outcome[1]
     _, exc, remote = outcome
     raise exc from _RemoteTraceback(remote)
-
-
-def _dev_run_config(config: Config) -> Config:
-    from .trainer.dev_run import dev_run_config
-
-    return dev_run_config(config)
 
 
 def _resume_from_latest(config: Config) -> Config:

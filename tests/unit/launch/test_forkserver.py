@@ -128,7 +128,7 @@ def test_a_server_started_for_a_job_preloads_what_building_an_optimizer_imports(
     """Building any torch optimizer imports torch._dynamo: over a second of CPU in every worker
     (1.3-1.5 s measured here) unless the server imported it once before forking them."""
     forkserver.discard()  # the server of this job is started for it, with the job's preload
-    cpu_s = spawn_workers(_builds_an_optimizer, 2, threads=1)
+    cpu_s = spawn_workers(_builds_an_optimizer, 2, threads=1, timeout_s=60)
     assert max(cpu_s) < 0.3, f"building an SGD took {cpu_s} s of CPU in the workers"
 
 
