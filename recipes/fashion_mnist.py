@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-from ddptrain.data import fashion_mnist
-
 from .mnist import MnistTrainer
 
 
@@ -33,5 +31,5 @@ class MLP(nn.Module):
 class FashionMnistTrainer(MnistTrainer):
     """MNIST's recipe on Fashion-MNIST (its mean 0.2860 and std 0.3530)."""
 
+    dataset = "fashion_mnist"
     mean, std = 0.2860, 0.3530
-    load = staticmethod(fashion_mnist)

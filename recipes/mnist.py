@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 import ddptrain
-from ddptrain.data import mnist
+from ddptrain.data import build_dataset, prepare_dataset_files
 
 
 class Net(nn.Module):
@@ -61,20 +61,24 @@ class MnistTrainer(ddptrain.Trainer):
     this class supplies the data and the loss, which is all a new task usually needs.
     """
 
+    dataset = "mnist"  # a name of ddptrain.data.DATASET_NAMES
     mean, std = 0.1307, 0.3081
-    load = staticmethod(mnist)  # (root, train, download) -> torchvision dataset
 
     @classmethod
     def prepare_data(cls, config: ddptrain.Config) -> None:
-        # Locate (and decompress into data.root) once, before the workers start.
+        # Find, decompress and check the files once, before the workers start, without loading them.
         for train in (True, False):
-            cls.load(config.data.root, train=train, download=config.data.download)
+            prepare_dataset_files(cls.dataset, config.data.root, train=train, download=config.data.download)
 
     def train_dataloader(self) -> Dataset:
-        return as_normalized_tensors(self.load(self.config.data.root, train=True), self.mean, self.std)
+        return self._split(train=True)
 
     def val_dataloader(self) -> Dataset:
-        return as_normalized_tensors(self.load(self.config.data.root, train=False), self.mean, self.std)
+        return self._split(train=False)
+
+    def _split(self, train: bool) -> Dataset:
+        dataset = build_dataset(self.dataset, self.config.data.root, train=train)
+        return as_normalized_tensors(dataset, self.mean, self.std)
 
     def training_step(self, model: nn.Module, batch) -> torch.Tensor:
         images, labels = batch

@@ -12,6 +12,7 @@ from ddptrain.data.datasets import (
     build_dataset,
     fashion_mnist,
     mnist,
+    prepare_dataset_files,
     resolve_data_root,
 )
 from ddptrain.data.partition import DataPartitioner, Partition, partition_dataset
@@ -29,5 +30,6 @@ __all__ = [
     "fashion_mnist",
     "mnist",
     "partition_dataset",
+    "prepare_dataset_files",
     "resolve_data_root",
 ]

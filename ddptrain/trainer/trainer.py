@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..config import Config, ConfigError, default_output_dir, instantiate, max_time_seconds
-from ..data import DistributedSampler, build_dataset
+from ..data import DATASET_NAMES, DistributedSampler, prepare_dataset_files
 from ..ddp import DistributedDataParallel
 from ..launch.join import Membership
 from ..rundir import RunDir
@@ -143,15 +143,20 @@ class Trainer:
         """Make the data available once, before any worker starts (locate, decompress, fail early).
 
         Runs in the launching process (or on every rank under an external launcher, so it must be
-        safe to run concurrently). The default builds the splits of ``config.data.name`` that the
-        default data hooks would read: a subclass that overrides ``train_dataloader`` (or
-        ``val_dataloader``) brings its own data, and nothing is looked for.
+        safe to run concurrently). The default finds and checks the files of the splits of
+        ``config.data.name`` that the default data hooks would read, without loading them
+        (``ddptrain.data.prepare_dataset_files``): a subclass that overrides ``train_dataloader``
+        (or ``val_dataloader``) brings its own data, and nothing is looked for.
         """
-        if config.data.name not in ("mnist", "fashion_mnist"):
-            return
         for train, hooks in ((True, ("train_dataloader", "train_dataset")), (False, ("val_dataloader", "val_dataset"))):
-            if not any(_overrides(cls, hook) for hook in hooks):
-                build_dataset(config.data.name, config.data.root, train=train, download=config.data.download)
+            if any(_overrides(cls, hook) for hook in hooks):
+                continue
+            if config.data.name not in DATASET_NAMES:
+                raise ConfigError(
+                    f"data.name={config.data.name!r} is not one of ddptrain's datasets ({', '.join(DATASET_NAMES)}); "
+                    f"to train on other data, override {hooks[1]} or {hooks[0]} in {cls.__name__}"
+                )
+            prepare_dataset_files(config.data.name, config.data.root, train=train, download=config.data.download)
 
     def configure_model(self) -> nn.Module:
         """The model to train (on CPU; ``fit`` moves it). Default: ``config.model['_target_'](**rest)``."""

@@ -4,6 +4,8 @@ import ast
 import dataclasses
 import gzip
 import os
+import subprocess
+import sys
 import urllib.error
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from ddptrain.data import (
     build_dataset,
     fashion_mnist,
     mnist,
+    prepare_dataset_files,
     resolve_data_root,
 )
 
@@ -237,6 +240,45 @@ def test_build_dataset_dispatch(mnist_loaded):
     with pytest.raises(ValueError, match="mnist, fashion_mnist, synthetic"):
         build_dataset("cifar10")
     assert DATASET_NAMES == ("mnist", "fashion_mnist", "synthetic")
+
+
+def test_preparing_the_files_installs_and_checks_them_without_loading_through_torchvision(tmp_path, mnist_raw):
+    # What the launcher runs before any worker starts: it must leave a cache build_dataset then
+    # loads, and must not pay torchvision's import (which brings torch._dynamo) nor the 60000 images.
+    script = (
+        "import sys; from ddptrain.data import prepare_dataset_files as p\n"
+        "for train in (True, False): p('mnist', sys.argv[1], train=train)\n"
+        "p('synthetic', sys.argv[1])\n"
+        "print(sorted(m for m in ('torchvision', 'torch._dynamo') if m in sys.modules))\n"
+    )
+    env = {**os.environ, ds.DATA_SOURCES_ENV: str(mnist_raw), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+    raw = tmp_path / "MNIST" / "raw"
+    assert sorted(p.name for p in raw.iterdir()) == sorted(n[:-3] for n in GZ_NAMES)
+    assert len(build_dataset("mnist", tmp_path, train=True)) == 60000
+
+
+def test_preparing_the_files_refuses_what_loading_would_refuse(no_sources, tmp_path, mnist_raw):
+    with pytest.raises(DatasetNotFoundError, match="train-images-idx3-ubyte.gz"):
+        prepare_dataset_files("mnist", tmp_path / "empty")
+    for folder in ("MNIST", "FashionMNIST"):  # MNIST's files in both datasets' cache folders
+        raw = tmp_path / "root" / folder / "raw"
+        raw.mkdir(parents=True)
+        for path in mnist_raw.iterdir():
+            (raw / path.name).write_bytes(path.read_bytes())
+    with pytest.raises(DatasetCorruptError, match="labels per class .* are not Fashion-MNIST's"):
+        prepare_dataset_files("fashion_mnist", tmp_path / "root", train=True)
+    prepare_dataset_files("mnist", tmp_path / "root", train=False)
+    labels = tmp_path / "root" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
+    labels.write_bytes(labels.read_bytes()[:-1])
+    with pytest.raises(DatasetCorruptError, match="holds 10007 bytes of IDX data, expected 10008"):
+        prepare_dataset_files("mnist", tmp_path / "root", train=False)
+    with pytest.raises(ValueError, match="unknown dataset 'cifar10'; known datasets are mnist, fashion_mnist"):
+        prepare_dataset_files("cifar10")
 
 
 def test_data_package_does_not_import_comm_or_torch_distributed():

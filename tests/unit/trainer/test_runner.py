@@ -47,3 +47,24 @@ def test_fit_refuses_a_doctor_it_was_not_given(tmp_path):
         Trainer(config).fit()
     Trainer(config, callbacks=plugin_callbacks(config)).fit()  # as the message says
     assert (tmp_path / "a" / "doctor.json").is_file()
+
+
+def test_a_dataset_name_the_default_data_hooks_cannot_read_is_refused_before_any_worker_starts(tmp_path):
+    from ddptrain import Trainer
+
+    config = Config.from_dict({"data": {"name": "cifar10"}, "trainer": {"output_dir": str(tmp_path)}})
+    with pytest.raises(
+        ConfigError,
+        match=r"data.name='cifar10' is not one of ddptrain's datasets \(mnist, fashion_mnist, synthetic\); "
+        r"to train on other data, override train_dataset or train_dataloader in Trainer",
+    ):
+        run(config)
+
+    class OwnData(Trainer):  # brings its own data: data.name is nobody's business
+        def train_dataloader(self):
+            raise AssertionError("not called by prepare_data")
+
+        def val_dataloader(self):
+            raise AssertionError("not called by prepare_data")
+
+    OwnData.prepare_data(config)
