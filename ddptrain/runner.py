@@ -7,9 +7,10 @@ traceback per rank.
 
 The local launcher itself never imports torch: it only starts, watches and restarts processes.
 The checks that need torch (the trainer class, the data, the checkpoint) run in one short-lived
-process forked from the preloaded server that will fork the workers (:func:`prepare_job`), and
-their verdict comes back pickled (the errors live in :mod:`ddptrain.errors`, which imports no
-torch). That saves a second of CPU per run, and the launcher's memory stays small.
+process forked from the server that will fork the workers (:func:`prepare_job`), as soon as the
+server has imported what they need (it imports the rest of its preload meanwhile). Their verdict
+comes back pickled (the errors live in :mod:`ddptrain.errors`, which imports no torch). That
+saves a second of CPU per run, and the launcher's memory stays small.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _checked_in_a_preloaded_process(config: Config) -> Config:
     docstring), or here where no server can run (not Linux)."""
     if not forkserver.available():
         return prepare_job(config)
-    outcome = spawn_workers(_prepare_job_and_report, 1, args=(config,), threads=1)[0]
+    outcome = spawn_workers(_prepare_job_and_report, 1, args=(config,), threads=1, needs=forkserver.CHECKS)[0]
     if resolve_backend(config, "local") == "mpi":
         forkserver.discard()  # mpiexec starts the ranks: the idle server would only hold memory
     if outcome[0] == "ok":

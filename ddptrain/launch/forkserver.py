@@ -18,6 +18,10 @@ whole ``os.environ`` (then its per-rank variables), ``sys.path``, ``sys.argv`` a
 directory. The server ignores Ctrl-C (SIGINT) and sits in a process group of its own, so a
 terminal's Ctrl-C reaches the launcher only; it dies with the launcher (``PR_SET_PDEATHSIG``).
 
+A job may say which modules it needs (``needs``): a server still preloading forks it as soon as
+it has those. The launcher's checks before a job (:data:`CHECKS`) so run while the server imports
+``torch._dynamo``, which only the workers need.
+
 The server then waits for the launcher's next job: a restart after a failed rank
 (``launcher.max_restarts``), the next point of a sweep, the next ``run_distributed`` of a test
 suite. Each of those forks in a fraction of a second instead of importing torch again. The
@@ -47,16 +51,14 @@ from typing import Any
 
 __all__ = ["PRELOAD", "SERVER_NAME", "available", "start", "take", "discard", "fork_workers", "ForkedWorker"]
 
+CHECKS = ("torch", "ddptrain.trainer.trainer", "ddptrain.runner", "ddptrain.recipes", "yaml", "logging.handlers")
+"""What the launcher's checks before a job (:func:`ddptrain.runner.prepare_job`) import: they fork
+as soon as the server has these, and run while it imports the rest of :data:`PRELOAD`."""
 PRELOAD = (
-    "torch",
+    *CHECKS,
     "torch._dynamo",  # imported by the first optimizer step: 1.5 s of its own
     "torch.utils.tensorboard",
-    "ddptrain.trainer.trainer",
-    "ddptrain.runner",
-    "ddptrain.recipes",
     "ddptrain.doctor",
-    "yaml",
-    "logging.handlers",
 )
 """Modules the server imports before it forks: what a local worker imports on its way to the first step."""
 SERVER_NAME = "ddptrain-fsrv"
@@ -151,11 +153,14 @@ def discard() -> None:
         _server = None
 
 
-def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[ForkedWorker]:
+def fork_workers(
+    server: _Server, jobs: Sequence[tuple[bytes, int]], needs: Sequence[str] | None = None
+) -> list[ForkedWorker]:
     """Fork one worker per ``(payload, report_fd)`` from the server, which then idles as the
     server of the next job. ``payload`` is ``pickle.dumps((target, args))``: the worker calls
     ``target(*args, report_connection)``, the write end of its report pipe ``report_fd`` as a
-    ``multiprocessing`` connection.
+    ``multiprocessing`` connection. ``needs``: the modules the workers need preloaded; a server
+    still preloading forks them as soon as it has these (None: once it has its whole preload).
 
     Raises:
         OSError: the server died or refused (the caller stops it and falls back to ``spawn``).
@@ -164,7 +169,7 @@ def fork_workers(server: _Server, jobs: Sequence[tuple[bytes, int]]) -> list[For
     if not _prctl(_PR_SET_CHILD_SUBREAPER, 1):
         raise OSError("prctl(PR_SET_CHILD_SUBREAPER) failed: forked workers could not be waited for")
     try:
-        server.conn.send((context, os.getpid(), [payload for payload, _ in jobs]))
+        server.conn.send((context, os.getpid(), [payload for payload, _ in jobs], needs))
         for _, fd in jobs:
             reduction.send_handle(server.conn, fd, server.process.pid)
         if not server.conn.poll(60):
@@ -260,31 +265,48 @@ def _serve(conn, preload: Sequence[str]) -> None:
         os._exit(0)  # the launcher died already
     worker_name = _process_name()
     _prctl(_PR_SET_NAME, SERVER_NAME.encode())
+    early = None  # a job received while preloading, whose needs are not all imported yet
     for name in preload:
         with contextlib.suppress(Exception):  # a worker importing it for real reports the error
             importlib.import_module(name)
+        if early is None and conn.poll():
+            early = _receive(conn)
+        if early is not None and early[3] is not None and all(m in sys.modules for m in early[3]):
+            _fork_leader(conn, early, worker_name)
+            early = None
     # The preloaded objects out of the collector's reach: a worker's first collection would
     # otherwise touch (and so copy) every page the fork shares with the server.
     gc.freeze()
     while True:
-        try:
-            context, launcher_pid, payloads = conn.recv()
-            fds = [reduction.recv_handle(conn) for _ in payloads]
-        except (EOFError, OSError):
-            os._exit(0)  # no more jobs: the launcher stopped us, exited or died
-        try:
-            leader = os.fork()
-        except OSError as exc:
-            conn.send(OSError(f"fork failed: {exc}"))
-            leader = None
-        if leader == 0:
-            _prctl(_PR_SET_NAME, worker_name)
-            _lead(conn, context, launcher_pid, payloads, fds)
-        # The workers hold their report pipes' write ends; a copy left here would hide their death.
-        for fd in fds:
-            os.close(fd)
-        if leader is not None:
-            os.waitpid(leader, 0)  # it exits as soon as the workers are forked
+        job, early = early or _receive(conn), None
+        _fork_leader(conn, job, worker_name)
+
+
+def _receive(conn) -> tuple:
+    """The launcher's next job: (context, launcher pid, payloads, needs, report fds)."""
+    try:
+        context, launcher_pid, payloads, needs = conn.recv()
+        return context, launcher_pid, payloads, needs, [reduction.recv_handle(conn) for _ in payloads]
+    except (EOFError, OSError):
+        os._exit(0)  # no more jobs: the launcher stopped us, exited or died
+
+
+def _fork_leader(conn, job: tuple, worker_name: bytes) -> None:
+    """Fork the job's leader, which forks its workers; return once it has exited."""
+    context, launcher_pid, payloads, _, fds = job
+    try:
+        leader = os.fork()
+    except OSError as exc:
+        conn.send(OSError(f"fork failed: {exc}"))
+        leader = None
+    if leader == 0:
+        _prctl(_PR_SET_NAME, worker_name)
+        _lead(conn, context, launcher_pid, payloads, fds)
+    # The workers hold their report pipes' write ends; a copy left here would hide their death.
+    for fd in fds:
+        os.close(fd)
+    if leader is not None:
+        os.waitpid(leader, 0)  # it exits as soon as the workers are forked
 
 
 def _lead(conn, context: dict, launcher_pid: int, payloads: list, fds: list[int]) -> None:

@@ -76,6 +76,7 @@ def spawn_workers(
     master_port: int | None = None,
     env: dict | None = None,
     start_method: str = "forkserver",
+    needs: Sequence[str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` local worker processes.
 
@@ -90,6 +91,9 @@ def spawn_workers(
         env: extra environment variables for every worker.
         start_method: ``"forkserver"`` (fork from the preloaded server, the default; ``spawn``
             where it cannot work) or ``"spawn"``.
+        needs: the modules the workers need the fork server to have imported. A server still
+            preloading forks them as soon as it has these, while it imports the rest; ``None``
+            waits for its whole preload.
 
     Returns:
         The list of ``fn``'s return values, indexed by rank.
@@ -128,7 +132,7 @@ def spawn_workers(
             *([fn.__module__] if fn.__module__ not in ("__main__", "__mp_main__") else []),
         )
         server = forkserver.take(light) if start_method == "forkserver" else None
-        procs, readers = _fork(server, jobs) if server is not None else ([], {})
+        procs, readers = _fork(server, jobs, needs) if server is not None else ([], {})
         if not procs:
             procs, readers = _spawn(jobs)
         with SignalForwarder(lambda: [p.pid for p in procs if p.is_alive()]) as forwarder:
@@ -147,7 +151,7 @@ def spawn_workers(
                 proc.close()
 
 
-def _fork(server, jobs: Sequence[tuple]) -> tuple[list, dict]:
+def _fork(server, jobs: Sequence[tuple], needs: Sequence[str] | None) -> tuple[list, dict]:
     """Fork the workers from the preloaded ``server``; nothing (then spawn them) if it failed."""
     try:
         payloads = [pickle.dumps((_worker_main, job)) for job in jobs]  # a lambda fails here, as with spawn
@@ -156,7 +160,7 @@ def _fork(server, jobs: Sequence[tuple]) -> tuple[list, dict]:
         raise
     pipes = [os.pipe() for _ in jobs]
     try:
-        procs = forkserver.fork_workers(server, [(p, w) for p, (_, w) in zip(payloads, pipes)])
+        procs = forkserver.fork_workers(server, [(p, w) for p, (_, w) in zip(payloads, pipes)], needs)
     except BaseException as exc:
         server.stop()
         for r, w in pipes:

@@ -132,6 +132,22 @@ def test_a_server_started_for_a_job_preloads_what_building_an_optimizer_imports(
     assert max(cpu_s) < 0.3, f"building an SGD took {cpu_s} s of CPU in the workers"
 
 
+def _preloaded(rank: int, world_size: int) -> dict:
+    return {name: name in sys.modules for name in ("torch", "ddptrain.runner", "torch._dynamo")}
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_a_job_that_needs_part_of_the_preload_starts_while_the_server_imports_the_rest():
+    """The launcher's checks need torch and the trainer, not torch._dynamo (1.2-1.5 s here): they
+    run while the server imports it, and the next job, which needs everything, gets everything."""
+    forkserver.discard()
+    forkserver.start()  # as the CLI does: the checks arrive while it is still importing torch
+    early = spawn_workers(_preloaded, 1, threads=1, timeout_s=60, needs=forkserver.CHECKS)[0]
+    assert early == {"torch": True, "ddptrain.runner": True, "torch._dynamo": False}
+    full = spawn_workers(_preloaded, 2, threads=1, timeout_s=60)
+    assert full == [{"torch": True, "ddptrain.runner": True, "torch._dynamo": True}] * 2
+
+
 def test_a_failing_worker_is_reported_and_nothing_is_left(tmp_path):
     for method in ("forkserver", "spawn"):
         with pytest.raises(WorkerFailedError) as err:
