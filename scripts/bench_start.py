@@ -14,6 +14,11 @@ Two anchors alternate with the job in each round, and the job's time is printed 
 
     .venv/bin/python scripts/bench_start.py [--rounds 3]
 
+``--compare DIR [DIR ...]`` is an A/B of start-up across checkouts instead (``git worktree add``):
+the one-step job of ``recipe=synthetic`` and ``recipe=mnist_fast`` (MNIST from ``$DDPTRAIN_DATA``
+or ``$DDPTRAIN_DATA_SOURCES``), run with ``PYTHONPATH`` set to each checkout in turn, alternating
+within each round; medians and ranges of the job and of its first step.
+
 Measured figures go to benchmarks/README.md with the command and the date.
 """
 
@@ -127,10 +132,38 @@ def _print(name: str, runs: list[tuple[float, float | None, int]]) -> float:
     return wall
 
 
+def compare(checkouts: list[str], rounds: int) -> None:
+    """The one-step jobs of each checkout (through ``PYTHONPATH``), alternating within each round."""
+    recipes = ("synthetic", "mnist_fast")
+    runs: dict[tuple[str, str], list] = {(c, r): [] for c in checkouts for r in recipes}
+    for _ in range(rounds):
+        for checkout in checkouts:
+            os.environ["PYTHONPATH"] = str(Path(checkout).resolve())
+            for recipe in recipes:
+                runs[checkout, recipe].append(_run_once([f"recipe={recipe}", "trainer.max_steps=1"]))
+    print(f"one-step jobs, {rounds} rounds; median (range) of the job and of its first step")
+    for (checkout, recipe), done in runs.items():
+        ok = [r for r in done if r[2] == 0 and r[1] is not None]
+        if not ok:
+            print(f"  {checkout} recipe={recipe}: no run finished")
+            continue
+        job, first = [r[0] for r in ok], [r[1] for r in ok]
+        print(
+            f"  {checkout} recipe={recipe}: job {statistics.median(job):.2f} s ({min(job):.2f}-{max(job):.2f}), "
+            f"first step {statistics.median(first):.2f} s ({min(first):.2f}-{max(first):.2f}), {len(ok)} runs",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    rounds = parser.parse_args().rounds
+    parser.add_argument("--compare", nargs="+", metavar="DIR", help="an A/B of these checkouts' start-up")
+    options = parser.parse_args()
+    rounds = options.rounds
+    if options.compare:
+        compare(options.compare, rounds)
+        return
     print(f"python -m ddptrain, from an empty directory, median of {rounds} (cores: {os.cpu_count()})")
     # The job and its anchors alternate within each round, so a slow minute slows all of them alike.
     anchor_runs: dict[str, list[float]] = {name: [] for name in ANCHORS}
