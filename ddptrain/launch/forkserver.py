@@ -328,7 +328,8 @@ def _lead(conn, context: dict, launcher_pid: int, payloads: list, fds: list[int]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        conn.send(OSError(f"{type(exc).__name__}: {exc}"))
+        with contextlib.suppress(OSError):  # a broken pipe: the launcher is gone (a Ctrl-C), nobody to tell
+            conn.send(OSError(f"{type(exc).__name__}: {exc}"))
     os._exit(0)
 
 

@@ -243,6 +243,7 @@ def test_a_ctrl_c_inside_hydra_waits_for_hydra_then_stops_the_start(tmp_path):
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=sigint_at_default,  # a pytest started in the background ignores SIGINT, and so would the CLI
     )
     assert "HYDRA WENT ON" in proc.stderr, proc.stderr
     assert proc.returncode == 130, proc.stdout + proc.stderr
