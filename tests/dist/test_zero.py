@@ -60,7 +60,9 @@ def _both_stages(rank, world_size, opt_name):
     from tests.unit.ddp.test_zero import _template, plain_ring, zero_run
 
     template = _template()
-    return plain_ring(template, opt_name, STEPS), [zero_run(template, opt_name, stage, STEPS) for stage in (1, 2)]
+    # One bucket: every chunk bound still falls inside a parameter, with a quarter of the messages.
+    plain = plain_ring(template, opt_name, STEPS, bucket_cap_mb=1)
+    return plain, [zero_run(template, opt_name, stage, STEPS, bucket_cap_mb=1) for stage in (1, 2)]
 
 
 @pytest.mark.parametrize("world_size, opt_name", [(3, "sgd"), (4, "adam")])

@@ -64,29 +64,29 @@ def _train(ddp: DDP, step_fn, zero_grad, rank: int, steps: int, clip: float | No
     return [p.detach().clone() for p in ddp.module.parameters()]
 
 
-def _in_ddp(model: nn.Module, optimizer, zero_stage: int, algorithm: str = "ring"):
+def _in_ddp(model: nn.Module, optimizer, zero_stage: int, algorithm: str = "ring", bucket_cap_mb=BUCKET_CAP_MB):
     """``(ddp, optimizer)`` for ``model``: plain DDP over the ring all-reduce with ``optimizer``
     (``zero_stage`` 0, the reference), or ``optimizer`` sharded by a ZeroOptimizer at that stage."""
-    ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
+    ddp = DDP(model, bucket_cap_mb=bucket_cap_mb)
     if zero_stage:
         return ddp, ZeroOptimizer(ddp, optimizer, stage=zero_stage, algorithm=algorithm)
     ddp.register_comm_hook(RingAllReducer(comm_api.get_process_group()), ring_allreduce_hook)
     return ddp, optimizer
 
 
-def plain_ring(template, opt_name, steps, clip=None):
+def plain_ring(template, opt_name, steps, clip=None, bucket_cap_mb=BUCKET_CAP_MB):
     """Plain DDP over the ring all-reduce: the reference."""
     pg = comm_api.get_process_group()
     model = copy.deepcopy(template)
-    ddp, opt = _in_ddp(model, _optimizer(opt_name, model), 0)
+    ddp, opt = _in_ddp(model, _optimizer(opt_name, model), 0, bucket_cap_mb=bucket_cap_mb)
     clip_fn = lambda c: torch.nn.utils.clip_grad_norm_(model.parameters(), c)  # noqa: E731
     return _train(ddp, opt.step, opt.zero_grad, pg.rank(), steps, clip, clip_fn)
 
 
-def zero_run(template, opt_name, stage, steps, algorithm="ring", clip=None):
+def zero_run(template, opt_name, stage, steps, algorithm="ring", clip=None, bucket_cap_mb=BUCKET_CAP_MB):
     pg = comm_api.get_process_group()
     model = copy.deepcopy(template)
-    ddp, zero = _in_ddp(model, _optimizer(opt_name, model), stage, algorithm)
+    ddp, zero = _in_ddp(model, _optimizer(opt_name, model), stage, algorithm, bucket_cap_mb)
     return _train(ddp, zero.step, zero.zero_grad, pg.rank(), steps, clip, zero.clip_grad_norm_)
 
 
