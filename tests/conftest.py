@@ -29,6 +29,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # process start is not slowed by three other tests' work. The bounds leave room for one neighbour.
 TIMED_MODULES = {
     "tests/dist/test_comm_errors.py",
+    "tests/dist/test_elastic_membership.py",
     "tests/dist/test_faults.py",
     "tests/dist/test_hang_forensics.py",
     "tests/dist/test_ledger_job.py",

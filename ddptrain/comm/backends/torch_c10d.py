@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -23,6 +24,13 @@ from ..forensics import explain_group
 from ..process_group import ProcessGroup, check_list_len, check_same_shape
 from ..store import Store, is_loopback
 from ..types import CommError, CommTimeoutError, ReduceOp, Work, check_avg_dtype, to_reduce_op
+
+_ABORT_SLICE_S = 0.05  # how soon a wait on an abortable group notices abort()
+
+
+class _Aborted(CommError):
+    """A wait ended by :meth:`TorchProcessGroup.abort`."""
+
 
 _C10D_OPS = {
     ReduceOp.SUM: c10d.ReduceOp.SUM,
@@ -51,13 +59,35 @@ class TorchWork(Work):
             if self._waited:
                 return
             try:
-                if timeout is None:
+                if self._group.abortable:
+                    self._wait_in_slices(timeout)
+                elif timeout is None:
                     self._work.wait()
                 else:
                     self._work.wait(timeout)
+            except _Aborted:
+                raise
             except RuntimeError as exc:
                 raise self._group.translate_error(self.op_name, exc, self._seq, wait_timeout=timeout) from exc
             self._waited = True
+
+    def _wait_in_slices(self, timeout: timedelta | None) -> None:
+        """Wait ``_ABORT_SLICE_S`` at a time, so that :meth:`TorchProcessGroup.abort` from another
+        thread ends the wait. A slice that ends before the work did raises torch's "Operation timed
+        out!" and leaves the work running; a work that ended with an error is raised as it is."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while True:
+            reason = self._group.abort_reason
+            if reason is not None:
+                self._group._failed = True
+                raise _Aborted(f"{self.op_name} on group {self._group.name!r} was aborted: {reason}")
+            left = _ABORT_SLICE_S if deadline is None else min(_ABORT_SLICE_S, deadline - time.monotonic())
+            try:
+                self._work.wait(timedelta(seconds=max(left, 0.001)))
+                return
+            except RuntimeError:
+                if self._work.is_completed() or (deadline is not None and time.monotonic() >= deadline):
+                    raise
 
     def is_completed(self) -> bool:
         # gloo leaves some works (reduce_scatter) "not completed" after a successful wait()
@@ -117,7 +147,18 @@ class TorchProcessGroup(ProcessGroup):
         self._torch_group = None  # set when adapting a torch.distributed group
         self._collective_seq = 0  # same count on every rank: collectives are called in one order
         self._failed = False  # an operation failed: the backend may hold a stuck one
+        self.abortable = False  # waits in slices that notice abort() (elastic jobs); a plain group blocks
+        self.abort_reason: str | None = None
         _OWN_BACKENDS.add(self)
+
+    def abort(self, reason: str) -> None:
+        """End every wait on this group, now and later, with a ``CommError`` naming ``reason``
+        (the members of an elastic job are agreeing on a new group). Works on a group made
+        ``abortable`` before its operations started (gloo), and on NCCL's own abort."""
+        self.abort_reason = reason
+        self._failed = True
+        if self.backend == "nccl" and hasattr(self.pg, "abort"):
+            self.pg.abort()
 
     @classmethod
     def from_torch(cls, group=None) -> TorchProcessGroup:
@@ -209,6 +250,8 @@ class TorchProcessGroup(ProcessGroup):
 
     def _run(self, op_name: str, outputs, launch) -> Work:
         self.check_alive(op_name)
+        if self.abort_reason is not None:
+            raise _Aborted(f"{op_name} on group {self.name!r}: the group was aborted: {self.abort_reason}")
         seq = 0
         if op_name not in ("send", "recv"):
             self._collective_seq += 1

@@ -1,0 +1,308 @@
+"""Elastic membership: ranks that leave and join between steps, agreed through a store.
+
+A job's membership is a sequence of *generations*. A generation is an ordered list of member ids;
+a member's rank is its place in the list, and the generation's process group is built over the
+store under ``gen/<n>/pg``. A generation ends when a member is lost (its process ends, a
+collective fails or times out) or when newcomers wait to be admitted. The members then agree on
+the next one, through the store alone:
+
+1. each member still running says it has arrived (``gen/<n>/arrived/<id>``);
+2. the first to arrive coordinates. It waits until every member of the last generation has
+   either arrived or is known dead, admits the newcomers that registered meanwhile, and writes
+   the new list (``gen/<n>``): the members that arrived in their old order, then the newcomers.
+   Rank 0 is so the lowest surviving rank, and its duties move with the number;
+3. everyone reads the list and builds the new group (:meth:`ElasticMembership.new_process_group`).
+
+A member is known dead when it is fenced (``fenced/<id>``); when its process is gone, a zombie or
+stopped (read from ``/proc`` where the coordinator shares its host and pid namespace; a stopped
+one is killed, so that it cannot come back with stale state); or when its heartbeat
+(``hb/<id>``, which a thread of each member rewrites every ``heartbeat_s``) has not changed for
+``dead_after_s``. A member still alive that has not arrived after ``timeout_s`` is left out and
+fenced too. A member left out of a generation raises :class:`Fenced`; it must exit, and a
+launcher may start it again as a newcomer. A coordinator that dies before writing the list is
+replaced: the others stop waiting for ``gen/<n>`` and agree on ``n + 1``.
+
+The store must outlive every member, rank 0 included: serve it with ``python -m ddptrain.store``.
+What this module does not do is the training state: after a new generation, the caller makes the
+members agree (which step, which weights), for instance with a broadcast from rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+from .forensics import process_state
+from .store import Store
+from .types import CommError, CommTimeoutError
+
+__all__ = ["ElasticMembership", "Generation", "Fenced"]
+
+_POLL_S = 0.005  # how often a waiting member looks at the store (a round trip costs ~0.1 ms on loopback)
+
+
+class Fenced(CommError):
+    """This member was left out of the job's membership (declared dead, or too late): it must exit."""
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One agreed membership: ``members[r]`` is rank ``r``. ``registered`` counts the members ever
+    registered when it was decided; a registration beyond it is a newcomer waiting to be admitted."""
+
+    number: int
+    members: tuple[str, ...]
+    registered: int
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, member: str) -> int:
+        return self.members.index(member)
+
+
+def _this_host() -> str:
+    """Who can read whose ``/proc``: the host name and this process's pid namespace."""
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        namespace = 0
+    return f"{socket.gethostname()}/{namespace}"
+
+
+class ElasticMembership:
+    """This process's membership in an elastic job (see the module docstring).
+
+    Args:
+        store: the job's store, which outlives every member (``python -m ddptrain.store``).
+        member_id: this member's unique id (default: host, pid and a random suffix).
+        dead_after_s: a member whose heartbeat has not changed for this long is dead (members on
+            another host; on this one, ``/proc`` tells at once).
+        heartbeat_s: how often this member's heartbeat is rewritten.
+    """
+
+    def __init__(
+        self, store: Store, member_id: str | None = None, *, dead_after_s: float = 5.0, heartbeat_s: float = 0.1
+    ):
+        if dead_after_s <= 2 * heartbeat_s:
+            raise ValueError(f"dead_after_s={dead_after_s} must exceed two heartbeats ({heartbeat_s} s each)")
+        self.store = store.prefixed("elastic")
+        self.id = member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.dead_after_s = dead_after_s
+        self.heartbeat_s = heartbeat_s
+        self.generation: Generation | None = None
+        self._group = None  # the current generation's process group (new_process_group)
+        self._host = _this_host()
+        self._beats = 0
+        self._closed = threading.Event()
+        self._beat()  # before registering: a coordinator that sees the registration finds the heartbeat
+        self._heart = threading.Thread(target=self._heartbeat, name="ddptrain-elastic-heartbeat", daemon=True)
+        self._heart.start()
+        index = self.store.add("members/count", 1)
+        self.store.set(f"members/{index}", self.id)
+
+    # -- joining and regrouping ---------------------------------------------------------------
+    def join(self, world_size: int, timeout_s: float) -> Generation:
+        """Wait for a generation that includes this member. The first ``world_size`` members to
+        register form generation 0 together; a later one (a restarted or added process) waits until
+        the members regroup to admit it (they see it with :meth:`newcomers_waiting`).
+
+        Raises:
+            CommTimeoutError: no generation took this member in within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        if self.store.add("gen/0/coordinator", 1) == 1:
+            self._form_first(world_size, deadline)
+        number = 0
+        while True:
+            latest = int(self.store.get("latest", self._left(deadline, "join", world_size)))
+            for n in range(number, latest + 1):
+                generation = self._read(n)
+                if self.id in generation.members:
+                    self.generation = generation
+                    return generation
+            number = latest + 1
+            self._wait_for_key(f"gen/{number}", deadline, f"a generation that admits {self.id}")
+
+    def newcomers_waiting(self) -> bool:
+        """Whether processes registered since the current generation was decided (one store round
+        trip: call it at step boundaries, on one rank, and share the answer)."""
+        return self.store.add("members/count", 0) > self._current().registered
+
+    def regroup(self, timeout_s: float) -> Generation:
+        """Agree with the other members on the next generation: after a lost member (every member
+        still running calls this), or to admit newcomers (every member calls this at the same
+        step boundary). ``timeout_s``: how long a live member that has not arrived is waited for.
+
+        Raises:
+            Fenced: this member was left out (it arrived too late, or was declared dead).
+        """
+        from . import api
+
+        if api.is_initialized():
+            # Closing this member's connections first: a member still blocked in a collective with
+            # this one fails at once, instead of after its timeout, and comes to regroup too.
+            api.destroy_process_group()
+        number = self._current().number + 1
+        while True:
+            self.store.set(f"gen/{number}/arrived/{self.id}", "1")
+            if self.store.add(f"gen/{number}/coordinator", 1) == 1:
+                self._coordinate(number, timeout_s)
+            try:
+                generation = self._read(number, time.monotonic() + timeout_s + self.dead_after_s + 5.0)
+            except CommTimeoutError:
+                number += 1  # the coordinator died before deciding: the next number elects another
+                continue
+            if self.id not in generation.members:
+                raise Fenced(
+                    f"member {self.id} was left out of generation {number} (declared dead or too late to "
+                    f"arrive); the job goes on with {generation.world_size} member(s). Exit; a launcher "
+                    "may start this process again as a newcomer."
+                )
+            self.generation = generation
+            return generation
+
+    def new_process_group(self, backend: str = "gloo", timeout_s: float = 30.0):
+        """Make the current generation's group the default process group (destroying the old one).
+
+        Raises:
+            CommTimeoutError: a member of the generation did not arrive (lost meanwhile: regroup).
+        """
+        from . import api
+
+        generation = self._current()
+        if api.is_initialized():
+            api.destroy_process_group()
+        group = api.init_process_group(
+            backend,
+            store=self.store.prefixed(f"gen/{generation.number}/pg"),
+            rank=generation.rank_of(self.id),
+            world_size=generation.world_size,
+            timeout=timeout_s,
+        )
+        group.abortable = True  # the heartbeat aborts it once the others start agreeing on the next one
+        self._group = group
+        return group
+
+    def close(self) -> None:
+        """Stop the heartbeat (the others then see this member as dead after ``dead_after_s``)."""
+        self._closed.set()
+
+    # -- the coordinator ----------------------------------------------------------------------
+    def _form_first(self, world_size: int, deadline: float) -> None:
+        while (count := self.store.add("members/count", 0)) < world_size:
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"elastic job: {count} of {world_size} members registered in time; start every member "
+                    "with the same store address, or raise the timeout"
+                )
+            time.sleep(_POLL_S)
+        members = [self.store.get(f"members/{i}").decode() for i in range(1, world_size + 1)]
+        self._write(Generation(0, tuple(members), world_size))
+
+    def _coordinate(self, number: int, timeout_s: float) -> None:
+        previous = self._current()
+        deadline = time.monotonic() + timeout_s
+        seen: dict[str, tuple[bytes, float]] = {}  # heartbeat value and when it was first seen so
+        arrived: list[str] = []
+        dead: set[str] = set()
+        while True:
+            arrived = [m for m in previous.members if self.store.check([f"gen/{number}/arrived/{m}"])]
+            dead = {m for m in previous.members if m not in arrived and self._is_dead(m, seen)}
+            if len(arrived) + len(dead) == previous.world_size or time.monotonic() > deadline:
+                break
+            time.sleep(_POLL_S)
+        for member in previous.members:
+            if member not in arrived:
+                self._fence(member)
+        registered = self.store.add("members/count", 0)
+        newcomers = [self.store.get(f"members/{i}").decode() for i in range(previous.registered + 1, registered + 1)]
+        newcomers = [m for m in newcomers if not self._is_dead(m, {})]
+        self._write(Generation(number, tuple(arrived + newcomers), registered))
+
+    def _is_dead(self, member: str, seen: dict[str, tuple[bytes, float]]) -> bool:
+        if self.store.check([f"fenced/{member}"]) or not self.store.check([f"hb/{member}"]):
+            return True
+        value = self.store.get(f"hb/{member}")
+        host, pid, _ = value.decode().rsplit(" ", 2)
+        if host == self._host:
+            return process_state(int(pid)) in (None, "Z", "T", "t")
+        first = seen.setdefault(member, (value, time.monotonic()))
+        if first[0] != value:
+            seen[member] = (value, time.monotonic())
+            return False
+        return time.monotonic() - first[1] > self.dead_after_s
+
+    def _fence(self, member: str) -> None:
+        """Mark ``member`` dead for good; kill it where this process can (a stopped process)."""
+        self.store.set(f"fenced/{member}", "1")
+        if not self.store.check([f"hb/{member}"]):
+            return
+        host, pid, _ = self.store.get(f"hb/{member}").decode().rsplit(" ", 2)
+        if host == self._host and process_state(int(pid)) in ("T", "t"):
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    # -- the store's records --------------------------------------------------------------------
+    def _write(self, generation: Generation) -> None:
+        record = {"members": list(generation.members), "registered": generation.registered}
+        self.store.set(f"gen/{generation.number}", json.dumps(record))
+        self.store.set("latest", str(generation.number))
+
+    def _read(self, number: int, deadline: float | None = None) -> Generation:
+        if deadline is not None:
+            self._wait_for_key(f"gen/{number}", deadline, f"generation {number}'s membership")
+        record = json.loads(self.store.get(f"gen/{number}"))
+        return Generation(number, tuple(record["members"]), record["registered"])
+
+    def _wait_for_key(self, key: str, deadline: float, what: str) -> None:
+        while not self.store.check([key]):
+            if self._closed.is_set() or time.monotonic() > deadline:
+                raise CommTimeoutError(f"elastic job: member {self.id} waited in vain for {what}")
+            time.sleep(_POLL_S)
+
+    def _left(self, deadline: float, what: str, world_size: int) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CommTimeoutError(f"elastic job: member {self.id} could not {what} a job of {world_size}")
+        return left
+
+    def _current(self) -> Generation:
+        if self.generation is None:
+            raise CommError("this member has not joined the job yet: call join() first")
+        return self.generation
+
+    # -- the heartbeat ------------------------------------------------------------------------
+    def _beat(self) -> None:
+        self._beats += 1
+        self.store.set(f"hb/{self.id}", f"{self._host} {os.getpid()} {self._beats}")
+
+    def _heartbeat(self) -> None:
+        """Rewrite the heartbeat; exit the process once fenced (it must not act on stale state)."""
+        while not self._closed.wait(self.heartbeat_s):
+            try:
+                self._beat()
+                if self.store.check([f"fenced/{self.id}"]):
+                    os._exit(1)  # declared dead while stopped or cut off: the job has gone on without us
+                self._abort_if_regrouping()
+            except Exception:  # noqa: BLE001 - the store is gone: the job has ended
+                return
+
+    def _abort_if_regrouping(self) -> None:
+        """A member that has started agreeing on the next generation has left the current group:
+        a collective this member waits on in it can never finish. End the wait now (the caller
+        then regroups too) instead of after the group's timeout."""
+        group, generation = self._group, self.generation
+        if group is None or generation is None or group.abort_reason is not None:
+            return
+        if self.store.check([f"gen/{generation.number + 1}/coordinator"]):
+            group.abort(f"the members are agreeing on generation {generation.number + 1}; regroup")

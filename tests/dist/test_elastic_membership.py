@@ -1,0 +1,266 @@
+"""Elastic membership (``ddptrain.comm.elastic``) with real processes, a real store process and
+real kills: the survivors of a SIGKILL go on in the same processes with renumbered ranks, rank 0
+included; a restarted member rejoins; a stopped member is fenced (killed) and left out.
+
+Each member runs the loop of ``MEMBER`` below: an all-reduce of ones per step (its sum must be
+the generation's size), a regroup on a failed collective or when rank 0 sees a newcomer, and one
+JSON line per event in a shared log, which the tests read from outside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, REPO
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+
+MEMBER = """
+import json, sys, time
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+import ddptrain.comm as dist
+from ddptrain.comm.elastic import ElasticMembership
+from ddptrain.comm.store import Store
+
+host, port, member, world_size, steps, out = sys.argv[1:7]
+torch.set_num_threads(1)
+store = Store(tdist.TCPStore(host, int(port), None, False, timedelta(seconds=30)), "the job's store")
+membership = ElasticMembership(store, member, dead_after_s=3.0)
+log = open(out, "a", buffering=1)
+
+
+def say(**record):
+    log.write(json.dumps({"member": member, "t": time.time(), **record}) + "\\n")
+
+
+def form():
+    # A new generation: its group, then the step everyone goes on from (a newcomer knows none).
+    while True:
+        try:
+            pg = membership.new_process_group(timeout_s=3)
+            agreed = torch.tensor([float(step)])
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+            g = membership.generation
+            say(event="generation", number=g.number, rank=pg.rank(), size=pg.size(), step=int(agreed.item()))
+            return pg, int(agreed.item())
+        except dist.CommError:
+            membership.regroup(timeout_s=5)  # lost another member meanwhile
+
+
+step = 0
+membership.join(int(world_size), timeout_s=60)
+pg, step = form()
+while step < int(steps):
+    try:
+        newcomers = 1.0 if pg.rank() == 0 and membership.newcomers_waiting() else 0.0
+        t = torch.tensor([1.0, newcomers])
+        dist.all_reduce(t)
+        step += 1
+        say(event="step", step=step, size=pg.size(), total=t[0].item())
+        time.sleep(0.02)
+        if t[1] > 0:
+            membership.regroup(timeout_s=5)
+            pg, step = form()
+    except dist.CommError as exc:
+        say(event="failed", step=step, error=str(exc).splitlines()[0][:200])
+        membership.regroup(timeout_s=5)
+        pg, step = form()
+say(event="done", step=step)
+dist.destroy_process_group()
+membership.close()
+"""
+
+
+class Job:
+    """A store process and the members the test starts, all killed at the end whatever happened."""
+
+    def __init__(self, tmp_path: Path, steps: int):
+        self.tmp_path, self.steps = tmp_path, steps
+        self.log = tmp_path / "events.jsonl"
+        (tmp_path / "member.py").write_text(MEMBER)
+        self.env = {**os.environ, "PYTHONPATH": str(REPO), "DDPTRAIN_LEDGER_DIR": "off"}
+        self.store = subprocess.Popen(
+            [PYTHON, "-m", "ddptrain.store", "--port", "0"], stdout=subprocess.PIPE, text=True, env=self.env
+        )
+        line = self.store.stdout.readline()
+        assert line.startswith("ddptrain store: serving on 127.0.0.1:"), line
+        self.port = int(line.rsplit(":", 1)[1])
+        self.members: dict[str, subprocess.Popen] = {}
+
+    def start(self, member: str, world_size: int = 3) -> None:
+        args = ["127.0.0.1", str(self.port), member, str(world_size), str(self.steps), str(self.log)]
+        self.members[member] = subprocess.Popen(
+            [PYTHON, str(self.tmp_path / "member.py"), *args], env=self.env, stderr=subprocess.PIPE, text=True
+        )
+
+    def events(self) -> list[dict]:
+        return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
+
+    def wait_for(self, what, timeout_s: float = 60):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = what(self.events())
+            if found:
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"timed out; the last events: {self.events()[-12:]}")
+
+    def finish(self, timeout_s: float = 90) -> dict[str, int]:
+        codes = {}
+        for member, proc in self.members.items():
+            try:
+                proc.wait(timeout=timeout_s)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            codes[member] = proc.returncode
+        return codes
+
+    def close(self) -> None:
+        for proc in [*self.members.values(), self.store]:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+
+
+@pytest.fixture
+def job(tmp_path):
+    made = []
+
+    def make(steps: int) -> Job:
+        made.append(Job(tmp_path, steps))
+        return made[-1]
+
+    yield make
+    for j in made:
+        j.close()
+
+
+def _generation(number: int, size: int):
+    return lambda events: [
+        e for e in events if e["event"] == "generation" and e["number"] >= number and e["size"] == size
+    ]
+
+
+def _steps_after(t: float, size: int):
+    return lambda events: [e for e in events if e["event"] == "step" and e["t"] > t and e["size"] == size]
+
+
+def test_survivors_go_on_in_place_rank_0_included_and_a_restarted_member_rejoins(job):
+    j = job(steps=500)
+    for member in ("a", "b", "c"):
+        j.start(member)
+    j.wait_for(lambda ev: len({e["member"] for e in ev if e["event"] == "step" and e["step"] >= 20}) == 3)
+    first = {e["rank"]: e["member"] for e in j.events() if e["event"] == "generation"}  # who registered first
+    recovery_s = {}
+
+    killed_at = time.time()
+    j.members[first[1]].send_signal(signal.SIGKILL)
+    after = j.wait_for(_steps_after(killed_at, 2))
+    recovery_s["rank 1"] = min(e["t"] for e in after) - killed_at
+
+    j.start("new")  # its launcher restarts it: a newcomer, admitted at a step boundary
+    regrown = j.wait_for(_generation(2, 3))
+    assert {e["member"]: e["rank"] for e in regrown} == {first[0]: 0, first[2]: 1, "new": 2}  # survivors first
+
+    killed_at = time.time()
+    j.members[first[0]].send_signal(signal.SIGKILL)  # rank 0: its number goes to the lowest survivor
+    again = j.wait_for(_generation(3, 2))
+    assert {e["member"]: e["rank"] for e in again} == {first[2]: 0, "new": 1}
+    recovery_s["rank 0"] = min(e["t"] for e in j.wait_for(_steps_after(killed_at, 2))) - killed_at
+
+    codes = j.finish()
+    assert codes == {first[0]: -signal.SIGKILL, first[1]: -signal.SIGKILL, first[2]: 0, "new": 0}, codes
+    events = j.events()
+    for e in events:
+        if e["event"] == "step":
+            assert e["total"] == e["size"], e  # every step's sum counts exactly the generation's members
+    for member in (first[2], "new"):
+        # Steps follow each other; a new generation goes on from the step the members agree on
+        # (the furthest any of them got: a step whose all-reduce ended on one rank ended).
+        expected = None
+        for e in (e for e in events if e["member"] == member):
+            if e["event"] == "generation":
+                expected = e["step"] + 1
+            elif e["event"] == "step":
+                assert e["step"] == expected, (member, e, expected)
+                expected += 1
+        assert expected == 501, (member, expected)
+    print(f"SIGKILL to the survivors' next step: {recovery_s}")
+    assert max(recovery_s.values()) < 2, recovery_s  # below the group's 3 s timeout: nobody waited it out
+
+
+def test_a_stopped_member_is_fenced_and_the_others_go_on(job):
+    j = job(steps=300)
+    for member in ("a", "b", "c"):
+        j.start(member)
+    j.wait_for(lambda ev: len({e["member"] for e in ev if e["event"] == "step" and e["step"] >= 20}) == 3)
+    stopped_at = time.time()
+    j.members["c"].send_signal(signal.SIGSTOP)  # alive but silent: the others time out (3 s), then fence it
+    regrouped = j.wait_for(_generation(1, 2))
+    assert {e["member"] for e in regrouped} == {"a", "b"}
+    assert j.members["c"].wait(timeout=30) == -signal.SIGKILL  # fenced: it cannot come back with stale state
+    codes = j.finish()
+    assert codes["a"] == codes["b"] == 0, codes
+    failed = [e for e in j.events() if e["event"] == "failed" and e["t"] > stopped_at]
+    assert failed and all("timed out" in e["error"].lower() or "timeout" in e["error"].lower() for e in failed), failed
+
+
+def test_the_store_process_serves_until_stopped_and_names_a_busy_port():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [PYTHON, "-m", "ddptrain.store", "--port", "0"]
+    store = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = store.stdout.readline()
+        port = int(line.rsplit(":", 1)[1])
+        busy = subprocess.run(
+            [PYTHON, "-m", "ddptrain.store", "--port", str(port)], capture_output=True, text=True, env=env, timeout=60
+        )
+        assert busy.returncode == 1
+        assert f"ddptrain store: cannot listen on 127.0.0.1:{port}" in busy.stderr, busy.stderr
+        assert "--port 0 chooses one" in busy.stderr
+        store.send_signal(signal.SIGTERM)
+        assert store.wait(timeout=30) == 0
+    finally:
+        if store.poll() is None:
+            store.kill()
+
+
+def _abort_a_wait_that_would_last(rank, world_size):
+    import threading
+
+    import torch
+
+    import ddptrain.comm as dist
+
+    group = dist.get_process_group()
+    group.abortable = True
+    if rank == 1:
+        time.sleep(3.0)  # never joins in time: rank 0's all-reduce could only end by its 20 s timeout
+        return None
+    threading.Timer(0.3, group.abort, args=("the members are agreeing on generation 1",)).start()
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(2))
+    except dist.CommError as exc:
+        return time.monotonic() - started, str(exc)
+    return None
+
+
+def test_abort_ends_a_wait_on_an_abortable_group_at_once():
+    from ddptrain.testing import run_distributed
+
+    waited_s, error = run_distributed(_abort_a_wait_that_would_last, 2, timeout_s=90, comm_timeout_s=20)[0]
+    assert waited_s < 2.0, waited_s
+    assert "all_reduce on group 'world' was aborted: the members are agreeing on generation 1" in error, error
