@@ -2,9 +2,9 @@
 real kills: the survivors of a SIGKILL go on in the same processes with renumbered ranks, rank 0
 included; a restarted member rejoins; a stopped member is fenced (killed) and left out.
 
-Each member runs the loop of ``MEMBER`` below: an all-reduce of ones per step (its sum must be
-the generation's size), a regroup on a failed collective or when rank 0 sees a newcomer, and one
-JSON line per event in a shared log, which the tests read from outside.
+Each member is ``python -m ddptrain.testing.elastic_member``: an all-reduce of ones per step (its
+sum must be the generation's size), a regroup on a failed collective or when rank 0 sees a
+newcomer, and one JSON line per event in a shared log, which the tests read from outside.
 """
 
 from __future__ import annotations
@@ -22,65 +22,6 @@ from tests.conftest import PYTHON, REPO
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
-MEMBER = """
-import json, sys, time
-from datetime import timedelta
-
-import torch
-import torch.distributed as tdist
-
-import ddptrain.comm as dist
-from ddptrain.comm.elastic import ElasticMembership
-from ddptrain.comm.store import Store
-
-host, port, member, world_size, steps, out = sys.argv[1:7]
-torch.set_num_threads(1)
-store = Store(tdist.TCPStore(host, int(port), None, False, timedelta(seconds=30)), "the job's store")
-membership = ElasticMembership(store, member, dead_after_s=3.0)
-log = open(out, "a", buffering=1)
-
-
-def say(**record):
-    log.write(json.dumps({"member": member, "t": time.time(), **record}) + "\\n")
-
-
-def form():
-    # A new generation: its group, then the step everyone goes on from (a newcomer knows none).
-    while True:
-        try:
-            pg = membership.new_process_group(timeout_s=3)
-            agreed = torch.tensor([float(step)])
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-            g = membership.generation
-            say(event="generation", number=g.number, rank=pg.rank(), size=pg.size(), step=int(agreed.item()))
-            return pg, int(agreed.item())
-        except dist.CommError:
-            membership.regroup(timeout_s=5)  # lost another member meanwhile
-
-
-step = 0
-membership.join(int(world_size), timeout_s=60)
-pg, step = form()
-while step < int(steps):
-    try:
-        newcomers = 1.0 if pg.rank() == 0 and membership.newcomers_waiting() else 0.0
-        t = torch.tensor([1.0, newcomers])
-        dist.all_reduce(t)
-        step += 1
-        say(event="step", step=step, size=pg.size(), total=t[0].item())
-        time.sleep(0.02)
-        if t[1] > 0:
-            membership.regroup(timeout_s=5)
-            pg, step = form()
-    except dist.CommError as exc:
-        say(event="failed", step=step, error=str(exc).splitlines()[0][:200])
-        membership.regroup(timeout_s=5)
-        pg, step = form()
-say(event="done", step=step)
-dist.destroy_process_group()
-membership.close()
-"""
-
 
 class Job:
     """A store process and the members the test starts, all killed at the end whatever happened."""
@@ -88,7 +29,6 @@ class Job:
     def __init__(self, tmp_path: Path, steps: int):
         self.tmp_path, self.steps = tmp_path, steps
         self.log = tmp_path / "events.jsonl"
-        (tmp_path / "member.py").write_text(MEMBER)
         self.env = {**os.environ, "PYTHONPATH": str(REPO), "DDPTRAIN_LEDGER_DIR": "off"}
         self.store = subprocess.Popen(
             [PYTHON, "-m", "ddptrain.store", "--port", "0"], stdout=subprocess.PIPE, text=True, env=self.env
@@ -99,9 +39,12 @@ class Job:
         self.members: dict[str, subprocess.Popen] = {}
 
     def start(self, member: str, world_size: int = 3) -> None:
-        args = ["127.0.0.1", str(self.port), member, str(world_size), str(self.steps), str(self.log)]
+        args = ["--store", f"127.0.0.1:{self.port}", "--id", member, "--world-size", str(world_size)]
+        args += ["--steps", str(self.steps), "--log", str(self.log)]
         self.members[member] = subprocess.Popen(
-            [PYTHON, str(self.tmp_path / "member.py"), *args], env=self.env, stderr=subprocess.PIPE, text=True
+            [PYTHON, "-m", "ddptrain.testing.elastic_member", *args],
+            env=self.env,
+            stderr=open(self.tmp_path / f"{member}.stderr", "w"),  # noqa: SIM115 - closed with the process
         )
 
     def events(self) -> list[dict]:

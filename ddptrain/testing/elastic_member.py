@@ -1,0 +1,90 @@
+"""One member of an elastic job, for tests and benchmarks of :mod:`ddptrain.comm.elastic`:
+
+    python -m ddptrain.testing.elastic_member --store HOST:PORT --id a --world-size 3 --steps 500 --log events.jsonl
+
+Each step is one all-reduce of ones (its sum must be the generation's size) that also carries
+rank 0's two questions to everyone: do newcomers wait (then all regroup at this boundary), and is
+the job asked to stop (the store key ``stop``). A failed collective makes the member regroup with
+the survivors. After each new generation the members agree on the step to go on from (the
+furthest any of them got). Every event is one JSON line appended to ``--log``, which the caller
+reads from outside: ``generation`` (number, rank, size, step), ``step`` (step, gen, size, total),
+``failed`` (the error), ``done``. Rank 0 stops the job at a step boundary once the key ``stop`` is set in the
+membership's namespace (``Store(...).prefixed("elastic").set("stop", "1")``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as tdist
+
+import ddptrain.comm as dist
+from ddptrain.comm.elastic import ElasticMembership
+from ddptrain.comm.store import Store
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ddptrain.testing.elastic_member")
+    parser.add_argument("--store", required=True, help="HOST:PORT of python -m ddptrain.store")
+    parser.add_argument("--id", required=True, help="this member's unique id")
+    parser.add_argument("--world-size", type=int, required=True, help="members of the first generation")
+    parser.add_argument("--steps", type=int, default=10**9, help="stop after this step")
+    parser.add_argument("--log", required=True, help="the JSON-lines event log (appended to)")
+    parser.add_argument("--timeout-s", type=float, default=3.0, help="the groups' collective timeout")
+    parser.add_argument("--dead-after-s", type=float, default=3.0, help="heartbeat silence that means dead")
+    args = parser.parse_args(argv)
+    host, port = args.store.rsplit(":", 1)
+    torch.set_num_threads(1)
+    store = Store(tdist.TCPStore(host, int(port), None, False, timedelta(seconds=30)), "the job's store")
+    membership = ElasticMembership(store, args.id, dead_after_s=args.dead_after_s)
+    log = open(args.log, "a", buffering=1)  # noqa: SIM115 - one line per event, for the life of the process
+
+    def say(**record) -> None:
+        log.write(json.dumps({"member": args.id, "t": time.time(), **record}) + "\n")
+
+    def form(step: int):
+        """The new generation's group, and the step everyone goes on from (a newcomer knows none)."""
+        while True:
+            try:
+                pg = membership.new_process_group(timeout_s=args.timeout_s)
+                agreed = torch.tensor([float(step)])
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                g = membership.generation
+                say(event="generation", number=g.number, rank=pg.rank(), size=pg.size(), step=int(agreed.item()))
+                return pg, int(agreed.item())
+            except dist.CommError:
+                membership.regroup(timeout_s=args.timeout_s + 2)  # lost another member meanwhile
+
+    membership.join(args.world_size, timeout_s=60)
+    pg, step = form(0)
+    while step < args.steps:
+        try:
+            asks = [0.0, 0.0]
+            if pg.rank() == 0:
+                asks = [float(membership.newcomers_waiting()), float(membership.store.check(["stop"]))]
+            t = torch.tensor([1.0, *asks])
+            dist.all_reduce(t)
+            step += 1
+            say(event="step", step=step, gen=membership.generation.number, size=pg.size(), total=t[0].item())
+            if t[2] > 0:
+                break
+            time.sleep(0.02)
+            if t[1] > 0:
+                membership.regroup(timeout_s=args.timeout_s + 2)
+                pg, step = form(step)
+        except dist.CommError as exc:
+            say(event="failed", step=step, error=str(exc).splitlines()[0][:200])
+            membership.regroup(timeout_s=args.timeout_s + 2)
+            pg, step = form(step)
+    say(event="done", step=step)
+    dist.destroy_process_group()
+    membership.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
