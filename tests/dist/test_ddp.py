@@ -127,7 +127,10 @@ def _equivalence_case(
     }
 
 
-BACKENDS = ["gloo", "mpi"]  # mpi: ranks started by mpiexec (ddptrain's mpi backend over mpi4py)
+# mpi: ranks started by mpiexec (ddptrain's mpi backend over mpi4py). Its two-rank cases share one
+# launch (mpi_pair, below), on one xdist worker: an mpiexec rank imports torch itself (~3.6 s of
+# CPU here), where a gloo rank is forked from a preloaded server.
+BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.xdist_group("ddp-mpi-2"))]
 
 CASES = [
     ("net", 25, False),
@@ -169,8 +172,11 @@ def _equivalence_body(rank, ws):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_equivalence_with_single_process(world_size, backend):
-    results = run_distributed(_equivalence_body, world_size, backend=backend, timeout_s=200)
+def test_equivalence_with_single_process(world_size, backend, request):
+    if backend == "mpi" and world_size == 2:
+        results = [r["equivalence"] for r in request.getfixturevalue("mpi_pair")]
+    else:
+        results = run_distributed(_equivalence_body, world_size, backend=backend, timeout_s=200)
     for case, r0 in results[0].items():
         for rank, res in enumerate(results):
             assert res[case]["diff"] <= 1e-6, f"{case}: rank {rank} drifted {res[case]['diff']:.3g} from the reference"
@@ -274,8 +280,8 @@ def _hooks_body(rank, ws):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_comm_hooks(backend):
-    results = run_distributed(_hooks_body, 2, backend=backend, timeout_s=120)
+def test_comm_hooks(backend, request):
+    results = _two_ranks(request, "hooks", _hooks_body, 2, backend=backend, timeout_s=120)
     for r in results:
         # what reached the wire: compressed buckets travel as half precision, and only so
         assert r["plain_wire"] == ["torch.float32"], r
@@ -313,8 +319,8 @@ def _overlap_body(rank, ws):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_overlap_all_reduce_runs_while_backward_computes(backend):
-    for r in run_distributed(_overlap_body, 2, backend=backend, timeout_s=90):
+def test_overlap_all_reduce_runs_while_backward_computes(backend, request):
+    for r in _two_ranks(request, "overlap", _overlap_body, 2, backend=backend, timeout_s=90):
         at_call, at_wait = r["grads_missing_at_call"], r["grads_missing_at_wait"]
         assert len(at_call) >= 2, r
         # the first bucket went out while autograd still had gradients to produce ...
@@ -366,8 +372,8 @@ def _join_body(rank, ws, counts):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_join_uneven_inputs_matches_the_reference(backend):
-    results = run_distributed(_join_body, 2, JOIN_BATCHES, backend=backend, timeout_s=90)
+def test_join_uneven_inputs_matches_the_reference(backend, request):
+    results = _two_ranks(request, "join", _join_body, 2, JOIN_BATCHES, backend=backend, timeout_s=90)
     for rank, r in enumerate(results):
         assert r["diff"] <= 1e-6, f"rank {rank} drifted {r['diff']:.3g} from the single-process reference"
         assert r["digest"] == results[0]["digest"] and r["bn"] == results[0]["bn"], rank
@@ -417,8 +423,8 @@ def _errors_body(rank, ws):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_errors_users_meet_most(backend):
-    results = run_distributed(_errors_body, 2, backend=backend, timeout_s=90)
+def test_errors_users_meet_most(backend, request):
+    results = _two_ranks(request, "errors", _errors_body, 2, backend=backend, timeout_s=90)
     for r in results:
         assert "did not: branch.weight, branch.bias, never.weight, never.bias" in r["unused"], r["unused"]
         assert "find_unused_parameters=True" in r["unused"]
@@ -426,3 +432,26 @@ def test_errors_users_meet_most(backend):
         assert "marked ready twice" in r["twice"] and "use_reentrant=False" in r["twice"], r.get("twice")
         assert "mixed_precision" in r["kwarg"]
         assert "ranks disagree" in r["differs"] and "rank 1" in r["differs"] and "weight" in r["differs"], r["differs"]
+
+
+def _mpi_pair_body(rank, ws):
+    return {
+        "equivalence": _equivalence_body(rank, ws),
+        "hooks": _hooks_body(rank, ws),
+        "overlap": _overlap_body(rank, ws),
+        "join": _join_body(rank, ws, JOIN_BATCHES),
+        "errors": _errors_body(rank, ws),  # last: it leaves DDP wrappers that failed on purpose
+    }
+
+
+@pytest.fixture(scope="module")
+def mpi_pair():
+    """Every two-rank mpi case of this module, in one mpiexec launch; each rank's results by case."""
+    return run_distributed(_mpi_pair_body, 2, backend="mpi", timeout_s=400)
+
+
+def _two_ranks(request, case, body, *args, **kwargs):
+    """``run_distributed(body, *args, **kwargs)``'s results, or ``case``'s from the shared mpi launch."""
+    if kwargs["backend"] == "mpi":
+        return [r[case] for r in request.getfixturevalue("mpi_pair")]
+    return run_distributed(body, *args, **kwargs)
