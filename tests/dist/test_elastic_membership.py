@@ -91,9 +91,18 @@ def job(tmp_path):
 
 
 def _generation(number: int, size: int):
-    return lambda events: [
-        e for e in events if e["event"] == "generation" and e["number"] >= number and e["size"] == size
-    ]
+    """The events of the first generation from ``number`` on with ``size`` members, once every one
+    of its members has logged it (None before)."""
+
+    def found(events):
+        numbers = sorted({e["number"] for e in events if e["event"] == "generation" and e["number"] >= number})
+        for n in numbers:
+            logged = [e for e in events if e["event"] == "generation" and e["number"] == n]
+            if logged[0]["size"] == size and len({e["member"] for e in logged}) == size:
+                return logged
+        return None
+
+    return found
 
 
 def _steps_after(t: float, size: int):
