@@ -19,8 +19,9 @@ one is killed, so that it cannot come back with stale state); or when its heartb
 (``hb/<id>``, which a thread of each member rewrites every ``heartbeat_s``) has not changed for
 ``dead_after_s``. A member still alive that has not arrived after ``timeout_s`` is left out and
 fenced too. A member left out of a generation raises :class:`Fenced`; it must exit, and a
-launcher may start it again as a newcomer. A coordinator that dies before writing the list is
-replaced: the others stop waiting for ``gen/<n>`` and agree on ``n + 1``.
+launcher may start it again as a newcomer. A coordinator that dies before writing the list
+(``gen/<n>/coordinated_by`` names it; it is known dead as any member is) is replaced: the others
+stop waiting for ``gen/<n>`` and agree on ``n + 1``.
 
 The store must outlive every member, rank 0 included: serve it with ``python -m ddptrain.store``.
 What this module does not do is the training state: after a new generation, the caller makes the
@@ -154,10 +155,10 @@ class ElasticMembership:
         while True:
             self.store.set(f"gen/{number}/arrived/{self.id}", "1")
             if self.store.add(f"gen/{number}/coordinator", 1) == 1:
+                self.store.set(f"gen/{number}/coordinated_by", self.id)
                 self._coordinate(number, timeout_s)
-            try:
-                generation = self._read(number, time.monotonic() + timeout_s + self.dead_after_s + 5.0)
-            except CommTimeoutError:
+            generation = self._await_decision(number, time.monotonic() + timeout_s + self.dead_after_s + 5.0)
+            if generation is None:
                 number += 1  # the coordinator died before deciding: the next number elects another
                 continue
             if self.id not in generation.members:
@@ -257,6 +258,20 @@ class ElasticMembership:
         record = {"members": list(generation.members), "registered": generation.registered}
         self.store.set(f"gen/{generation.number}", json.dumps(record))
         self.store.set("latest", str(generation.number))
+
+    def _await_decision(self, number: int, deadline: float) -> Generation | None:
+        """Generation ``number`` once its coordinator has written it; None if the coordinator is
+        known dead before that (or nothing is written by ``deadline``)."""
+        seen: dict[str, tuple[bytes, float]] = {}
+        while not self.store.check([f"gen/{number}"]):
+            if self.store.check([f"gen/{number}/coordinated_by"]):
+                coordinator = self.store.get(f"gen/{number}/coordinated_by").decode()
+                if coordinator != self.id and self._is_dead(coordinator, seen):
+                    return None
+            if self._closed.is_set() or time.monotonic() > deadline:
+                return None
+            time.sleep(_POLL_S)
+        return self._read(number)
 
     def _read(self, number: int, deadline: float | None = None) -> Generation:
         if deadline is not None:

@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", required=True, help="the JSON-lines event log (appended to)")
     parser.add_argument("--timeout-s", type=float, default=3.0, help="the groups' collective timeout")
     parser.add_argument("--dead-after-s", type=float, default=3.0, help="heartbeat silence that means dead")
+    parser.add_argument("--stall-at-step", type=int, default=-1, help="before this step, compute for --stall-s")
+    parser.add_argument("--stall-s", type=float, default=0.0, help="seconds of that stall (alive, not arriving)")
     args = parser.parse_args(argv)
     host, port = args.store.rsplit(":", 1)
     torch.set_num_threads(1)
@@ -66,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             asks = [0.0, 0.0]
             if pg.rank() == 0:
                 asks = [float(membership.newcomers_waiting()), float(membership.store.check(["stop"]))]
+            if step + 1 == args.stall_at_step:
+                args.stall_at_step = -1  # once: the step is taken again after the others regroup
+                say(event="stall", step=step)
+                time.sleep(args.stall_s)  # a long computation: alive (heartbeat), but not at the collective
             t = torch.tensor([1.0, *asks])
             dist.all_reduce(t)
             step += 1

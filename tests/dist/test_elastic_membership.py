@@ -38,9 +38,9 @@ class Job:
         self.port = int(line.rsplit(":", 1)[1])
         self.members: dict[str, subprocess.Popen] = {}
 
-    def start(self, member: str, world_size: int = 3) -> None:
+    def start(self, member: str, world_size: int = 3, extra: tuple[str, ...] = ()) -> None:
         args = ["--store", f"127.0.0.1:{self.port}", "--id", member, "--world-size", str(world_size)]
-        args += ["--steps", str(self.steps), "--log", str(self.log)]
+        args += ["--steps", str(self.steps), "--log", str(self.log), *extra]
         self.members[member] = subprocess.Popen(
             [PYTHON, "-m", "ddptrain.testing.elastic_member", *args],
             env=self.env,
@@ -167,6 +167,36 @@ def test_a_stopped_member_is_fenced_and_the_others_go_on(job):
     assert codes["a"] == codes["b"] == 0, codes
     failed = [e for e in j.events() if e["event"] == "failed" and e["t"] > stopped_at]
     assert failed and all("timed out" in e["error"].lower() or "timeout" in e["error"].lower() for e in failed), failed
+
+
+def test_a_coordinator_that_dies_before_deciding_is_replaced(job):
+    from datetime import timedelta
+
+    import torch.distributed as tdist
+
+    from ddptrain.comm.store import Store
+
+    j = job(steps=200)
+    j.start("a")
+    j.start("b")
+    # c computes for 6 s before step 30 (alive, heartbeat and all): the others time out on it after
+    # 3 s, and the one that coordinates generation 1 waits for it (up to 5 s) ...
+    j.start("c", extra=("--stall-at-step", "30", "--stall-s", "6"))
+    store = Store(tdist.TCPStore("127.0.0.1", j.port, None, False, timedelta(seconds=60))).prefixed("elastic")
+    coordinator = store.get("gen/1/coordinated_by", timeout=60).decode()
+    assert coordinator in ("a", "b")
+    killed_at = time.time()
+    j.members[coordinator].send_signal(signal.SIGKILL)  # ... and dies before deciding
+    survivor = "b" if coordinator == "a" else "a"
+    final = j.wait_for(_generation(2, 2))  # generation 1 is never written: the others agree on 2
+    assert {e["member"] for e in final} == {survivor, "c"}
+    # as soon as c is back (6 s after its stall began), not after waiting out the dead coordinator (~13 s)
+    assert min(e["t"] for e in final) - killed_at < 8, min(e["t"] for e in final) - killed_at
+    assert not store.check(["gen/1"])
+    codes = j.finish()
+    assert codes == {coordinator: -signal.SIGKILL, survivor: 0, "c": 0}, codes
+    steps = [e for e in j.events() if e["event"] == "step"]
+    assert all(e["total"] == e["size"] for e in steps) and max(e["step"] for e in steps) == 200
 
 
 def test_the_store_process_serves_until_stopped_and_names_a_busy_port():
