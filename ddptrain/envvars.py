@@ -60,6 +60,17 @@ VARIABLES: dict[str, EnvVar] = {
             "The ledger check compares the ranks' records every this many collectives of a group.",
         ),
         EnvVar(
+            "DDPTRAIN_ELASTIC_STORE",
+            None,
+            "An elastic job's store, HOST:PORT (python -m ddptrain.store); the elastic local launcher "
+            "sets it for its workers (ddptrain.comm.elastic.ElasticMembership.from_environment).",
+        ),
+        EnvVar(
+            "DDPTRAIN_ELASTIC_ID",
+            None,
+            "This worker's member id in an elastic job (the elastic local launcher: <slot>.<attempt>).",
+        ),
+        EnvVar(
             "DDPTRAIN_LEDGER_DIR",
             None,
             "Where each rank writes its collective ledger (rankN.ledger) and, on SIGUSR1, its stack "

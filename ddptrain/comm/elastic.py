@@ -109,6 +109,27 @@ class ElasticMembership:
         index = self.store.add("members/count", 1)
         self.store.set(f"members/{index}", self.id)
 
+    @classmethod
+    def from_environment(cls, **options) -> ElasticMembership:
+        """The membership of a worker started by an elastic launcher: the store at
+        ``DDPTRAIN_ELASTIC_STORE`` (``HOST:PORT``), the id ``DDPTRAIN_ELASTIC_ID`` (default: a
+        fresh one); ``options`` as for the constructor."""
+        from datetime import timedelta
+
+        import torch.distributed as tdist
+
+        from .. import envvars
+
+        address = envvars.get_str("DDPTRAIN_ELASTIC_STORE")
+        if not address or ":" not in address:
+            raise CommError(
+                f"DDPTRAIN_ELASTIC_STORE={address!r}: an elastic worker needs its job's store as HOST:PORT "
+                "(python -m ddptrain.store prints it; the elastic local launcher sets it)"
+            )
+        host, port = address.rsplit(":", 1)
+        client = tdist.TCPStore(host, int(port), None, False, timedelta(seconds=60))
+        return cls(Store(client, f"elastic store {address}"), envvars.get_str("DDPTRAIN_ELASTIC_ID") or None, **options)
+
     # -- joining and regrouping ---------------------------------------------------------------
     def join(self, world_size: int, timeout_s: float) -> Generation:
         """Wait for a generation that includes this member. The first ``world_size`` members to

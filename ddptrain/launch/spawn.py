@@ -19,6 +19,7 @@ raises :class:`ddptrain.launch.signals.StoppedBySignal`. Most callers want
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -48,7 +49,16 @@ from .worker import report, run_rank
 
 # The errors and describe_exitcode live in .failures; they stay importable from here too (cli.py,
 # tests/e2e/test_faults_oom.py import them from this module).
-__all__ = ["spawn_workers", "find_free_port", "WorkerFailedError", "LaunchTimeoutError", "describe_exitcode"]
+__all__ = [
+    "spawn_workers",
+    "spawn_elastic",
+    "find_free_port",
+    "WorkerFailedError",
+    "LaunchTimeoutError",
+    "describe_exitcode",
+]
+
+_log = logging.getLogger("ddptrain.launch")
 
 # After the first failure, how long the other workers may still report theirs: a rank that
 # raises usually breaks its peers' connections, and the launcher must blame the cause, not them.
@@ -343,3 +353,145 @@ def _stop(procs: Sequence[mp.Process], grace_s: float = 3.0) -> None:
         if p.is_alive():
             p.kill()
             p.join(5)
+
+
+# -- elastic jobs ---------------------------------------------------------------------------------
+def spawn_elastic(
+    fn: Callable,
+    world_size: int,
+    args: Sequence = (),
+    *,
+    threads: int,
+    max_restarts: int = 0,
+    timeout_s: float | None = None,
+    env: dict | None = None,
+) -> list[Any]:
+    """Run ``fn(slot, world_size, *args)`` on ``world_size`` local workers that form an elastic job
+    (:mod:`ddptrain.comm.elastic`): a worker that dies does not stop the others.
+
+    The job's store is a process of its own (``python -m ddptrain.store`` on a free loopback port),
+    so it outlives every worker. Each worker finds it in ``DDPTRAIN_ELASTIC_STORE`` and its member
+    id in ``DDPTRAIN_ELASTIC_ID`` (``<slot>.<attempt>``): ``ElasticMembership.from_environment()``.
+    A worker that fails (raises, is killed, exits non-zero) is started again in its slot, as a
+    newcomer with the next attempt's id, while restarts are left (``max_restarts`` for the whole
+    job); then its slot stays empty and the others go on. Every worker ends when the launcher does.
+
+    Returns:
+        The results of the workers that finished, in slot order (a slot's last attempt).
+
+    Raises:
+        WorkerFailedError: no worker finished (the failure that started it).
+        LaunchTimeoutError: the job outlived ``timeout_s``; every worker was killed.
+    """
+    import subprocess
+    import sys
+
+    store = subprocess.Popen([sys.executable, "-m", "ddptrain.store", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    watch = _ElasticWatch(fn, world_size, tuple(args), threads, max_restarts, timeout_s, dict(env or {}))
+    try:
+        line = store.stdout.readline()  # "ddptrain store: serving on 127.0.0.1:PORT"
+        if not line.startswith("ddptrain store: serving on "):
+            raise OSError(f"the elastic job's store did not start: {line!r} (exit {store.poll()})")
+        watch.env["DDPTRAIN_ELASTIC_STORE"] = line.split()[-1]
+        for slot in range(world_size):
+            watch.start(slot)
+        with SignalForwarder(lambda: [p.pid for p in watch.procs.values() if p.is_alive()]):
+            return watch.collect()
+    finally:
+        _stop(list(watch.procs.values()))
+        for reader in watch.readers:
+            reader.close()
+        for proc in watch.procs.values():
+            if isinstance(proc, forkserver.ForkedWorker):
+                proc.close()
+        store.terminate()
+        store.wait(10)
+
+
+class _ElasticWatch:
+    """The workers of :func:`spawn_elastic`, each known by ``(slot, attempt)``."""
+
+    def __init__(self, fn, world_size, args, threads, max_restarts, timeout_s, env):
+        self.fn, self.world_size, self.args, self.threads = fn, world_size, args, threads
+        self.restarts_left, self.timeout_s, self.env = max_restarts, timeout_s, env
+        self.attempts = [0] * world_size
+        self.procs: dict[tuple[int, int], Any] = {}
+        self.readers: dict[Any, tuple[int, int]] = {}
+        self.sentinels: dict[Any, tuple[int, int]] = {}
+        self.results: dict[int, Any] = {}
+        self.failures: list[WorkerFailedError] = []
+        self.done: set[tuple[int, int]] = set()
+
+    def start(self, slot: int) -> None:
+        key = (slot, self.attempts[slot])
+        extra = {**self.env, "DDPTRAIN_ELASTIC_ID": f"{slot}.{key[1]}"}
+        spec = _WorkerSpec(
+            slot,
+            self.world_size,
+            _worker_env(slot, self.world_size, "127.0.0.1", 0, self.threads, extra),
+            None,
+            None,
+            self.threads,
+        )
+        jobs = [(spec, self.fn, self.args, {})]
+        light = ("torch", *([self.fn.__module__] if self.fn.__module__ not in ("__main__", "__mp_main__") else []))
+        server = forkserver.take(light)
+        procs, readers = _fork(server, jobs, None) if server is not None else ([], {})
+        if not procs:
+            procs, readers = _spawn(jobs)
+        self.procs[key] = procs[0]
+        self.sentinels[procs[0].sentinel] = key
+        for reader in readers:
+            self.readers[reader] = key
+
+    def collect(self) -> list[Any]:
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while len(self.done) < len(self.procs):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise LaunchTimeoutError(
+                    f"the elastic job did not finish within {self.timeout_s:g} s; every worker was killed"
+                )
+            for ready in wait_any(list(self.readers) + list(self.sentinels), timeout=left):
+                if ready in self.readers:
+                    key = self.readers.pop(ready)
+                    self._ended(key, _read_report(ready))
+                elif ready in self.sentinels:
+                    key = self.sentinels.pop(ready)
+                    self.procs[key].join()
+                    reader = next((rd for rd, k in self.readers.items() if k == key), None)
+                    payload = None
+                    if reader is not None:
+                        self.readers.pop(reader)
+                        payload = _read_report(reader) if reader.poll(0.5) else None
+                    self._ended(key, payload)
+        if not self.results:
+            raise root_cause(self.failures)
+        return [self.results[slot] for slot in sorted(self.results)]
+
+    def _ended(self, key: tuple[int, int], payload: bytes | None) -> None:
+        """A worker reported or died: file its result, or restart its slot (or leave it empty)."""
+        if key in self.done:
+            return
+        self.done.add(key)
+        slot, proc = key[0], self.procs[key]
+        outcome = None if payload is None else decode_outcome(payload)
+        if outcome is not None and not outcome.failed:
+            self.results[slot] = outcome.result
+            return
+        member = f"member {slot}.{key[1]} (slot {slot}, pid {proc.pid})"
+        if outcome is None:
+            proc.join(5)
+            failure = failure_without_report(slot, proc.pid, proc.exitcode, "the others go on.")
+            why = f"{member} {describe_exitcode(proc.exitcode, proc.pid)}"
+        else:
+            failure = failure_from_report(slot, outcome)
+            why = f"{member} failed: {outcome.error}"
+        self.failures.append(failure)
+        if self.restarts_left > 0:
+            self.restarts_left -= 1
+            self.attempts[slot] += 1
+            _log.warning("%s; the others go on, and slot %d starts again as member %d.%d", why, slot, slot, key[1] + 1)
+            self.start(slot)
+        else:
+            _log.warning("%s; the others go on without it (no restart left)", why)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from datetime import timedelta
 
@@ -25,6 +26,70 @@ import torch.distributed as tdist
 import ddptrain.comm as dist
 from ddptrain.comm.elastic import ElasticMembership
 from ddptrain.comm.store import Store
+
+
+def run_member(
+    membership: ElasticMembership,
+    world_size: int,
+    steps: int,
+    log_path: str,
+    timeout_s: float = 3.0,
+    stall_at_step: int = -1,
+    stall_s: float = 0.0,
+) -> dict:
+    """The member's loop (see the module docstring) until ``steps``; its id, last rank and step.
+    ``stall_at_step``: before that step, compute (sleep) ``stall_s`` seconds, once."""
+    torch.set_num_threads(1)
+    log = open(log_path, "a", buffering=1)  # noqa: SIM115 - one line per event, closed at the end
+    member = membership.id
+
+    def say(**record) -> None:
+        log.write(json.dumps({"member": member, "pid": os.getpid(), "t": time.time(), **record}) + "\n")
+
+    def form(step: int):
+        """The new generation's group, and the step everyone goes on from (a newcomer knows none)."""
+        while True:
+            try:
+                pg = membership.new_process_group(timeout_s=timeout_s)
+                agreed = torch.tensor([float(step)])
+                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+                g = membership.generation
+                say(event="generation", number=g.number, rank=pg.rank(), size=pg.size(), step=int(agreed.item()))
+                return pg, int(agreed.item())
+            except dist.CommError:
+                membership.regroup(timeout_s=timeout_s + 2)  # lost another member meanwhile
+
+    membership.join(world_size, timeout_s=60)
+    pg, step = form(0)
+    while step < steps:
+        try:
+            asks = [0.0, 0.0]
+            if pg.rank() == 0:
+                asks = [float(membership.newcomers_waiting()), float(membership.store.check(["stop"]))]
+            if step + 1 == stall_at_step:
+                stall_at_step = -1  # once: the step is taken again after the others regroup
+                say(event="stall", step=step)
+                time.sleep(stall_s)  # a long computation: alive (heartbeat), but not at the collective
+            t = torch.tensor([1.0, *asks])
+            dist.all_reduce(t)
+            step += 1
+            say(event="step", step=step, gen=membership.generation.number, size=pg.size(), total=t[0].item())
+            if t[2] > 0:
+                break
+            time.sleep(0.02)
+            if t[1] > 0:
+                membership.regroup(timeout_s=timeout_s + 2)
+                pg, step = form(step)
+        except dist.CommError as exc:
+            say(event="failed", step=step, error=str(exc).splitlines()[0][:200])
+            membership.regroup(timeout_s=timeout_s + 2)
+            pg, step = form(step)
+    say(event="done", step=step)
+    rank = pg.rank()
+    dist.destroy_process_group()
+    membership.close()
+    log.close()
+    return {"member": member, "rank": rank, "step": step}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,55 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-s", type=float, default=0.0, help="seconds of that stall (alive, not arriving)")
     args = parser.parse_args(argv)
     host, port = args.store.rsplit(":", 1)
-    torch.set_num_threads(1)
     store = Store(tdist.TCPStore(host, int(port), None, False, timedelta(seconds=30)), "the job's store")
     membership = ElasticMembership(store, args.id, dead_after_s=args.dead_after_s)
-    log = open(args.log, "a", buffering=1)  # noqa: SIM115 - one line per event, for the life of the process
-
-    def say(**record) -> None:
-        log.write(json.dumps({"member": args.id, "t": time.time(), **record}) + "\n")
-
-    def form(step: int):
-        """The new generation's group, and the step everyone goes on from (a newcomer knows none)."""
-        while True:
-            try:
-                pg = membership.new_process_group(timeout_s=args.timeout_s)
-                agreed = torch.tensor([float(step)])
-                dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-                g = membership.generation
-                say(event="generation", number=g.number, rank=pg.rank(), size=pg.size(), step=int(agreed.item()))
-                return pg, int(agreed.item())
-            except dist.CommError:
-                membership.regroup(timeout_s=args.timeout_s + 2)  # lost another member meanwhile
-
-    membership.join(args.world_size, timeout_s=60)
-    pg, step = form(0)
-    while step < args.steps:
-        try:
-            asks = [0.0, 0.0]
-            if pg.rank() == 0:
-                asks = [float(membership.newcomers_waiting()), float(membership.store.check(["stop"]))]
-            if step + 1 == args.stall_at_step:
-                args.stall_at_step = -1  # once: the step is taken again after the others regroup
-                say(event="stall", step=step)
-                time.sleep(args.stall_s)  # a long computation: alive (heartbeat), but not at the collective
-            t = torch.tensor([1.0, *asks])
-            dist.all_reduce(t)
-            step += 1
-            say(event="step", step=step, gen=membership.generation.number, size=pg.size(), total=t[0].item())
-            if t[2] > 0:
-                break
-            time.sleep(0.02)
-            if t[1] > 0:
-                membership.regroup(timeout_s=args.timeout_s + 2)
-                pg, step = form(step)
-        except dist.CommError as exc:
-            say(event="failed", step=step, error=str(exc).splitlines()[0][:200])
-            membership.regroup(timeout_s=args.timeout_s + 2)
-            pg, step = form(step)
-    say(event="done", step=step)
-    dist.destroy_process_group()
-    membership.close()
+    run_member(membership, args.world_size, args.steps, args.log, args.timeout_s, args.stall_at_step, args.stall_s)
     return 0
 
 

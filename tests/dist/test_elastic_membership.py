@@ -246,3 +246,80 @@ def test_abort_ends_a_wait_on_an_abortable_group_at_once():
     waited_s, error = run_distributed(_abort_a_wait_that_would_last, 2, timeout_s=90, comm_timeout_s=20)[0]
     assert waited_s < 2.0, waited_s
     assert "all_reduce on group 'world' was aborted: the members are agreeing on generation 1" in error, error
+
+
+def _launched_member(slot, world_size, steps, log):
+    from ddptrain.comm.elastic import ElasticMembership
+    from ddptrain.testing.elastic_member import run_member
+
+    return run_member(ElasticMembership.from_environment(dead_after_s=3.0), world_size, steps, log)
+
+
+def test_the_elastic_launcher_restarts_a_dead_worker_and_it_rejoins_then_goes_on_without_one(tmp_path, caplog):
+    import logging
+    import threading
+
+    from ddptrain.launch.spawn import spawn_elastic
+
+    log = tmp_path / "events.jsonl"
+    box = {}
+
+    def launch():
+        try:
+            box["results"] = spawn_elastic(
+                _launched_member, 3, (400, str(log)), threads=1, max_restarts=1, timeout_s=150
+            )
+        except BaseException as exc:  # noqa: BLE001 - the test thread reports it
+            box["error"] = exc
+
+    def events():
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    def wait_for(what, timeout_s=60):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if found := what(events()):
+                return found
+            time.sleep(0.05)
+        raise AssertionError(f"timed out; box {box}; the last events: {events()[-12:]}")
+
+    caplog.set_level(logging.WARNING, logger="ddptrain.launch")
+    launcher = threading.Thread(target=launch)
+    launcher.start()
+    try:
+        wait_for(lambda ev: len({e["member"] for e in ev if e["event"] == "step" and e["step"] >= 20}) == 3)
+        pids = {e["rank"]: (e["member"], e["pid"]) for e in events() if e["event"] == "generation"}
+        victim, pid = pids[1]
+        os.kill(pid, signal.SIGKILL)
+        slot = victim.split(".")[0]
+        # the launcher starts the slot's next attempt, admitted as soon as it has registered (by the
+        # survivors' regroup itself when it registers in time, else at the next step boundary)
+        rejoined = wait_for(_generation(1, 3))
+        assert f"{slot}.1" in {e["member"] for e in rejoined}
+        now = {e["rank"]: (e["member"], e["pid"]) for e in rejoined}
+        os.kill(now[0][1], signal.SIGKILL)  # no restart left: the job goes on with two
+        wait_for(_generation(rejoined[0]["number"] + 1, 2))
+    finally:
+        launcher.join(150)
+    assert "error" not in box, box.get("error")
+    from tests.conftest import children
+
+    def command(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return b""  # ended meanwhile
+
+    assert [c for c in children(os.getpid()) if b"ddptrain.store" in command(c)] == [], "the store outlived the job"
+    finished = {r["member"] for r in box["results"]}
+    assert len(finished) == 2 and now[0][0] not in finished and victim not in finished, box["results"]
+    assert all(r["step"] == 400 for r in box["results"]), box["results"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert warnings == [
+        f"member {victim} (slot {slot}, pid {pid}) killed by signal SIGKILL (SIGKILL is also what the kernel's "
+        f"out-of-memory killer sends: check `dmesg` for 'Killed process {pid}' and the memory limit); the others "
+        f"go on, and slot {slot} starts again as member {slot}.1",
+        f"member {now[0][0]} (slot {now[0][0].split('.')[0]}, pid {now[0][1]}) killed by signal SIGKILL (SIGKILL "
+        f"is also what the kernel's out-of-memory killer sends: check `dmesg` for 'Killed process {now[0][1]}' and "
+        "the memory limit); the others go on without it (no restart left)",
+    ], warnings
