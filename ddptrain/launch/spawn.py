@@ -303,18 +303,7 @@ class _Watcher:
 
     def _on_ready(self, ready) -> None:
         """A report arrived, or a worker ended (then read the report it may have left)."""
-        if ready in self.pending:
-            rank = self.pending.pop(ready)
-            self._record(rank, _read_report(ready))
-        elif ready in self.sentinels:
-            rank = self.sentinels.pop(ready)
-            self.procs[rank].join()
-            reader = next((rd for rd, r in self.pending.items() if r == rank), None)
-            payload = None
-            if reader is not None:
-                self.pending.pop(reader)
-                payload = _read_report(reader) if reader.poll(0.5) else None
-            self._record(rank, payload)
+        self._record(*_ended_worker(ready, self.pending, self.sentinels, self.procs))
 
     def _record(self, rank: int, payload: bytes | None) -> None:
         """File a worker's outcome: its result, its reported error, or how it died."""
@@ -330,6 +319,28 @@ class _Watcher:
             self.failures[rank] = failure_from_report(rank, outcome)
         else:
             self.results[rank] = outcome.result
+
+
+def _ended_worker(ready, readers: dict, sentinels: dict, procs) -> tuple[Any, bytes | None]:
+    """``(worker, its report or None)`` for a ``ready`` report pipe, or for a ready process
+    sentinel (the worker ended: read the report it may have left). ``readers`` and ``sentinels``
+    map to workers, who are keys of ``procs``; the ready entry is removed."""
+    if ready in readers:
+        worker = readers.pop(ready)
+        return worker, _read_report(ready)
+    worker = sentinels.pop(ready)
+    procs[worker].join()
+    return worker, _leftover_report(readers, worker)
+
+
+def _leftover_report(readers: dict, worker) -> bytes | None:
+    """The report an ended ``worker`` may have left in its pipe, if its reader (removed from
+    ``readers``, which maps readers to workers) was not read yet."""
+    reader = next((rd for rd, w in readers.items() if w == worker), None)
+    if reader is None:
+        return None
+    readers.pop(reader)
+    return _read_report(reader) if reader.poll(0.5) else None
 
 
 def _read_report(reader) -> bytes | None:
@@ -453,18 +464,7 @@ class _ElasticWatch:
                     f"the elastic job did not finish within {self.timeout_s:g} s; every worker was killed"
                 )
             for ready in wait_any(list(self.readers) + list(self.sentinels), timeout=left):
-                if ready in self.readers:
-                    key = self.readers.pop(ready)
-                    self._ended(key, _read_report(ready))
-                elif ready in self.sentinels:
-                    key = self.sentinels.pop(ready)
-                    self.procs[key].join()
-                    reader = next((rd for rd, k in self.readers.items() if k == key), None)
-                    payload = None
-                    if reader is not None:
-                        self.readers.pop(reader)
-                        payload = _read_report(reader) if reader.poll(0.5) else None
-                    self._ended(key, payload)
+                self._ended(*_ended_worker(ready, self.readers, self.sentinels, self.procs))
         if not self.results:
             raise root_cause(self.failures)
         return [self.results[slot] for slot in sorted(self.results)]
