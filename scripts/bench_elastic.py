@@ -28,8 +28,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
+
+from ddptrain.testing.elastic_member import check_events
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]
@@ -44,26 +45,6 @@ def _start(port: int, member: str, world_size: int, log: Path, env: dict) -> sub
     return subprocess.Popen(
         [PYTHON, "-m", "ddptrain.testing.elastic_member", *args], env=env, stderr=subprocess.DEVNULL
     )
-
-
-def _check(events: list[dict]) -> list[str]:
-    """What went wrong in the log: a step whose sum is not its generation's size, a member whose
-    steps do not follow each other (a new generation goes on from the step the members agreed on)."""
-    problems = [
-        f"step sum {e['total']} in a generation of {e['size']}: {e}"
-        for e in events
-        if e["event"] == "step" and e["total"] != e["size"]
-    ]
-    for member in sorted({e["member"] for e in events}):
-        expected = None
-        for e in (e for e in events if e["member"] == member):
-            if e["event"] == "generation":
-                expected = e["step"] + 1
-            elif e["event"] == "step":
-                if e["step"] != expected:
-                    problems.append(f"{member}: step {e['step']} after {expected - 1}")
-                expected = e["step"] + 1
-    return problems
 
 
 def main() -> int:
@@ -102,12 +83,11 @@ def main() -> int:
             new = f"m{len(members)}"
             members[new] = _start(port, new, args.members, log, env)
         time.sleep(args.every)  # the last replacement is admitted
-        import torch.distributed as tdist
+        from ddptrain.comm.store import connect
 
-        from ddptrain.comm.store import Store
-
-        client = Store(tdist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30)))
-        client.prefixed("elastic").set("stop", "1")  # the members' namespace: rank 0 stops them at a boundary
+        connect(f"127.0.0.1:{port}").prefixed("elastic").set(
+            "stop", "1"
+        )  # the members' namespace: rank 0 stops them at a boundary
         for proc in members.values():
             proc.wait(timeout=60)
     finally:
@@ -131,7 +111,7 @@ def main() -> int:
         print(f"  killed {victim} (rank {rank}): next step after {r:.3f} s, full size again after {f:.3f} s")
     print(f"kill -> the survivors' next step: median {statistics.median(recovery):.3f} s, max {max(recovery):.3f} s")
     print(f"kill -> full size again: median {statistics.median(full):.3f} s, max {max(full):.3f} s")
-    problems = _check(events)
+    problems = check_events(events)
     codes = {m: p.returncode for m, p in members.items()}
     ok = [m for m, c in codes.items() if c == 0]
     print(f"members that finished cleanly: {len(ok)} (killed: {len(kills)}); steps: {max(e['step'] for e in steps)}")

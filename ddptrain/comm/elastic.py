@@ -114,21 +114,16 @@ class ElasticMembership:
         """The membership of a worker started by an elastic launcher: the store at
         ``DDPTRAIN_ELASTIC_STORE`` (``HOST:PORT``), the id ``DDPTRAIN_ELASTIC_ID`` (default: a
         fresh one); ``options`` as for the constructor."""
-        from datetime import timedelta
-
-        import torch.distributed as tdist
-
         from .. import envvars
+        from .store import connect
 
         address = envvars.get_str("DDPTRAIN_ELASTIC_STORE")
-        if not address or ":" not in address:
+        if not address:
             raise CommError(
-                f"DDPTRAIN_ELASTIC_STORE={address!r}: an elastic worker needs its job's store as HOST:PORT "
+                "DDPTRAIN_ELASTIC_STORE is not set: an elastic worker needs its job's store as HOST:PORT "
                 "(python -m ddptrain.store prints it; the elastic local launcher sets it)"
             )
-        host, port = address.rsplit(":", 1)
-        client = tdist.TCPStore(host, int(port), None, False, timedelta(seconds=60))
-        return cls(Store(client, f"elastic store {address}"), envvars.get_str("DDPTRAIN_ELASTIC_ID") or None, **options)
+        return cls(connect(address), envvars.get_str("DDPTRAIN_ELASTIC_ID") or None, **options)
 
     # -- joining and regrouping ---------------------------------------------------------------
     def join(self, world_size: int, timeout_s: float) -> Generation:
@@ -250,12 +245,14 @@ class ElasticMembership:
         self._write(Generation(number, tuple(arrived + newcomers), registered))
 
     def _is_dead(self, member: str, seen: dict[str, tuple[bytes, float]]) -> bool:
-        if self.store.check([f"fenced/{member}"]) or not self.store.check([f"hb/{member}"]):
+        if self.store.check([f"fenced/{member}"]):
             return True
-        value = self.store.get(f"hb/{member}")
-        host, pid, _ = value.decode().rsplit(" ", 2)
-        if host == self._host:
-            return process_state(int(pid)) in (None, "Z", "T", "t")
+        beat = self._heartbeat_of(member)
+        if beat is None:
+            return True
+        value, local_pid = beat
+        if local_pid is not None:
+            return process_state(local_pid) in (None, "Z", "T", "t")
         first = seen.setdefault(member, (value, time.monotonic()))
         if first[0] != value:
             seen[member] = (value, time.monotonic())
@@ -265,14 +262,21 @@ class ElasticMembership:
     def _fence(self, member: str) -> None:
         """Mark ``member`` dead for good; kill it where this process can (a stopped process)."""
         self.store.set(f"fenced/{member}", "1")
-        if not self.store.check([f"hb/{member}"]):
-            return
-        host, pid, _ = self.store.get(f"hb/{member}").decode().rsplit(" ", 2)
-        if host == self._host and process_state(int(pid)) in ("T", "t"):
+        beat = self._heartbeat_of(member)
+        if beat is not None and beat[1] is not None and process_state(beat[1]) in ("T", "t"):
             try:
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(beat[1], signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+    def _heartbeat_of(self, member: str) -> tuple[bytes, int | None] | None:
+        """``member``'s heartbeat record, and its pid where this process can see it in ``/proc``
+        (same host and pid namespace); None if it never wrote one."""
+        if not self.store.check([f"hb/{member}"]):
+            return None
+        value = self.store.get(f"hb/{member}")
+        host, pid, _ = value.decode().rsplit(" ", 2)
+        return value, int(pid) if host == self._host else None
 
     # -- the store's records --------------------------------------------------------------------
     def _write(self, generation: Generation) -> None:

@@ -80,6 +80,17 @@ class Store:
         return Store(tdist.PrefixStore(prefix + "/", self.c10d), f"{self.description}[{prefix}]")
 
 
+def connect(address: str, timeout_s: float = 60.0) -> Store:
+    """A client of the store served at ``address``, ``HOST:PORT`` (``python -m ddptrain.store``
+    prints it); ``timeout_s`` bounds the connection and every wait on the store."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise RendezvousError(
+            f"store address {address!r} must look like HOST:PORT (python -m ddptrain.store prints it)"
+        )
+    return Store(tdist.TCPStore(host, int(port), None, False, timedelta(seconds=timeout_s)), f"tcp store {address}")
+
+
 @dataclass
 class RendezvousInfo:
     """What a rendezvous settled: who we are and where the store lives."""

@@ -415,7 +415,7 @@ def prepare_dataset_files(name: str, root: PathLike | None = None, train: bool =
     if name in specs:
         _prepare_raw_folder(specs[name], resolve_data_root(root), train, download)
     elif name not in DATASET_NAMES:
-        raise ValueError(f"unknown dataset {name!r}; known datasets are {', '.join(DATASET_NAMES)}")
+        raise _unknown_dataset(name)
 
 
 def build_dataset(
@@ -442,4 +442,8 @@ def build_dataset(
     if name == "synthetic":
         kwargs.setdefault("num_samples", _SYNTHETIC_DEFAULT_SAMPLES[bool(train)])
         return SyntheticClassification(train=train, **kwargs)
-    raise ValueError(f"unknown dataset {name!r}; known datasets are {', '.join(DATASET_NAMES)}")
+    raise _unknown_dataset(name)
+
+
+def _unknown_dataset(name: str) -> ValueError:
+    return ValueError(f"unknown dataset {name!r}; known datasets are {', '.join(DATASET_NAMES)}")

@@ -136,12 +136,7 @@ def spawn_workers(
         # torch._dynamo, which building any torch optimizer imports (over a second of CPU per
         # worker otherwise; the server is kept for the next job: sweeps, restarts, test suites).
         # The rest of the command line's full preload would delay the job more than it saves.
-        light = (
-            "torch",
-            "torch._dynamo",
-            *([fn.__module__] if fn.__module__ not in ("__main__", "__mp_main__") else []),
-        )
-        server = forkserver.take(light) if start_method == "forkserver" else None
+        server = forkserver.take(_light_preload(fn)) if start_method == "forkserver" else None
         procs, readers = _fork(server, jobs, needs) if server is not None else ([], {})
         if not procs:
             procs, readers = _spawn(jobs)
@@ -159,6 +154,12 @@ def spawn_workers(
         for proc in procs:
             if isinstance(proc, forkserver.ForkedWorker):
                 proc.close()
+
+
+def _light_preload(fn: Callable) -> tuple[str, ...]:
+    """What a server started for ``fn``'s job preloads: torch, ``torch._dynamo`` (which building
+    any torch optimizer imports) and ``fn``'s module (unless it is the main script)."""
+    return ("torch", "torch._dynamo", *([fn.__module__] if fn.__module__ not in ("__main__", "__mp_main__") else []))
 
 
 def _fork(server, jobs: Sequence[tuple], needs: Sequence[str] | None) -> tuple[list, dict]:
@@ -445,8 +446,7 @@ class _ElasticWatch:
             self.threads,
         )
         jobs = [(spec, self.fn, self.args, {})]
-        light = ("torch", *([self.fn.__module__] if self.fn.__module__ not in ("__main__", "__mp_main__") else []))
-        server = forkserver.take(light)
+        server = forkserver.take(_light_preload(self.fn))  # the idle server, kept from the last start
         procs, readers = _fork(server, jobs, None) if server is not None else ([], {})
         if not procs:
             procs, readers = _spawn(jobs)

@@ -18,14 +18,12 @@ import argparse
 import json
 import os
 import time
-from datetime import timedelta
 
 import torch
-import torch.distributed as tdist
 
 import ddptrain.comm as dist
 from ddptrain.comm.elastic import ElasticMembership
-from ddptrain.comm.store import Store
+from ddptrain.comm.store import connect
 
 
 def run_member(
@@ -92,6 +90,27 @@ def run_member(
     return {"member": member, "rank": rank, "step": step}
 
 
+def check_events(events: list[dict]) -> list[str]:
+    """What went wrong in a job's event log (every member's lines, in order): a step whose sum is
+    not its generation's size, or a member whose steps do not follow each other (a new generation
+    goes on from the step the members agreed on). Empty when nothing did."""
+    problems = [
+        f"step sum {e['total']} in a generation of {e['size']}: {e}"
+        for e in events
+        if e["event"] == "step" and e["total"] != e["size"]
+    ]
+    for member in sorted({e["member"] for e in events}):
+        expected = None
+        for e in (e for e in events if e["member"] == member):
+            if e["event"] == "generation":
+                expected = e["step"] + 1
+            elif e["event"] == "step":
+                if e["step"] != expected:
+                    problems.append(f"{member}: step {e['step']} where step {expected} was due")
+                expected = e["step"] + 1
+    return problems
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ddptrain.testing.elastic_member")
     parser.add_argument("--store", required=True, help="HOST:PORT of python -m ddptrain.store")
@@ -104,9 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stall-at-step", type=int, default=-1, help="before this step, compute for --stall-s")
     parser.add_argument("--stall-s", type=float, default=0.0, help="seconds of that stall (alive, not arriving)")
     args = parser.parse_args(argv)
-    host, port = args.store.rsplit(":", 1)
-    store = Store(tdist.TCPStore(host, int(port), None, False, timedelta(seconds=30)), "the job's store")
-    membership = ElasticMembership(store, args.id, dead_after_s=args.dead_after_s)
+    membership = ElasticMembership(connect(args.store), args.id, dead_after_s=args.dead_after_s)
     run_member(membership, args.world_size, args.steps, args.log, args.timeout_s, args.stall_at_step, args.stall_s)
     return 0
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from ddptrain.testing.elastic_member import check_events
 from tests.conftest import PYTHON, REPO
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
@@ -135,20 +136,11 @@ def test_survivors_go_on_in_place_rank_0_included_and_a_restarted_member_rejoins
     codes = j.finish()
     assert codes == {first[0]: -signal.SIGKILL, first[1]: -signal.SIGKILL, first[2]: 0, "new": 0}, codes
     events = j.events()
-    for e in events:
-        if e["event"] == "step":
-            assert e["total"] == e["size"], e  # every step's sum counts exactly the generation's members
+    # every step's sum counted exactly its generation's members, and each member's steps followed
+    # each other (a new generation goes on from the furthest step any member completed)
+    assert check_events(events) == []
     for member in (first[2], "new"):
-        # Steps follow each other; a new generation goes on from the step the members agree on
-        # (the furthest any of them got: a step whose all-reduce ended on one rank ended).
-        expected = None
-        for e in (e for e in events if e["member"] == member):
-            if e["event"] == "generation":
-                expected = e["step"] + 1
-            elif e["event"] == "step":
-                assert e["step"] == expected, (member, e, expected)
-                expected += 1
-        assert expected == 501, (member, expected)
+        assert [e for e in events if e["member"] == member and e["event"] == "done"][0]["step"] == 500
     print(f"SIGKILL to the survivors' next step: {recovery_s}")
     assert max(recovery_s.values()) < 2, recovery_s  # below the group's 3 s timeout: nobody waited it out
 
@@ -170,11 +162,7 @@ def test_a_stopped_member_is_fenced_and_the_others_go_on(job):
 
 
 def test_a_coordinator_that_dies_before_deciding_is_replaced(job):
-    from datetime import timedelta
-
-    import torch.distributed as tdist
-
-    from ddptrain.comm.store import Store
+    from ddptrain.comm.store import connect
 
     j = job(steps=200)
     j.start("a")
@@ -182,7 +170,7 @@ def test_a_coordinator_that_dies_before_deciding_is_replaced(job):
     # c computes for 6 s before step 30 (alive, heartbeat and all): the others time out on it after
     # 3 s, and the one that coordinates generation 1 waits for it (up to 5 s) ...
     j.start("c", extra=("--stall-at-step", "30", "--stall-s", "6"))
-    store = Store(tdist.TCPStore("127.0.0.1", j.port, None, False, timedelta(seconds=60))).prefixed("elastic")
+    store = connect(f"127.0.0.1:{j.port}").prefixed("elastic")
     coordinator = store.get("gen/1/coordinated_by", timeout=60).decode()
     assert coordinator in ("a", "b")
     killed_at = time.time()
@@ -195,8 +183,8 @@ def test_a_coordinator_that_dies_before_deciding_is_replaced(job):
     assert not store.check(["gen/1"])
     codes = j.finish()
     assert codes == {coordinator: -signal.SIGKILL, survivor: 0, "c": 0}, codes
-    steps = [e for e in j.events() if e["event"] == "step"]
-    assert all(e["total"] == e["size"] for e in steps) and max(e["step"] for e in steps) == 200
+    assert check_events(j.events()) == []
+    assert max(e["step"] for e in j.events() if e["event"] == "step") == 200
 
 
 def test_the_store_process_serves_until_stopped_and_names_a_busy_port():
