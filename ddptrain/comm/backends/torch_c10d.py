@@ -77,10 +77,8 @@ class TorchWork(Work):
         out!" and leaves the work running; a work that ended with an error is raised as it is."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         while True:
-            reason = self._group.abort_reason
-            if reason is not None:
-                self._group._failed = True
-                raise _Aborted(f"{self.op_name} on group {self._group.name!r} was aborted: {reason}")
+            if self._group.abort_reason is not None:
+                raise self._group.aborted_error(self.op_name)
             left = _ABORT_SLICE_S if deadline is None else min(_ABORT_SLICE_S, deadline - time.monotonic())
             try:
                 self._work.wait(timedelta(seconds=max(left, 0.001)))
@@ -159,6 +157,10 @@ class TorchProcessGroup(ProcessGroup):
         self._failed = True
         if self.backend == "nccl" and hasattr(self.pg, "abort"):
             self.pg.abort()
+
+    def aborted_error(self, op: str) -> CommError:
+        """The error of ``op`` (waited on, or called) on this group after :meth:`abort`."""
+        return _Aborted(f"{op} on group {self.name!r} was aborted: {self.abort_reason}")
 
     @classmethod
     def from_torch(cls, group=None) -> TorchProcessGroup:
@@ -251,7 +253,7 @@ class TorchProcessGroup(ProcessGroup):
     def _run(self, op_name: str, outputs, launch) -> Work:
         self.check_alive(op_name)
         if self.abort_reason is not None:
-            raise _Aborted(f"{op_name} on group {self.name!r}: the group was aborted: {self.abort_reason}")
+            raise self.aborted_error(op_name)
         seq = 0
         if op_name not in ("send", "recv"):
             self._collective_seq += 1
