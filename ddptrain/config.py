@@ -501,7 +501,15 @@ class TrainerConfig:
     ``virtual_ranks`` fixed shards by sample position, gradients are summed exactly (int64 fixed
     point), randomness is seeded per shard and threads are pinned (README: World-size-invariant training)."""
     virtual_ranks: int = bounded(8, at_least=1)
-    """Shards per micro-batch in world-size-invariant mode; the world size must divide it."""
+    """Shards per micro-batch in world-size-invariant mode; the world size must divide it
+    (except in elastic mode, which spreads them over whoever is present)."""
+    elastic: bool = False
+    """Keep training when a rank is lost: the survivors agree on a new membership, form a new
+    process group, redo the step in flight and go on in the same processes; a worker the launcher
+    restarts (``launcher.max_restarts``) rejoins at a step boundary and gets the state from a peer.
+    Nothing is read from disk. Needs ``trainer.world_size_invariant=true`` (any world size then
+    works, and the bits equal an uninterrupted run's), the local launcher, and gloo or nccl
+    (docs/faults.md: Elastic training)."""
     smoke_check: bool = False
     """After training, fail unless the parameters are identical on every rank and the training
     loss fell by at least 1%, measured on the same samples (the training set's first

@@ -4,8 +4,10 @@
 :func:`setup_logging` is called once per process by whoever runs the job: each rank (local
 workers, torchrun, mpirun, srun) and the launching process (``rank=None``, shown as
 ``launcher``). Rank 0 logs at INFO, other ranks only warnings; rank 0 and the launcher append to
-``train.log``. A record logged with ``extra={"console": False}`` goes to the file only (the
-step lines, while a progress bar shows the same on the terminal).
+``train.log``. An elastic job renumbers its ranks as members come and go: :func:`follow_rank`
+then moves the stamp, the level and ``train.log`` with the number. A record logged with
+``extra={"console": False}`` goes to the file only (the step lines, while a progress bar shows
+the same on the terminal).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 from .rundir import RunDir
 
-__all__ = ["setup_logging", "LOG_FORMAT"]
+__all__ = ["setup_logging", "follow_rank", "LOG_FORMAT"]
 
 LOG_FORMAT = "[%(asctime)s][%(who)s][%(levelname)s] %(message)s"
 _DATE_FORMAT = "%H:%M:%S"
@@ -65,3 +67,10 @@ def setup_logging(rank: int | None, output_dir: str | Path | None = None) -> Non
         logger.addHandler(handler)
     logger.setLevel(logging.INFO if rank in (None, 0) else logging.WARNING)
     logger.propagate = False  # one line per message, whatever the root logger does
+
+
+def follow_rank(rank: int, output_dir: str | Path | None) -> None:
+    """This process is rank ``rank`` now (an elastic job renumbered it): configure the ``ddptrain``
+    logger for that rank, if :func:`setup_logging` configured it (a user's own setup is left alone)."""
+    if any(getattr(h, "_ddptrain", False) for h in logging.getLogger("ddptrain").handlers):
+        setup_logging(rank, output_dir)

@@ -18,6 +18,7 @@ from .config import Config, ConfigError, check_fields, check_precision
 __all__ = [
     "validate",
     "per_rank_batch_size",
+    "check_elastic",
     "resolve_backend",
     "check_device",
     "check_world_size_invariant",
@@ -40,6 +41,7 @@ def validate(config: Config, world_size: int) -> None:
     check_zero_stage(config)
     check_grad_compression(config)
     check_sync(config)
+    check_elastic(config)
     per_rank_batch_size(config, world_size)
     check_device(config)
 
@@ -53,6 +55,10 @@ def per_rank_batch_size(config: Config, world_size: int) -> int:
     global_bs = config.data.global_batch_size
     accum = config.trainer.grad_accum_steps
     parts = world_size * accum
+    if config.trainer.elastic:
+        # Invariant mode cuts each global batch into shards by position, whoever computes them:
+        # the members present share it unevenly; this is the largest share.
+        return -(-global_bs // parts)
     if global_bs % parts:
         divisors = [d for d in range(1, min(global_bs, 64) + 1) if global_bs % (d * accum) == 0]
         what = (
@@ -85,7 +91,7 @@ def check_world_size_invariant(config: Config, world_size: int) -> None:
     t = config.trainer
     if not t.world_size_invariant:
         return
-    if t.virtual_ranks % world_size:
+    if t.virtual_ranks % world_size and not t.elastic:  # elastic: spread over whoever is present
         valid = [w for w in range(1, t.virtual_ranks + 1) if t.virtual_ranks % w == 0]
         raise ConfigError(
             f"trainer.world_size_invariant=true: the world size must divide trainer.virtual_ranks (W must "
@@ -211,6 +217,43 @@ def check_sync(config: Config) -> None:
         ),
     ]
     _refuse_conflicts(f"dist.sync={d.sync}", conflicts, "set dist.sync=every_step")
+
+
+def check_elastic(config: Config) -> None:
+    """Refuse what ``trainer.elastic=true`` cannot be combined with, saying why."""
+    t, d = config.trainer, config.dist
+    if not t.elastic:
+        return
+    if not t.world_size_invariant:
+        raise ConfigError(
+            "trainer.elastic=true needs trainer.world_size_invariant=true: the survivors of a lost rank redo "
+            "its step over the same global batch, and only invariant mode splits a global batch over any "
+            "number of ranks (with the same bits as an uninterrupted run). Set trainer.world_size_invariant=true"
+        )
+    conflicts = [
+        (
+            resolve_backend(config) == "mpi",
+            "dist.backend=mpi",
+            "an MPI job cannot lose a process: MPI ends the whole job when one rank dies",
+        ),
+        (
+            config.launcher.name != "local",
+            f"launcher={config.launcher.name}",
+            "the elastic job's store and restarts are the local launcher's (python -m ddptrain spawns the "
+            "workers itself)",
+        ),
+        (
+            t.doctor or t.lr_find or d.bucket_cap_mb == "auto",
+            "trainer.doctor / trainer.lr_find / dist.bucket_cap_mb=auto",
+            "their measurements span steps of one fixed group of ranks",
+        ),
+        (
+            t.smoke_check,
+            "trainer.smoke_check=true",
+            "its loss probe starts on the ranks present at the start, and a member that joins later has none",
+        ),
+    ]
+    _refuse_conflicts("trainer.elastic=true", conflicts, "set trainer.elastic=false")
 
 
 def _refuse_conflicts(setting: str, conflicts: list[tuple[bool, str, str]], way_back: str) -> None:

@@ -24,8 +24,8 @@ from typing import Any
 from . import envvars
 from .config import Config, ConfigError, default_output_dir, locate
 from .launch import MpiexecNotFoundError, WorkerFailedError, forkserver, launch
-from .launch.env import ClusterEnvironment, detect_environment
-from .launch.spawn import spawn_workers
+from .launch.env import ClusterEnvironment, detect_environment, threads_per_rank
+from .launch.spawn import spawn_elastic, spawn_workers
 from .logs import setup_logging
 from .preflight import check_device, resolve_backend, validate
 from .rundir import RunDir
@@ -87,6 +87,8 @@ def run(config: Config) -> dict[str, Any]:
         )
     config = _checked_in_a_preloaded_process(config)
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
+    if config.trainer.elastic:  # a lost worker is restarted alone, and rejoins the others
+        return _start_elastic_workers(config)[0]
     restarts = 0
     while True:
         try:
@@ -197,6 +199,21 @@ def _start_workers(config: Config, world_size: int) -> list:
         )
     except MpiexecNotFoundError as exc:
         raise ConfigError(f"dist.backend=mpi: {exc}") from None
+
+
+def _start_elastic_workers(config: Config) -> list:
+    """The final metrics of the workers of an elastic job (``trainer.elastic``), which finish
+    together whatever the membership did (each returns rank 0's record of the changes)."""
+    world_size = config.dist.world_size
+    return spawn_elastic(
+        _run_rank,
+        world_size,
+        args=(config,),
+        threads=threads_per_rank(world_size, config.dist.threads_per_worker or None),
+        max_restarts=config.launcher.max_restarts,
+        timeout_s=config.dist.job_timeout_s,
+        env={"DDPTRAIN_LEDGER_DIR": ledger_dir(config)},
+    )
 
 
 def _check_launcher(config: Config, env: ClusterEnvironment) -> None:

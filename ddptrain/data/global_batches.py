@@ -28,14 +28,19 @@ def valid_world_sizes(virtual_ranks: int) -> list[int]:
     return [w for w in range(1, virtual_ranks + 1) if virtual_ranks % w == 0]
 
 
-def virtual_ranks_of(rank: int, world_size: int, virtual_ranks: int) -> range:
+def virtual_ranks_of(rank: int, world_size: int, virtual_ranks: int, *, spread: bool = False) -> range:
     """The virtual ranks rank ``rank`` of ``world_size`` computes: ``r*V/W .. (r+1)*V/W - 1``.
 
+    ``spread=True`` (elastic jobs, whose world size changes as members come and go) accepts any
+    world size: rank ``r`` computes ``floor(r*V/W) .. floor((r+1)*V/W) - 1``, so the shares differ
+    by at most one virtual rank (and a rank of a job larger than ``V`` may compute none). Which
+    samples a virtual rank holds never depends on who computes it.
+
     Raises:
-        ValueError: if ``world_size`` does not divide ``virtual_ranks`` (naming both and the valid
-            world sizes), or ``rank`` is out of range.
+        ValueError: if ``world_size`` does not divide ``virtual_ranks`` without ``spread`` (naming
+            both and the valid world sizes), or ``rank`` is out of range.
     """
-    if world_size < 1 or virtual_ranks < 1 or virtual_ranks % world_size:
+    if world_size < 1 or virtual_ranks < 1 or (virtual_ranks % world_size and not spread):
         raise ValueError(
             f"world-size-invariant training: the world size W must divide the virtual ranks V, got "
             f"W={world_size} and V={virtual_ranks}. Use W in {valid_world_sizes(max(virtual_ranks, 1))}, "
@@ -43,8 +48,7 @@ def virtual_ranks_of(rank: int, world_size: int, virtual_ranks: int) -> range:
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, {world_size})")
-    per_rank = virtual_ranks // world_size
-    return range(rank * per_rank, (rank + 1) * per_rank)
+    return range(rank * virtual_ranks // world_size, (rank + 1) * virtual_ranks // world_size)
 
 
 def shard_bounds(num_samples: int, num_shards: int) -> list[tuple[int, int]]:

@@ -405,6 +405,7 @@ def spawn_elastic(
         if not line.startswith("ddptrain store: serving on "):
             raise OSError(f"the elastic job's store did not start: {line!r} (exit {store.poll()})")
         watch.env["DDPTRAIN_ELASTIC_STORE"] = line.split()[-1]
+        _log.info("elastic job: its store serves on %s (pid %d)", line.split()[-1], store.pid)
         for slot in range(world_size):
             watch.start(slot)
         with SignalForwarder(lambda: [p.pid for p in watch.procs.values() if p.is_alive()]):
@@ -437,10 +438,11 @@ class _ElasticWatch:
     def start(self, slot: int) -> None:
         key = (slot, self.attempts[slot])
         extra = {**self.env, "DDPTRAIN_ELASTIC_ID": f"{slot}.{key[1]}"}
+        host, port = self.env["DDPTRAIN_ELASTIC_STORE"].rsplit(":", 1)  # the rendezvous point is the store
         spec = _WorkerSpec(
             slot,
             self.world_size,
-            _worker_env(slot, self.world_size, "127.0.0.1", 0, self.threads, extra),
+            _worker_env(slot, self.world_size, host, int(port), self.threads, extra),
             None,
             None,
             self.threads,
@@ -452,6 +454,7 @@ class _ElasticWatch:
             procs, readers = _spawn(jobs)
         self.procs[key] = procs[0]
         self.sentinels[procs[0].sentinel] = key
+        _log.info("member %d.%d started (slot %d, pid %d)", slot, key[1], slot, procs[0].pid)
         for reader in readers:
             self.readers[reader] = key
 

@@ -213,8 +213,10 @@ def plan_epochs(config: Config, train_set: Dataset, val_set: Dataset | None, wor
     seed, drop_last, shuffle = t.seed, config.data.drop_last, not t.overfit_batches  # overfitting: one fixed order
     train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     val_sampler = None if val_set is None else DistributedSampler(val_set, world_size, rank, shuffle=False)
-    micro = num_batches(len(train_sampler), batch_size)
-    steps_per_epoch = num_batches(micro, t.grad_accum_steps)
+    if t.world_size_invariant:  # whole global batches, whoever computes them (any world size, elastic ones too)
+        steps_per_epoch = num_batches(len(train_set), config.data.global_batch_size)
+    else:
+        steps_per_epoch = num_batches(num_batches(len(train_sampler), batch_size), t.grad_accum_steps)
     if isinstance(t.limit_train_batches, float):  # a fraction of the epoch's steps, at least one
         steps_per_epoch = max(1, int(t.limit_train_batches * steps_per_epoch))
     elif t.limit_train_batches is not None:  # batches per rank, rounded up to whole steps

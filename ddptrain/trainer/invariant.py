@@ -82,7 +82,11 @@ class InvariantSteps(StepStrategy):
         self.micro_batches = cfg.trainer.grad_accum_steps
         self.global_batch = cfg.data.global_batch_size
         self.seed = cfg.trainer.seed
-        self.mine = virtual_ranks_of(trainer.rank, trainer.world_size, self.virtual_ranks)
+        spread = cfg.trainer.elastic  # an elastic job's world size need not divide the virtual ranks
+        self.mine = virtual_ranks_of(trainer.rank, trainer.world_size, self.virtual_ranks, spread=spread)
+        # (epoch, samples of that epoch's order the applied steps took): exact at any world size,
+        # where the sampler's per-rank count times the world size is not once the world size changes.
+        self.position: tuple[int, int] | None = None
         module: nn.Module = trainer.model.module
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied weights: once
         self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
@@ -121,7 +125,8 @@ class InvariantSteps(StepStrategy):
         """The rest of this epoch, one :class:`InvariantStep` per optimizer step."""
         sampler, world_size = self.trainer.train_sampler, self.trainer.world_size
         dataset_len = sampler.dataset_len
-        start = sampler.consumed * world_size  # the global position: the same for every world size
+        start = self._global_position()  # the same for every world size
+        sampler.set_consumed(-(-start // world_size))  # this world size's count, as its steps advance it
         order = epoch_order(dataset_len, sampler.seed, sampler.epoch, sampler.shuffle)
         steps = step_shards(start, dataset_len, self.global_batch, self.micro_batches, self.virtual_ranks, self.mine)
         # Every rank is done setting up (a resume restores the global generator) before any shard
@@ -187,7 +192,34 @@ class InvariantSteps(StepStrategy):
         return float(torch.tensor(loss, dtype=torch.float32))
 
     def samples(self, step: InvariantStep) -> int:
+        self.position = (step.epoch, step.work.start + step.work.num_samples)  # the step is applied
         return step.rank_samples
+
+    def steps_done_in_epoch(self) -> int:
+        """Every step of an epoch but its last takes a whole global batch."""
+        return -(-self._global_position() // self.global_batch)
+
+    def _global_position(self) -> int:
+        """Samples of the current epoch's order the applied steps took: the recorded position, or
+        (a new epoch, a checkpoint written before positions were recorded) the sampler's count
+        times the world size, exact at the world size that wrote it."""
+        sampler = self.trainer.train_sampler
+        if self.position is not None and self.position[0] == sampler.epoch:
+            return self.position[1]
+        return min(sampler.consumed * self.trainer.world_size, sampler.dataset_len)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The exact position in the epoch (``{}`` before the first step)."""
+        return {} if self.position is None else {"epoch": self.position[0], "position": self.position[1]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s position; ``{}`` (a checkpoint without one) keeps the sampler's."""
+        self.position = (int(state["epoch"]), int(state["position"])) if state else None
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def take_votes(self) -> list[float] | None:
         """The stop votes summed over ranks in the latest step, once (None if no step ran since)."""

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from .data import batch_size_of, group_micro_batches, move_to
+from .data import batch_size_of, group_micro_batches, move_to, num_batches
 from .stopping import NUM_VOTES
 
 __all__ = ["StepStrategy", "MicroBatchSteps", "DataParallelSteps"]
@@ -80,7 +80,20 @@ class StepStrategy(ABC):
 
     @abstractmethod
     def samples(self, step: Any) -> int:
-        """How many of this rank's sampler positions ``step`` covered."""
+        """How many of this rank's sampler positions ``step`` covered. Called once per step, after
+        the step was applied (a strategy may record the step as done here)."""
+
+    def steps_done_in_epoch(self) -> int:
+        """Optimizer steps of the current epoch already done, from the sampler's position (an
+        epoch's last step may hold fewer micro-batches)."""
+        t = self.trainer
+        micro_batches = num_batches(t.state.samples_in_epoch, max(1, t.batch_size))
+        return num_batches(micro_batches, t.config.trainer.grad_accum_steps)
+
+    def close(self) -> None:
+        """Release what the strategy attached to the model (hooks): it is being replaced, e.g.
+        after an elastic job's membership changed. Nothing by default."""
+        return None
 
     @abstractmethod
     def take_votes(self) -> list[float] | None:

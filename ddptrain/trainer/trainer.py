@@ -36,6 +36,7 @@ small broadcasts at start-up (output directory, resume path) and one all-gather 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -49,18 +50,22 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
+from ..comm import CommError
+from ..comm.objects import broadcast_object
 from ..config import Config, ConfigError, default_output_dir, instantiate, max_time_seconds
 from ..data import DATASET_NAMES, DistributedSampler, prepare_dataset_files
 from ..ddp import DistributedDataParallel
 from ..launch.join import Membership
+from ..logs import follow_rank
 from ..rundir import RunDir
 from .building import agree_on_directory, join_job, wrap_model
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .checkpoint import Checkpointer, TrainState
-from .data import default_dataset, first_samples, limit_datasets, make_batches, num_batches, plan_epochs
+from .data import default_dataset, first_samples, limit_datasets, make_batches, plan_epochs
 from .dataloaders import resolve_data_hooks
 from .dev_run import dev_run_batches, dev_run_config, remove_dev_run_dir
+from .elastic import ElasticTraining, MembershipChange, MembershipChangeDue
 from .ema import EmaWeights
 from .evaluation import sanity_check, validation_pass
 from .inference import run_predict, run_test
@@ -117,6 +122,7 @@ class Trainer:
         self.process_group = None
         self.strategy: StepStrategy | None = None  # how a step's micro-batches become an update (.steps)
         self._membership: Membership | None = None
+        self.elastic: ElasticTraining | None = None  # trainer.elastic: the membership across changes
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
         self.optimizer_set: OptimizerSet | None = None
@@ -262,13 +268,22 @@ class Trainer:
         self._stop.install()  # SIGINT/SIGTERM: stop at an agreed step, with a checkpoint
         try:
             self.setup()  # model in DDP, data, optimizer, callbacks; resumed if asked
+            joined_late = self.elastic is not None and self.elastic.joined_late
+            if joined_late:  # admitted into a running elastic job: the state comes from a peer
+                self._take_state(None, time.monotonic(), "newcomers waiting", ())
             self._call("on_fit_start")
-            self._sanity_check()  # a few validation batches: a broken validation_step fails now
-            self._agree_to_stop(wait=True)
+            if not joined_late:  # (the members it joins are past these collectives)
+                self._sanity_check()  # a few validation batches: a broken validation_step fails now
+                self._agree_to_stop(wait=True)
             self.metrics.start_training()  # the first logging window's time and bytes start here
             while self.state.epoch < self.config.trainer.epochs and not self._stopping():
-                if not self.train_epoch():
-                    break  # stopped mid-epoch (max_steps / stop_after_steps / max_time)
+                try:
+                    if not self.train_epoch():
+                        break  # stopped mid-epoch (max_steps / stop_after_steps / max_time)
+                except (CommError, MembershipChangeDue) as exc:
+                    if self.elastic is None:
+                        raise
+                    self._change_membership(exc)  # then the epoch goes on from the agreed step
             final = self._finish(time.perf_counter() - fit_start)
             if dev_run_batches(self.config):
                 final.update(self._dev_run_test())
@@ -283,6 +298,8 @@ class Trainer:
             self._stop.uninstall()
             if owns_group:
                 self._membership.leave()
+            if self.elastic is not None:
+                self.elastic.close()
 
     def train_epoch(self) -> bool:
         """The rest of the current epoch, its evaluation and ``on_epoch_end``; False if stopped before its end."""
@@ -406,7 +423,11 @@ class Trainer:
         Returns:
             True if this call created the group (``fit`` then destroys it at the end).
         """
-        self._membership = m = join_job(self.config)
+        if self.config.trainer.elastic:
+            self.elastic = ElasticTraining(self.config)
+            self._membership = m = self.elastic.join()
+        else:
+            self._membership = m = join_job(self.config)
         self.process_group, self.device, self.local_rank = m.process_group, m.device, m.local_rank
         self.rank, self.world_size = m.rank, m.world_size
         self.metrics.process_group = self.process_group
@@ -450,18 +471,76 @@ class Trainer:
         self._old_train_step = _overrides(type(self), "train_step")  # looked up once, not every step
         self.strategy = self.configure_step_strategy(self._stop_votes)  # picked once; the loop never asks which
         self.checkpointer = Checkpointer.of(self)
-        self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
+        if self.elastic is None or not self.elastic.joined_late:  # a newcomer gets the state from a peer
+            self.checkpointer.resume_if_asked()  # weights, optimizer, sampler, step, RNG
         if cfg.trainer.smoke_check:
             self.smoke_probe = SmokeProbe.first_samples(
                 self.train_set, cfg.data, self.training_step, self.device, self.train_loader_options
             )
             self.smoke_probe.start(self.metrics, self.state.step, self.model.module)
 
+    # == elastic jobs (trainer.elastic; the sequence: ddptrain/trainer/elastic.py) =================
+    def _change_membership(self, cause: BaseException) -> None:
+        """A survivor's side of a membership change: keep the state in memory, agree on the new
+        generation, bind to its group, go on from the agreed state."""
+        started = time.monotonic()
+        mine = self.checkpointer.state_dict(gather_rng=False)  # before anything is rebound (not collective)
+        before = self.elastic.generation.members
+        group = self.elastic.regroup()  # Fenced: this member was left out, and exits
+        self._bind_to_group(group)
+        reason = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
+        self._take_state(mine, started, reason, before)
+
+    def _bind_to_group(self, group) -> None:
+        """Rebuild what belongs to the old group for ``group``: the ranks, the run directory's
+        agreement, the DDP wrapper, the samplers and step counts, the step strategy, the
+        checkpointer. The collectives are ``setup``'s, in its order (a newcomer runs ``setup``)."""
+        self._membership = dataclasses.replace(self._membership, process_group=group)
+        self.process_group, self.rank, self.world_size = group, group.rank(), group.size()
+        follow_rank(self.rank, self.output_dir)  # the log's stamp and rank 0's train.log move with the number
+        self.metrics.process_group = group
+        self.output_dir = agree_on_directory(group, str(self.output_dir))
+        self.model.reducer.remove_hooks()  # the old wrapper lets go of the parameters
+        self.model = wrap_model(self.model.module, self.config, group)
+        self._plan_data()
+        self.strategy.close()
+        self.strategy = self.configure_step_strategy(self._stop_votes)
+        old, self.checkpointer = self.checkpointer, Checkpointer.of(self)
+        self.checkpointer.keep_step_checkpoints(old.steps_dir, old.keep_last)
+        self.checkpointer.last_saved = old.last_saved
+
+    def _take_state(self, mine: dict[str, Any] | None, started: float, reason: str, before: Sequence[str]) -> None:
+        """Every member of a new generation: load the state the members agreed on (collective),
+        record the change, tell the callbacks."""
+        state, source = self.elastic.agree_on_state(self.process_group, mine)
+        self.checkpointer.load_state_dict(state, f"<rank {source}'s memory>", allow_world_size_change=True)
+        self.metrics.start_window()  # a window of the old group's steps would be summed unevenly
+        generation = self.elastic.generation
+        change = MembershipChange(
+            generation=generation.number,
+            step=self.state.step,
+            world_size_before=int(state["world_size"]),
+            world_size=self.world_size,
+            left=tuple(m for m in before if m not in generation.members),
+            joined=tuple(m for m in generation.members if before and m not in before),
+            reason=reason,
+            seconds_lost=round(time.monotonic() - started, 3),
+        )
+        self.elastic.record(change)
+        if self.is_main:
+            log.warning("%s", change.describe())
+        self._call("on_membership_change", change)
+
     def _build_model(self) -> None:
         self.model = wrap_model(self.configure_model().to(self.device), self.config, self.process_group)
 
     def _stop_votes(self) -> list[float]:
-        return self._stop.votes(self.should_stop)
+        """This rank's votes for the step's reduction: the stop votes, then (elastic) rank 0's
+        vote to admit newcomers."""
+        votes = self._stop.votes(self.should_stop)
+        if self.elastic is not None:
+            votes.append(self.elastic.admission_vote(self.is_main))
+        return votes
 
     def _setup_data(self) -> None:
         train, val = resolve_data_hooks(self.train_dataloader(), self.val_dataloader(), self.config, self.world_size)
@@ -471,6 +550,10 @@ class Trainer:
         self.train_set, self.val_set = limit_datasets(
             self.config, self.train_set, self.val_set, self.world_size, self.val_batch_size
         )  # trainer.overfit_batches, trainer.limit_val_batches
+        self._plan_data()
+
+    def _plan_data(self) -> None:
+        """This rank's samplers and step counts for the current world size."""
         plan = plan_epochs(self.config, self.train_set, self.val_set, self.world_size, self.rank)
         self.train_sampler, self.val_sampler, self.batch_size = plan.train_sampler, plan.val_sampler, plan.batch_size
         self.steps_per_epoch, self.total_steps = plan.steps_per_epoch, plan.total_steps
@@ -497,10 +580,9 @@ class Trainer:
 
     @property
     def steps_done_in_epoch(self) -> int:
-        """Optimizer steps of the current epoch already done (from the sampler's position; an
-        epoch's last step may hold fewer micro-batches)."""
-        micro_batches = num_batches(self.state.samples_in_epoch, max(1, self.batch_size))  # 0 before fit
-        return num_batches(micro_batches, self.config.trainer.grad_accum_steps)
+        """Optimizer steps of the current epoch already done (the step strategy reads them from
+        the sampler's position; an epoch's last step may hold fewer micro-batches)."""
+        return 0 if self.strategy is None else self.strategy.steps_done_in_epoch()
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -575,6 +657,9 @@ class Trainer:
         if stopped:
             final.update(stopped_by=self.stopped_by, checkpoint=str(self.checkpointer.save_at_stop()))
         final["stopped_early"] = self.stopped_early
+        if self.elastic is not None:  # rank 0's record, the longest (collective): every rank returns the same
+            changes = [dataclasses.asdict(c) for c in self.elastic.changes]
+            final["membership_changes"] = broadcast_object(self.process_group, changes, 0)
         if self.is_main:
             self.run_dir.metrics.write_text(json.dumps(final, indent=2) + "\n")
         self._call("on_fit_end", final)
@@ -593,6 +678,9 @@ class Trainer:
 
     def _agree_to_stop(self, wait: bool) -> None:
         votes = self.strategy.take_votes()  # summed in this step's reduction, or None
+        admit = False
+        if votes is not None and self.elastic is not None:
+            votes, admit = votes[:-1], votes[-1] > 0
         if wait or votes is None:  # also what a hook decided since the backward (evaluation, epoch end)
             signal, flag = self._stop.agreed(self.process_group, self.should_stop)  # collective
         else:
@@ -600,6 +688,8 @@ class Trainer:
         self.stopped_by = self.stopped_by or signal
         if flag:
             self.should_stop = self.stopped_early = True
+        if admit and not self._stopping():
+            raise MembershipChangeDue("newcomers waiting")  # every rank, at this step boundary
 
     @contextlib.contextmanager
     def evaluated_weights(self) -> Iterator[None]:

@@ -115,6 +115,12 @@ class Callback:
     def on_exception(self, trainer: TrainerView, exc: BaseException) -> None:
         """Training failed with ``exc`` (it is re-raised after the callbacks ran)."""
 
+    def on_membership_change(self, trainer: TrainerView, change: Any) -> None:
+        """An elastic job (``trainer.elastic``) lost or took in members: ``trainer.rank`` and
+        ``world_size`` are the new ones, and the state is the one the members agreed on
+        (``change``: :class:`ddptrain.trainer.elastic.MembershipChange`). A rank that has just become
+        rank 0 takes over rank 0's duties here (the loggers open their files)."""
+
 
 def at_epoch_end(trainer: TrainerView) -> bool:
     """Whether the latest step closed an epoch (the sampler has already moved to the next one)."""

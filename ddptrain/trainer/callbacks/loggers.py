@@ -70,6 +70,10 @@ class MetricsLogger(Callback):
             self.open(trainer, trainer.config.to_dict())
             self.active = True
 
+    def on_membership_change(self, trainer: TrainerView, change: Any) -> None:
+        if trainer.is_main and not self.active:  # rank 0 was lost: this rank writes from now on
+            self.on_fit_start(trainer)
+
     def on_log(self, trainer: TrainerView, scalars: dict[str, float]) -> None:
         self._write(scalars, trainer.state.step)
 

@@ -253,9 +253,11 @@ class Checkpointer:
         return self.run_dir.best_checkpoints
 
     # == what a checkpoint holds ==================================================================
-    def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue exactly. Collective: gathers every rank's RNG states."""
-        rng_states = all_gather_object(self.process_group, capture_rng_state(self.device))
+    def state_dict(self, *, gather_rng: bool = True) -> dict[str, Any]:
+        """Everything needed to continue exactly. Collective: gathers every rank's RNG states;
+        ``gather_rng=False`` leaves ``rng`` empty and is local (an elastic job's in-memory state:
+        invariant mode seeds each shard itself, and a loaded state without them reseeds per rank)."""
+        rng_states = all_gather_object(self.process_group, capture_rng_state(self.device)) if gather_rng else []
         return {
             "format_version": FORMAT_VERSION,
             "step": self.state.step,
@@ -281,9 +283,13 @@ class Checkpointer:
             return self.optimizers.state_dict()
         return self.strategy.optimizer_state_dict(self.optimizers)
 
-    def load_state_dict(self, checkpoint: dict[str, Any], path: str | Path = "<checkpoint>") -> None:
-        """Restore weights, optimizer, schedule, sampler position, step, metrics and this rank's RNG."""
-        allow = self.config.trainer.allow_world_size_change
+    def load_state_dict(
+        self, checkpoint: dict[str, Any], path: str | Path = "<checkpoint>", *, allow_world_size_change: bool = False
+    ) -> None:
+        """Restore weights, optimizer, schedule, sampler position, step, metrics and this rank's RNG.
+        A state of another world size is refused unless ``trainer.allow_world_size_change`` or
+        ``allow_world_size_change`` (an elastic job's state, whose membership changed)."""
+        allow = self.config.trainer.allow_world_size_change or allow_world_size_change
         rank, world_size = self.process_group.rank(), self.process_group.size()
         check_world_size(checkpoint["world_size"], world_size, allow, path)
         self.model.load_state_dict(checkpoint["model"])

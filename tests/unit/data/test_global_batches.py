@@ -27,6 +27,17 @@ def test_a_world_size_that_does_not_divide_v_is_refused_naming_both_and_the_vali
     assert valid_world_sizes(12) == [1, 2, 3, 4, 6, 12]
 
 
+def test_spread_shares_any_v_over_any_w_covering_each_virtual_rank_once():
+    """Elastic jobs: whoever is present computes the virtual ranks, shares differing by at most one."""
+    assert [list(virtual_ranks_of(r, 3, 8, spread=True)) for r in range(3)] == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    for v in (1, 5, 8, 12):
+        for w in range(1, 2 * v + 1):
+            shares = [virtual_ranks_of(r, w, v, spread=True) for r in range(w)]
+            assert [i for share in shares for i in share] == list(range(v)), (v, w)
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1, (v, w)
+    assert list(virtual_ranks_of(1, 2, 8, spread=True)) == list(virtual_ranks_of(1, 2, 8))  # W | V: the same
+
+
 def test_shard_bounds_cover_the_batch_in_order_with_near_equal_sizes():
     assert shard_bounds(10, 4) == [(0, 3), (3, 6), (6, 8), (8, 10)]
     assert shard_bounds(3, 5) == [(0, 1), (1, 2), (2, 3), (3, 3), (3, 3)]  # fewer samples than shards

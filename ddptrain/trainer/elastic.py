@@ -1,0 +1,185 @@
+"""Elastic training (``trainer.elastic=true``): a fit that loses ranks and takes them back in place.
+
+The membership is :mod:`ddptrain.comm.elastic`'s: a sequence of generations agreed through the
+job's store, each with its own process group. This module is what the Trainer does around it.
+
+A generation changes when a collective fails (a member died, hung or was aborted: ``CommError``)
+or when rank 0 sees newcomers waiting at a step boundary (its vote rides in the step's
+reduction). Every member of the new generation then runs the same sequence, so that their
+collectives line up:
+
+1. a survivor copies its training state in memory (the Checkpointer's, without the RNG gather)
+   before anything is rebuilt. No step is half-applied: a failed step raised before its update;
+2. the members agree on the generation (a survivor: :meth:`ElasticTraining.regroup`; a newcomer:
+   :meth:`ElasticTraining.join`, which returns once the members admit it) and form its group;
+3. the group-bound parts are built for the new ranks (the Trainer's ``setup`` on a newcomer, its
+   ``_bind_to_group`` on a survivor: the same collectives in the same order);
+4. :meth:`ElasticTraining.agree_on_state`: the member with the most steps done (the lowest rank
+   among them) sends its state to everyone, and everyone loads it. A step that only some
+   members completed (the member died after sending its part) is so kept, and a step nobody
+   completed is redone. Nothing is read from disk.
+
+In invariant mode the step's shards do not depend on who computes them, so the run keeps the
+bits of an uninterrupted one whatever the membership did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+from ..comm import CommError
+from ..comm.elastic import ElasticMembership, Generation
+from ..comm.objects import all_gather_object, broadcast_object
+from ..comm.process_group import ProcessGroup
+from ..config import Config
+from ..launch.env import detect_environment, threads_per_rank
+from ..launch.join import Membership
+from ..logs import follow_rank
+from ..preflight import resolve_backend
+
+__all__ = ["ElasticTraining", "MembershipChange", "MembershipChangeDue"]
+
+log = logging.getLogger("ddptrain.trainer")
+
+_ASK_EVERY_S = 0.1
+"""How often rank 0 asks the store whether newcomers wait (one round trip; admission waits at most this)."""
+
+
+class MembershipChangeDue(Exception):
+    """Raised at a step boundary when the members agreed to admit newcomers (the Trainer regroups)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MembershipChange:
+    """One change of an elastic job's membership, as rank 0 of the new generation records it
+    (``membership_changes`` in ``metrics.json``, and one log line)."""
+
+    generation: int
+    """The new generation's number."""
+    step: int
+    """Steps done when training went on: the next step is ``step + 1`` (redone if it was in flight)."""
+    world_size_before: int
+    world_size: int
+    left: tuple[str, ...]
+    """Member ids that are gone (``<slot>.<attempt>`` under the local launcher)."""
+    joined: tuple[str, ...]
+    reason: str
+    """What ended the old generation: the failed collective's first line, or ``newcomers waiting``."""
+    seconds_lost: float
+    """From the failure (or the vote to admit) until the state was agreed."""
+
+    def describe(self) -> str:
+        who = []
+        if self.left:
+            who.append(f"lost {', '.join(self.left)}")
+        if self.joined:
+            who.append(f"took in {', '.join(self.joined)}")
+        return (
+            f"elastic: generation {self.generation}: {' and '.join(who) or 'regrouped'}; "
+            f"{self.world_size_before} -> {self.world_size} rank(s); training goes on after step {self.step} "
+            f"({self.seconds_lost:.2f} s lost; why: {self.reason})"
+        )
+
+
+class ElasticTraining:
+    """This process's part in an elastic fit: its membership, and the state handed over at changes.
+
+    Args:
+        config: the run's config (``dist.world_size``: the first generation's size;
+            ``dist.timeout_s``: the groups' collective timeout and how long a live member that
+            does not arrive at a regroup is waited for; ``dist.init_timeout_s``: how long a member
+            waits to be admitted).
+        membership: the job's membership (default: from the launcher's environment,
+            :meth:`ElasticMembership.from_environment`).
+    """
+
+    def __init__(self, config: Config, membership: ElasticMembership | None = None):
+        self.config = config
+        self.membership = membership or ElasticMembership.from_environment()
+        self.changes: list[MembershipChange] = []
+        self.joined_late = False
+        """True for a member admitted into a running job (it gets the state from a peer)."""
+        self._asked_at = 0.0
+
+    @property
+    def generation(self) -> Generation:
+        return self.membership.generation
+
+    def join(self) -> Membership:
+        """Join the job: form the first generation with the others, or wait to be admitted into a
+        running one; this process's :class:`~ddptrain.launch.join.Membership` in its group (its
+        device and thread count picked as :func:`~ddptrain.launch.join.join_process_group` does)."""
+        env = detect_environment()
+        cuda = self.config.trainer.device.startswith("cuda")
+        device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        torch.set_num_threads(threads_per_rank(env.local_world_size, self.config.dist.threads_per_worker or None))
+        generation = self.membership.join(self.config.dist.world_size, timeout_s=self.config.dist.init_timeout_s)
+        self.joined_late = generation.number > 0
+        group = self._form_group()
+        follow_rank(group.rank(), self.config.trainer.output_dir)  # this rank's stamp, from the first line
+        log.info(
+            "elastic: member %s (pid %d) joined generation %d as rank %d of %d",
+            self.membership.id,
+            os.getpid(),
+            self.generation.number,
+            group.rank(),
+            group.size(),
+        )
+        return Membership(group, device, env, created=True)
+
+    def regroup(self) -> ProcessGroup:
+        """Agree with the other members on the next generation and form its group (see the
+        module docstring). Raises ``Fenced`` when this member was left out: it must exit."""
+        self.membership.regroup(timeout_s=self.config.dist.timeout_s)
+        return self._form_group()
+
+    def _form_group(self) -> ProcessGroup:
+        while True:
+            try:
+                return self.membership.new_process_group(
+                    resolve_backend(self.config), timeout_s=self.config.dist.timeout_s
+                )
+            except CommError:  # a member of the new generation was lost meanwhile: agree again
+                self.membership.regroup(timeout_s=self.config.dist.timeout_s)
+
+    def admission_vote(self, is_main: bool) -> float:
+        """Rank 0's vote to admit newcomers at this step boundary (1.0: some wait), asked of the
+        store at most every ``_ASK_EVERY_S``; 0.0 on the other ranks."""
+        now = time.monotonic()
+        if not is_main or now - self._asked_at < _ASK_EVERY_S:
+            return 0.0
+        self._asked_at = now
+        return float(self.membership.newcomers_waiting())
+
+    @staticmethod
+    def agree_on_state(group: ProcessGroup, mine: dict[str, Any] | None) -> tuple[dict[str, Any], int]:
+        """The state every member goes on from, and the rank that sent it (collective): the state
+        of the member with the most steps done, the lowest rank among them. ``mine``: this
+        member's in-memory state, ``None`` for a newcomer.
+
+        Raises:
+            CommError: no member holds a state (every member that had one is gone).
+        """
+        steps = all_gather_object(group, -1 if mine is None else int(mine["step"]))
+        most = max(steps)
+        if most < 0:
+            raise CommError(
+                "elastic job: every member that held the training state is gone, so there is nothing to go on "
+                "from. Resume from the run's last checkpoint: python -m ddptrain ... trainer.resume=latest"
+            )
+        source = steps.index(most)
+        return broadcast_object(group, mine if group.rank() == source else None, source), source
+
+    def record(self, change: MembershipChange) -> None:
+        self.changes.append(change)
+
+    def close(self) -> None:
+        self.membership.close()

@@ -1,0 +1,165 @@
+"""Elastic training through the CLI, on real processes and real MNIST: ``recipe=mnist
+trainer.world_size_invariant=true trainer.elastic=true`` at 4 ranks, workers SIGKILLed from
+outside mid-epoch (the first-spawned one, rank 0, included). The survivors go on in the same
+processes, the launcher restarts the dead ones and they rejoin, and the run ends with the
+``params_sha256`` of an uninterrupted run; no process is left behind.
+
+What is observed comes from outside the trainer: the launcher's log (which pid is which member),
+the kills this test sends, ``metrics.json``, and ``/proc``.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PYTHON, cli_env, run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600), pytest.mark.xdist_group("elastic-cli")]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 200  # about 4 s of training at 4 ranks here: room for kills mid-epoch (469 steps per epoch)
+COMMON = (
+    "recipe=mnist",
+    "trainer.world_size_invariant=true",
+    f"trainer.max_steps={STEPS}",
+    "trainer.progress=false",
+    "trainer.loggers.tensorboard=false",
+    "trainer.eval_every_epochs=0",
+)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, mnist_root) -> str:
+    """The final ``params_sha256`` of the same training on one rank, never interrupted (invariant
+    mode: the bits do not depend on the world size)."""
+    run_dir = tmp_path_factory.mktemp("elastic") / "reference"
+    proc = run_cli(
+        *COMMON,
+        "dist.world_size=1",
+        f"hydra.run.dir={run_dir}",
+        cwd=ROOT,
+        timeout=300,
+        env={"DDPTRAIN_DATA": str(mnist_root)},
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads((run_dir / "metrics.json").read_text())["params_sha256"]
+
+
+def _run_with_kills(run_dir: Path, mnist_root: Path, kills: list[tuple[str, int]], *overrides: str):
+    """Run the elastic job at 4 ranks; SIGKILL member ``m`` once rank 0 has logged step ``s``, for
+    each ``(m, s)`` of ``kills`` in order. Returns (exit code, output, metrics, member pids)."""
+    command = [PYTHON, "-m", "ddptrain", *COMMON, "trainer.elastic=true", "dist.world_size=4"]
+    command += ["dist.timeout_s=60", f"hydra.run.dir={run_dir}", *overrides]
+    proc = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=cli_env(DDPTRAIN_DATA=str(mnist_root)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    watchdog = threading.Timer(300, proc.kill)  # never hang the suite
+    watchdog.daemon = True
+    watchdog.start()
+    pids: dict[str, int] = {}
+    lines: list[str] = []
+    pending = list(kills)
+    for line in proc.stdout:
+        lines.append(line)
+        if started := re.search(r"member (\d+\.\d+) started \(slot \d+, pid (\d+)\)", line):
+            pids[started.group(1)] = int(started.group(2))
+        if store := re.search(r"its store serves on \S+ \(pid (\d+)\)", line):
+            pids["store"] = int(store.group(1))
+        step = re.search(r"\]\[rank 0\]\[INFO\] step (\d+)/", line)
+        if step and pending and int(step.group(1)) >= pending[0][1]:
+            member, _ = pending.pop(0)
+            os.kill(pids[member], signal.SIGKILL)
+    proc.wait()
+    watchdog.cancel()
+    output = "".join(lines)
+    assert not pending, f"the run ended before the kills {pending}:\n{output[-3000:]}"
+    metrics_file = run_dir / "metrics.json"
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
+    return proc.returncode, output, metrics, pids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _assert_nothing_left(pids: dict[str, int]) -> None:
+    deadline = time.monotonic() + 10
+    while (left := {m: p for m, p in pids.items() if _alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"processes left after the job ended: {left}"
+
+
+def test_kill_rank_0_then_another_rejoin_and_end_bitwise(tmp_path, mnist_root, uninterrupted):
+    code, output, metrics, pids = _run_with_kills(
+        tmp_path / "run", mnist_root, [("0.0", 40), ("2.0", 120)], "launcher.max_restarts=2"
+    )
+    assert code == 0, output[-4000:]
+    # The launcher saw each kill and restarted the slot; the restarted workers rejoined.
+    assert re.search(r"member 0\.0 \(slot 0, pid \d+\) killed by signal SIGKILL.*slot 0 starts again", output)
+    assert re.search(r"member 2\.0 \(slot 2, pid \d+\) killed by signal SIGKILL.*slot 2 starts again", output)
+    changes = metrics["membership_changes"]
+    assert {m for c in changes for m in c["left"]} == {"0.0", "2.0"}, changes
+    assert {m for c in changes for m in c["joined"]} == {"0.1", "2.1"}, changes
+    assert all(c["seconds_lost"] < 30 for c in changes), changes
+    # Every change is one line of the log.
+    assert len(re.findall(r"elastic: generation \d+: ", output)) == len(changes), output[-4000:]
+    # The survivors carried on in the processes they started in: slots 1 and 3 never restarted.
+    assert "1.1" not in pids and "3.1" not in pids
+    assert metrics["world_size"] == 4 and metrics["step"] == STEPS and metrics["params_agree"]
+    assert metrics["params_sha256"] == uninterrupted, "the killed run ends with other parameters"
+    _assert_nothing_left(pids)
+
+
+def test_without_restarts_the_survivors_end_bitwise_at_3_ranks(tmp_path, mnist_root, uninterrupted):
+    """4 -> 3 ranks: 8 virtual ranks spread 2/3/3 over the survivors, which invariant mode alone
+    allows. Killed once step 70 is logged, the survivors go on from step 70 or 71: 70 or 71 global
+    batches of 128 samples, which 3 ranks cannot share evenly (the position must stay exact)."""
+    code, output, metrics, pids = _run_with_kills(tmp_path / "run", mnist_root, [("0.0", 70)])
+    assert code == 0, output[-4000:]
+    assert "no restart left" in output
+    assert metrics["world_size"] == 3 and metrics["step"] == STEPS and metrics["params_agree"]
+    [change] = metrics["membership_changes"]
+    assert change["left"] == ["0.0"] and change["world_size_before"] == 4 and change["world_size"] == 3
+    assert change["step"] % 3, f"the change came at step {change['step']}, where 3 ranks share the position evenly"
+    assert metrics["params_sha256"] == uninterrupted, "the run at 3 survivors ends with other parameters"
+    _assert_nothing_left(pids)
+
+
+def test_mpi_is_refused_before_anything_runs(tmp_path):
+    proc = run_cli(
+        "recipe=synthetic",
+        "trainer.world_size_invariant=true",
+        "trainer.elastic=true",
+        "dist.backend=mpi",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "trainer.elastic=true cannot be combined with dist.backend=mpi" in proc.stderr
+    assert "an MPI job cannot lose a process" in proc.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+def test_normal_mode_is_refused_with_the_reason(tmp_path):
+    proc = run_cli(
+        "recipe=synthetic", "trainer.elastic=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "trainer.elastic=true needs trainer.world_size_invariant=true" in proc.stderr
