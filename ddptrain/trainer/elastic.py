@@ -72,7 +72,8 @@ class MembershipChange:
     reason: str
     """What ended the old generation: the failed collective's first line, or ``newcomers waiting``."""
     seconds_lost: float
-    """From the failure (or the vote to admit) until the state was agreed."""
+    """From the start of the step in flight (a failure: its timeout included) or the vote to
+    admit newcomers, until the state was agreed."""
 
     def describe(self) -> str:
         who = []
@@ -178,8 +179,33 @@ class ElasticTraining:
         source = steps.index(most)
         return broadcast_object(group, mine if group.rank() == source else None, source), source
 
-    def record(self, change: MembershipChange) -> None:
+    def with_membership(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` (a survivor's, before a change) with the job's history: the members of the
+        generation that ended and the changes so far, so that every member records the same."""
+        members, changes = list(self.generation.members), [dataclasses.asdict(c) for c in self.changes]
+        return {**state, "elastic": {"members": members, "changes": changes}}
+
+    def record(self, state: dict[str, Any], step: int, reason: str, seconds_lost: float) -> MembershipChange:
+        """Take the history that came with the agreed ``state`` (:meth:`with_membership`) and add
+        the change to the current generation."""
+        history = state["elastic"]
+        before, generation = history["members"], self.generation
+        change = MembershipChange(
+            generation=generation.number,
+            step=step,
+            world_size_before=len(before),
+            world_size=generation.world_size,
+            left=tuple(m for m in before if m not in generation.members),
+            joined=tuple(m for m in generation.members if m not in before),
+            reason=reason,
+            seconds_lost=seconds_lost,
+        )
+        self.changes = [
+            MembershipChange(**{**c, "left": tuple(c["left"]), "joined": tuple(c["joined"])})
+            for c in history["changes"]
+        ]
         self.changes.append(change)
+        return change
 
     def close(self) -> None:
         self.membership.close()

@@ -51,7 +51,6 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ..comm import CommError
-from ..comm.objects import broadcast_object
 from ..config import Config, ConfigError, default_output_dir, instantiate, max_time_seconds
 from ..data import DATASET_NAMES, DistributedSampler, prepare_dataset_files
 from ..ddp import DistributedDataParallel
@@ -65,7 +64,7 @@ from .checkpoint import Checkpointer, TrainState
 from .data import default_dataset, first_samples, limit_datasets, make_batches, plan_epochs
 from .dataloaders import resolve_data_hooks
 from .dev_run import dev_run_batches, dev_run_config, remove_dev_run_dir
-from .elastic import ElasticTraining, MembershipChange, MembershipChangeDue
+from .elastic import ElasticTraining, MembershipChangeDue
 from .ema import EmaWeights
 from .evaluation import sanity_check, validation_pass
 from .inference import run_predict, run_test
@@ -123,6 +122,7 @@ class Trainer:
         self.strategy: StepStrategy | None = None  # how a step's micro-batches become an update (.steps)
         self._membership: Membership | None = None
         self.elastic: ElasticTraining | None = None  # trainer.elastic: the membership across changes
+        self._step_started = time.monotonic()  # when the step in flight started
         # What trains, on what (setup).
         self.model: DistributedDataParallel | None = None
         self.optimizer_set: OptimizerSet | None = None
@@ -264,13 +264,18 @@ class Trainer:
         """
         fit_start = time.perf_counter()
         self._reset()  # a Trainer may fit more than once
+        if self.config.trainer.elastic:
+            # Before joining: a restarted worker is admitted only once its data is loaded, so the
+            # others train on meanwhile instead of waiting for it. The limits (trainer.overfit_batches,
+            # limit_val_batches) count batches per rank of the job's first size: every member cuts the same datasets.
+            self._load_data(self.config.dist.world_size)
         owns_group = self.setup_distributed()  # ranks: launcher env, or an existing group
         self._stop.install()  # SIGINT/SIGTERM: stop at an agreed step, with a checkpoint
         try:
             self.setup()  # model in DDP, data, optimizer, callbacks; resumed if asked
             joined_late = self.elastic is not None and self.elastic.joined_late
             if joined_late:  # admitted into a running elastic job: the state comes from a peer
-                self._take_state(None, time.monotonic(), "newcomers waiting", ())
+                self._take_state(None, time.monotonic(), "newcomers waiting")
             self._call("on_fit_start")
             if not joined_late:  # (the members it joins are past these collectives)
                 self._sanity_check()  # a few validation batches: a broken validation_step fails now
@@ -310,6 +315,7 @@ class Trainer:
         self.metrics.start_epoch()  # the epoch's training time counts from here
         self.model.train()
         for micro_batches in self.phases.batches(self.strategy.batches()):  # phases: profiler labels, the doctor
+            self._step_started = time.monotonic()  # an elastic change counts the seconds lost from here
             with self.phases.span("forward_backward"):
                 loss = self.forward_backward(micro_batches)
             with self.phases.span("optimizer_step"):
@@ -482,14 +488,14 @@ class Trainer:
     # == elastic jobs (trainer.elastic; the sequence: ddptrain/trainer/elastic.py) =================
     def _change_membership(self, cause: BaseException) -> None:
         """A survivor's side of a membership change: keep the state in memory, agree on the new
-        generation, bind to its group, go on from the agreed state."""
-        started = time.monotonic()
-        mine = self.checkpointer.state_dict(gather_rng=False)  # before anything is rebound (not collective)
-        before = self.elastic.generation.members
+        generation, bind to its group, go on from the agreed state. The seconds lost count from
+        the start of the step in flight (a failure), or from now (newcomers admitted)."""
+        started = self._step_started if isinstance(cause, CommError) else time.monotonic()
+        mine = self.elastic.with_membership(self.checkpointer.state_dict(gather_rng=False))  # before any rebinding
         group = self.elastic.regroup()  # Fenced: this member was left out, and exits
         self._bind_to_group(group)
         reason = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
-        self._take_state(mine, started, reason, before)
+        self._take_state(mine, started, reason)
 
     def _bind_to_group(self, group) -> None:
         """Rebuild what belongs to the old group for ``group``: the ranks, the run directory's
@@ -509,24 +515,13 @@ class Trainer:
         self.checkpointer.keep_step_checkpoints(old.steps_dir, old.keep_last)
         self.checkpointer.last_saved = old.last_saved
 
-    def _take_state(self, mine: dict[str, Any] | None, started: float, reason: str, before: Sequence[str]) -> None:
+    def _take_state(self, mine: dict[str, Any] | None, started: float, reason: str) -> None:
         """Every member of a new generation: load the state the members agreed on (collective),
-        record the change, tell the callbacks."""
+        record the change (in the history that came with the state), tell the callbacks."""
         state, source = self.elastic.agree_on_state(self.process_group, mine)
         self.checkpointer.load_state_dict(state, f"<rank {source}'s memory>", allow_world_size_change=True)
         self.metrics.start_window()  # a window of the old group's steps would be summed unevenly
-        generation = self.elastic.generation
-        change = MembershipChange(
-            generation=generation.number,
-            step=self.state.step,
-            world_size_before=int(state["world_size"]),
-            world_size=self.world_size,
-            left=tuple(m for m in before if m not in generation.members),
-            joined=tuple(m for m in generation.members if before and m not in before),
-            reason=reason,
-            seconds_lost=round(time.monotonic() - started, 3),
-        )
-        self.elastic.record(change)
+        change = self.elastic.record(state, self.state.step, reason, round(time.monotonic() - started, 3))
         if self.is_main:
             log.warning("%s", change.describe())
         self._call("on_membership_change", change)
@@ -543,14 +538,20 @@ class Trainer:
         return votes
 
     def _setup_data(self) -> None:
-        train, val = resolve_data_hooks(self.train_dataloader(), self.val_dataloader(), self.config, self.world_size)
+        if not self._data_loaded:  # an elastic member loads it before joining
+            self._load_data(self.world_size)
+        self._plan_data()
+
+    def _load_data(self, world_size: int) -> None:
+        """The datasets of the data hooks, cut by ``trainer.overfit_batches`` / ``limit_val_batches``."""
+        train, val = resolve_data_hooks(self.train_dataloader(), self.val_dataloader(), self.config, world_size)
         self.train_set, self.train_loader_options = train.dataset, train.options
         self.val_set, self.val_loader_options = val.dataset, val.options
         self.val_batch_size = val.batch_size or self.config.data.eval_batch_size
         self.train_set, self.val_set = limit_datasets(
-            self.config, self.train_set, self.val_set, self.world_size, self.val_batch_size
-        )  # trainer.overfit_batches, trainer.limit_val_batches
-        self._plan_data()
+            self.config, self.train_set, self.val_set, world_size, self.val_batch_size
+        )
+        self._data_loaded = True
 
     def _plan_data(self) -> None:
         """This rank's samplers and step counts for the current world size."""
@@ -604,6 +605,7 @@ class Trainer:
 
     def _reset(self) -> None:
         self.state = TrainState()
+        self._data_loaded = False  # the datasets of this fit (_load_data)
         self.callbacks: list[Callback] = []
         self.metrics = TrainingMetrics(self.process_group)
         self.smoke_probe: SmokeProbe | None = None
@@ -657,9 +659,8 @@ class Trainer:
         if stopped:
             final.update(stopped_by=self.stopped_by, checkpoint=str(self.checkpointer.save_at_stop()))
         final["stopped_early"] = self.stopped_early
-        if self.elastic is not None:  # rank 0's record, the longest (collective): every rank returns the same
-            changes = [dataclasses.asdict(c) for c in self.elastic.changes]
-            final["membership_changes"] = broadcast_object(self.process_group, changes, 0)
+        if self.elastic is not None:  # the job's history, which travels with the state: the same on every rank
+            final["membership_changes"] = [dataclasses.asdict(c) for c in self.elastic.changes]
         if self.is_main:
             self.run_dir.metrics.write_text(json.dumps(final, indent=2) + "\n")
         self._call("on_fit_end", final)

@@ -32,6 +32,7 @@ COMMON = (
     "trainer.progress=false",
     "trainer.loggers.tensorboard=false",
     "trainer.eval_every_epochs=0",
+    "trainer.limit_val_batches=1",  # the final evaluation: one batch per rank (the parameters are what is compared)
 )
 
 
@@ -52,9 +53,11 @@ def uninterrupted(tmp_path_factory, mnist_root) -> str:
     return json.loads((run_dir / "metrics.json").read_text())["params_sha256"]
 
 
-def _run_with_kills(run_dir: Path, mnist_root: Path, kills: list[tuple[str, int]], *overrides: str):
-    """Run the elastic job at 4 ranks; SIGKILL member ``m`` once rank 0 has logged step ``s``, for
-    each ``(m, s)`` of ``kills`` in order. Returns (exit code, output, metrics, member pids)."""
+def _run_with_kills(
+    run_dir: Path, mnist_root: Path, kills: list[tuple[str, int]], *overrides: str, sig: int = signal.SIGKILL
+):
+    """Run the elastic job at 4 ranks; send ``sig`` to member ``m`` once rank 0 has logged step
+    ``s``, for each ``(m, s)`` of ``kills`` in order. Returns (exit code, output, metrics, member pids)."""
     command = [PYTHON, "-m", "ddptrain", *COMMON, "trainer.elastic=true", "dist.world_size=4"]
     command += ["dist.timeout_s=60", f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.Popen(
@@ -80,7 +83,7 @@ def _run_with_kills(run_dir: Path, mnist_root: Path, kills: list[tuple[str, int]
         step = re.search(r"\]\[rank 0\]\[INFO\] step (\d+)/", line)
         if step and pending and int(step.group(1)) >= pending[0][1]:
             member, _ = pending.pop(0)
-            os.kill(pids[member], signal.SIGKILL)
+            os.kill(pids[member], sig)
     proc.wait()
     watchdog.cancel()
     output = "".join(lines)
@@ -138,6 +141,22 @@ def test_without_restarts_the_survivors_end_bitwise_at_3_ranks(tmp_path, mnist_r
     assert change["left"] == ["0.0"] and change["world_size_before"] == 4 and change["world_size"] == 3
     assert change["step"] % 3, f"the change came at step {change['step']}, where 3 ranks share the position evenly"
     assert metrics["params_sha256"] == uninterrupted, "the run at 3 survivors ends with other parameters"
+    _assert_nothing_left(pids)
+
+
+def test_a_stopped_rank_is_excluded_after_the_timeout_fenced_and_replaced(tmp_path, mnist_root, uninterrupted):
+    """SIGSTOP: the process lives but never arrives. After dist.timeout_s the others regroup
+    without it; it is fenced (killed, so it cannot come back with stale state) and restarted."""
+    code, output, metrics, pids = _run_with_kills(
+        tmp_path / "run", mnist_root, [("1.0", 50)], "launcher.max_restarts=1", "dist.timeout_s=8", sig=signal.SIGSTOP
+    )
+    assert code == 0, output[-4000:]
+    assert "timed out after 8 s" in output, output[-4000:]
+    assert re.search(r"member 1\.0 \(slot 1, pid \d+\) killed by signal SIGKILL.*slot 1 starts again", output)
+    left, joined = metrics["membership_changes"][0], metrics["membership_changes"][-1]
+    assert left["left"] == ["1.0"] and left["seconds_lost"] >= 8, left
+    assert joined["joined"] == ["1.1"] and metrics["world_size"] == 4, metrics["membership_changes"]
+    assert metrics["params_sha256"] == uninterrupted
     _assert_nothing_left(pids)
 
 

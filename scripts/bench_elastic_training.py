@@ -1,0 +1,173 @@
+"""Elastic training (``trainer.elastic=true``) measured from outside: chaos, and the cost when nothing fails.
+
+    .venv/bin/python scripts/bench_elastic_training.py chaos [--steps 9000] [--every 20] [--seed 0]
+    .venv/bin/python scripts/bench_elastic_training.py overhead [--steps 400] [--rounds 5]
+
+``chaos``: ``python -m ddptrain recipe=mnist trainer.world_size_invariant=true trainer.elastic=true
+dist.world_size=4``, no checkpoints written (so none can be read), one log line per step. Every
+``--every`` seconds (+-30%) this script SIGKILLs a random live worker (rank 0 included: the pids
+come from the launcher's ``member X started (slot S, pid P)`` lines), and the launcher restarts it.
+Per kill it prints the seconds from the kill to the next step rank 0 logs (the survivors' next
+completed step) and to the first line saying the group is back at 4 ranks; then their median and
+max, whether every kill is a change in the log, and whether the final ``params_sha256`` equals that
+of the same training run uninterrupted (1 rank, not elastic: invariant mode's bits do not depend on
+the world size).
+
+``overhead``: the same job at 4 ranks with and without ``trainer.elastic=true``, alternating, and the
+median of ``time/train_s`` of each; the ratio is the cost of being elastic when nothing fails (the
+heartbeat thread, rank 0 asking the store for newcomers every 0.1 s).
+
+Measured figures go to benchmarks/README.md with the command and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+PYTHON = sys.executable
+REPO = Path(__file__).resolve().parents[1]
+COMMON = [
+    "recipe=mnist",
+    "trainer.world_size_invariant=true",
+    "trainer.progress=false",
+    "trainer.loggers.tensorboard=false",
+    "trainer.loggers.csv=false",
+    "trainer.eval_every_epochs=0",
+]
+NO_CHECKPOINTS = ["trainer.checkpoint.every_epochs=0", "trainer.checkpoint.at_end=false"]
+
+
+def _job(run_dir: Path, *overrides: str) -> list[str]:
+    return [PYTHON, "-m", "ddptrain", *COMMON, f"hydra.run.dir={run_dir}", *overrides]
+
+
+def _metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def chaos(args: argparse.Namespace, work: Path) -> int:
+    rng = random.Random(args.seed)
+    steps = f"trainer.max_steps={args.steps}"
+    epochs = f"trainer.epochs={-(-args.steps // 469)}"
+    command = _job(
+        work / "chaos", steps, epochs, "trainer.elastic=true", "dist.world_size=4", "trainer.log_every_steps=1"
+    )
+    command += [f"launcher.max_restarts={10**6}", *NO_CHECKPOINTS]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    pids: dict[str, int] = {}
+    lines: list[tuple[float, str]] = []  # (arrival time, line)
+    kills: list[tuple[float, str]] = []
+    done = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append((time.monotonic(), line))
+            if started := re.search(r"member (\d+\.\d+) started \(slot \d+, pid (\d+)\)", line):
+                pids[started.group(1)] = int(started.group(2))
+            if ended := re.search(r"member (\d+\.\d+) \(slot \d+, pid \d+\) (killed|failed|exited)", line):
+                pids.pop(ended.group(1), None)
+        done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    while not any("step 1/" in line for _, line in lines) and not done.is_set():
+        time.sleep(0.05)
+    while not done.wait(args.every * rng.uniform(0.7, 1.3)):
+        live = sorted(pids)
+        if not live:
+            continue
+        victim = rng.choice(live)
+        try:
+            os.kill(pids[victim], signal.SIGKILL)
+        except (KeyError, ProcessLookupError):
+            continue
+        kills.append((time.monotonic(), victim))
+        print(f"SIGKILL {victim}", flush=True)
+    proc.wait()
+    output = "".join(line for _, line in lines)
+    rows = []
+    for i, (at, victim) in enumerate(kills):
+        until = kills[i + 1][0] if i + 1 < len(kills) else float("inf")
+        # the first step rank 0 logs after the change line that follows the kill (a step line read
+        # just after the kill may be of a step completed before it)
+        change = next((t for t, line in lines if t > at and "elastic: generation" in line), None)
+        step = next(
+            (t for t, line in lines if change and t > change and re.search(r"\]\[INFO\] step \d+/", line)), None
+        )
+        full = next((t for t, line in lines if t > at and re.search(r"-> 4 rank\(s\)", line)), None)
+        rows.append((victim, None if step is None else step - at, None if full is None or full > until else full - at))
+    print(f"\n{'victim':>8} {'to next step (s)':>17} {'to 4 ranks (s)':>15}")
+    for victim, step, full in rows:
+        print(
+            f"{victim:>8} {step if step is None else f'{step:.3f}':>17} {full if full is None else f'{full:.3f}':>15}"
+        )
+    to_step = [s for _, s, _ in rows if s is not None]
+    to_full = [f for _, _, f in rows if f is not None]
+    if to_step:
+        print(f"kill -> next completed step: median {statistics.median(to_step):.3f} s, max {max(to_step):.3f} s")
+    if to_full:
+        print(f"kill -> back at 4 ranks:     median {statistics.median(to_full):.3f} s, max {max(to_full):.3f} s")
+    changes = _metrics(work / "chaos")["membership_changes"] if (work / "chaos" / "metrics.json").exists() else []
+    lost = sorted(m for c in changes for m in c["left"])
+    lines_logged = output.count("elastic: generation")
+    print(f"kills: {len(kills)}; members the log says were lost: {len(lost)}; change lines: {lines_logged}")
+    print(f"checkpoint read: {'resumed from' in output}; exit code {proc.returncode}")
+    reference = work / "reference"
+    ref = subprocess.run(
+        _job(reference, steps, epochs, "dist.world_size=1", *NO_CHECKPOINTS), cwd=REPO, capture_output=True
+    )
+    same = ref.returncode == 0 and proc.returncode == 0
+    same = same and _metrics(reference)["params_sha256"] == _metrics(work / "chaos")["params_sha256"]
+    print(f"final params_sha256 equal to the uninterrupted run's: {same}")
+    return 0 if same and sorted(v for _, v in kills) == lost else 1
+
+
+def overhead(args: argparse.Namespace, work: Path) -> int:
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for r in range(args.rounds):
+        for elastic in (r % 2 == 0, r % 2 == 1):
+            run_dir = work / f"{r}-{elastic}"
+            overrides = [
+                f"trainer.max_steps={args.steps}",
+                "dist.world_size=4",
+                f"trainer.elastic={str(elastic).lower()}",
+            ]
+            subprocess.run(_job(run_dir, *overrides, *NO_CHECKPOINTS), cwd=REPO, capture_output=True, check=True)
+            times[elastic].append(_metrics(run_dir)["time/train_s"])
+            print(f"round {r}: elastic={elastic}: time/train_s {times[elastic][-1]:.3f}", flush=True)
+    plain, elastic = statistics.median(times[False]), statistics.median(times[True])
+    print(f"\nmedian time/train_s of {args.steps} steps: plain {plain:.3f} s, elastic {elastic:.3f} s")
+    print(f"elastic / plain: {elastic / plain:.3f}x")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("chaos")
+    c.add_argument("--steps", type=int, default=9000)
+    c.add_argument("--every", type=float, default=20.0, help="seconds between kills (+-30%%)")
+    c.add_argument("--seed", type=int, default=0)
+    o = sub.add_parser("overhead")
+    o.add_argument("--steps", type=int, default=400)
+    o.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-elastic-training-"))
+    print(f"runs in {work}")
+    return chaos(args, work) if args.mode == "chaos" else overhead(args, work)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
