@@ -170,6 +170,9 @@ class DistConfig:
     (ddptrain's ring over point-to-point messages, on any backend)."""
     job_timeout_s: float | None = None
     """Local launcher only: kill the whole job after this many seconds (``None``: no limit)."""
+    min_world_size: int = bounded(1, at_least=1)
+    """Elastic jobs (``trainer.elastic``): the fewest ranks training goes on with. Below it the
+    members left write a checkpoint and stop (exit status 1), printing the command that resumes."""
     threads_per_worker: int = bounded(0, at_least=0)
     """torch intra-op threads per rank; 0 means ``cores // ranks on this machine`` (at least 1)."""
     bucket_cap_mb: Any = field(default=DEFAULT_BUCKET_CAP_MB, metadata={"check": _check_bucket_cap})

@@ -41,7 +41,7 @@ def validate(config: Config, world_size: int) -> None:
     check_zero_stage(config)
     check_grad_compression(config)
     check_sync(config)
-    check_elastic(config)
+    check_elastic(config, world_size)
     per_rank_batch_size(config, world_size)
     check_device(config)
 
@@ -219,10 +219,15 @@ def check_sync(config: Config) -> None:
     _refuse_conflicts(f"dist.sync={d.sync}", conflicts, "set dist.sync=every_step")
 
 
-def check_elastic(config: Config) -> None:
+def check_elastic(config: Config, world_size: int) -> None:
     """Refuse what ``trainer.elastic=true`` cannot be combined with, saying why."""
     t, d = config.trainer, config.dist
     if not t.elastic:
+        if d.min_world_size > 1:
+            raise ConfigError(
+                f"dist.min_world_size={d.min_world_size} applies to elastic jobs only (a job that is not elastic "
+                "stops at its first lost rank): set trainer.elastic=true, or drop dist.min_world_size"
+            )
         return
     if not t.world_size_invariant:
         raise ConfigError(
@@ -246,6 +251,11 @@ def check_elastic(config: Config) -> None:
             t.doctor or t.lr_find or d.bucket_cap_mb == "auto",
             "trainer.doctor / trainer.lr_find / dist.bucket_cap_mb=auto",
             "their measurements span steps of one fixed group of ranks",
+        ),
+        (
+            d.min_world_size > world_size,
+            f"dist.min_world_size={d.min_world_size}",
+            f"the job starts with {world_size} rank(s), fewer than that; use at most dist.min_world_size={world_size}",
         ),
         (
             t.smoke_check,

@@ -88,7 +88,7 @@ def run(config: Config) -> dict[str, Any]:
     config = _checked_in_a_preloaded_process(config)
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
     if config.trainer.elastic:  # a lost worker is restarted alone, and rejoins the others
-        return _start_elastic_workers(config)[0]
+        return next(r for r in _start_elastic_workers(config) if r is not None)
     restarts = 0
     while True:
         try:
@@ -203,10 +203,11 @@ def _start_workers(config: Config, world_size: int) -> list:
 
 def _start_elastic_workers(config: Config) -> list:
     """The final metrics of the workers of an elastic job (``trainer.elastic``), which finish
-    together whatever the membership did (each returns rank 0's record of the changes)."""
+    together whatever the membership did (the same on each); ``None`` for a restarted worker that
+    the job ended without admitting."""
     world_size = config.dist.world_size
     return spawn_elastic(
-        _run_rank,
+        _run_elastic_rank,
         world_size,
         args=(config,),
         threads=threads_per_rank(world_size, config.dist.threads_per_worker or None),
@@ -247,6 +248,17 @@ def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
     os.environ.setdefault("DDPTRAIN_LEDGER_DIR", ledger_dir(config))  # torchrun, mpirun: no launcher of ours
     setup_logging(rank, config.trainer.output_dir)
     return load_trainer_class(config)(config, callbacks=plugin_callbacks(config)).fit()
+
+
+def _run_elastic_rank(slot: int, world_size: int, config: Config) -> dict[str, Any] | None:
+    """One worker of an elastic job (the local launcher's slot ``slot``): ``_run_rank``, or ``None``
+    when the job finished before this worker was admitted."""
+    from .comm.elastic import JobFinished
+
+    try:
+        return _run_rank(slot, world_size, config)
+    except JobFinished:
+        return None
 
 
 def plugin_callbacks(config: Config) -> list:

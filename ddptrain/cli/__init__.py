@@ -443,7 +443,7 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
 
 def _exit_status(metrics: dict[str, Any]) -> int:
     stopped_by = metrics.get("stopped_by")  # trainer.max_time: a normal end
-    return {"SIGINT": EXIT_SIGINT, "SIGTERM": EXIT_SIGTERM}.get(stopped_by, EXIT_OK)
+    return {"SIGINT": EXIT_SIGINT, "SIGTERM": EXIT_SIGTERM, "dist.min_world_size": EXIT_FAILED}.get(stopped_by, EXIT_OK)
 
 
 def _print_summary(config: Any, metrics: dict[str, Any], argv: list[str]) -> None:
@@ -459,6 +459,10 @@ def _print_summary(config: Any, metrics: dict[str, Any], argv: list[str]) -> Non
         )
         return
     if metrics.get("stopped_by"):
+        # an elastic job that lost ranks below dist.min_world_size saved at a smaller world size
+        if metrics["stopped_by"] == "dist.min_world_size":
+            argv = [a for a in argv if not a.startswith("trainer.allow_world_size_change=")]
+            argv = [*argv, "trainer.allow_world_size_change=true"]
         resume = _resume_command(argv, run_dir)
         saved = metrics.get("checkpoint") or "no checkpoint could be written"
         by = "trainer.max_time" if metrics["stopped_by"] == "max_time" else metrics["stopped_by"]

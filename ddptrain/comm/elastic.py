@@ -43,13 +43,17 @@ from .forensics import process_state
 from .store import Store
 from .types import CommError, CommTimeoutError
 
-__all__ = ["ElasticMembership", "Generation", "Fenced"]
+__all__ = ["ElasticMembership", "Generation", "Fenced", "JobFinished"]
 
 _POLL_S = 0.005  # how often a waiting member looks at the store (a round trip costs ~0.1 ms on loopback)
 
 
 class Fenced(CommError):
     """This member was left out of the job's membership (declared dead, or too late): it must exit."""
+
+
+class JobFinished(CommError):
+    """The job finished (:meth:`ElasticMembership.finish`) before this member was admitted: nothing is left to do."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +150,7 @@ class ElasticMembership:
                     self.generation = generation
                     return generation
             number = latest + 1
-            self._wait_for_key(f"gen/{number}", deadline, f"a generation that admits {self.id}")
+            self._wait_for_key(f"gen/{number}", deadline, f"a generation that admits {self.id}", give_up="finished")
 
     def newcomers_waiting(self) -> bool:
         """Whether processes registered since the current generation was decided (one store round
@@ -207,6 +211,11 @@ class ElasticMembership:
         group.abortable = True  # the heartbeat aborts it once the others start agreeing on the next one
         self._group = group
         return group
+
+    def finish(self) -> None:
+        """Say the job is over (one member, at the end): a member still waiting in :meth:`join` to
+        be admitted raises :class:`JobFinished` instead of waiting for a generation that never comes."""
+        self.store.set("finished", "1")
 
     def close(self) -> None:
         """Stop the heartbeat (the others then see this member as dead after ``dead_after_s``)."""
@@ -304,10 +313,13 @@ class ElasticMembership:
         record = json.loads(self.store.get(f"gen/{number}"))
         return Generation(number, tuple(record["members"]), record["registered"])
 
-    def _wait_for_key(self, key: str, deadline: float, what: str) -> None:
+    def _wait_for_key(self, key: str, deadline: float, what: str, give_up: str | None = None) -> None:
+        """Wait until ``key`` exists; :class:`JobFinished` if the key ``give_up`` appears first."""
         while not self.store.check([key]):
             if self._closed.is_set() or time.monotonic() > deadline:
                 raise CommTimeoutError(f"elastic job: member {self.id} waited in vain for {what}")
+            if give_up is not None and self.store.check([give_up]):
+                raise JobFinished(f"elastic job: it finished before member {self.id} was admitted")
             time.sleep(_POLL_S)
 
     def _left(self, deadline: float, what: str, world_size: int) -> float:

@@ -421,6 +421,13 @@ def spawn_elastic(
         store.wait(10)
 
 
+_STRAGGLER_GRACE_S = 30.0
+"""After the first worker of an elastic job finished, how long the others have to finish too. The
+members of the last generation end within moments of each other, and a worker still waiting to be
+admitted leaves once the job says it finished (``ElasticMembership.finish``); this is for one that
+cannot hear it."""
+
+
 class _ElasticWatch:
     """The workers of :func:`spawn_elastic`, each known by ``(slot, attempt)``."""
 
@@ -460,17 +467,35 @@ class _ElasticWatch:
 
     def collect(self) -> list[Any]:
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        ended_at = None  # when the first worker finished: the job is over
         while len(self.done) < len(self.procs):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
+            if self.results and ended_at is None:
+                ended_at, self.restarts_left = time.monotonic(), 0
+            if ended_at is not None and time.monotonic() - ended_at > _STRAGGLER_GRACE_S:
+                self._end_stragglers()
+                break
+            limits = [d for d in (deadline, ended_at and ended_at + _STRAGGLER_GRACE_S) if d is not None]
+            left = min(limits) - time.monotonic() if limits else None
+            if deadline is not None and deadline <= time.monotonic():
                 raise LaunchTimeoutError(
                     f"the elastic job did not finish within {self.timeout_s:g} s; every worker was killed"
                 )
-            for ready in wait_any(list(self.readers) + list(self.sentinels), timeout=left):
+            for ready in wait_any(
+                list(self.readers) + list(self.sentinels), timeout=None if left is None else max(0.0, left)
+            ):
                 self._ended(*_ended_worker(ready, self.readers, self.sentinels, self.procs))
         if not self.results:
             raise root_cause(self.failures)
         return [self.results[slot] for slot in sorted(self.results)]
+
+    def _end_stragglers(self) -> None:
+        """The job ended while these workers were not in it (a restarted worker waiting to be
+        admitted): stop them, instead of leaving them to wait for a generation that never comes."""
+        stragglers = [key for key in self.procs if key not in self.done]
+        for slot, attempt in stragglers:
+            _log.info("member %d.%d was not admitted before the job ended: stopped", slot, attempt)
+        _stop([self.procs[key] for key in stragglers])
+        self.done.update(stragglers)
 
     def _ended(self, key: tuple[int, int], payload: bytes | None) -> None:
         """A worker reported or died: file its result, or restart its slot (or leave it empty)."""

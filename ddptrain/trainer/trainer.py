@@ -290,6 +290,8 @@ class Trainer:
                         raise
                     self._change_membership(exc)  # then the epoch goes on from the agreed step
             final = self._finish(time.perf_counter() - fit_start)
+            if self.elastic is not None and self.is_main:
+                self.elastic.membership.finish()  # a restarted worker still waiting to be admitted leaves
             if dev_run_batches(self.config):
                 final.update(self._dev_run_test())
                 remove_dev_run_dir(self.config)  # a dev run that worked leaves nothing (each rank its own)
@@ -525,6 +527,15 @@ class Trainer:
         if self.is_main:
             log.warning("%s", change.describe())
         self._call("on_membership_change", change)
+        minimum = self.config.dist.min_world_size
+        if self.world_size < minimum:  # fit ends now, with a checkpoint (the CLI exits 1, saying how to resume)
+            self.stopped_by = "dist.min_world_size"
+            if self.is_main:
+                log.error(
+                    "elastic: %d rank(s) left, fewer than dist.min_world_size=%d: stopping with a checkpoint",
+                    self.world_size,
+                    minimum,
+                )
 
     def _build_model(self) -> None:
         self.model = wrap_model(self.configure_model().to(self.device), self.config, self.process_group)

@@ -11,6 +11,7 @@ the kills this test sends, ``metrics.json``, and ``/proc``.
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -158,6 +159,33 @@ def test_a_stopped_rank_is_excluded_after_the_timeout_fenced_and_replaced(tmp_pa
     assert joined["joined"] == ["1.1"] and metrics["world_size"] == 4, metrics["membership_changes"]
     assert metrics["params_sha256"] == uninterrupted
     _assert_nothing_left(pids)
+
+
+def test_below_min_world_size_the_job_stops_with_a_checkpoint_and_the_resume_ends_bitwise(
+    tmp_path, mnist_root, uninterrupted
+):
+    run_dir = tmp_path / "run"
+    code, output, metrics, pids = _run_with_kills(run_dir, mnist_root, [("1.0", 50)], "dist.min_world_size=4")
+    assert code == 1, output[-4000:]
+    assert "3 rank(s) left, fewer than dist.min_world_size=4: stopping with a checkpoint" in output
+    stop = re.search(r"ddptrain: stopped by dist.min_world_size at step (\d+) \((\S+)\)\. Resume with: (.*)", output)
+    assert stop, output[-4000:]
+    assert Path(stop.group(2)).is_file() and metrics["stopped_by"] == "dist.min_world_size"
+    assert "trainer.allow_world_size_change=true" in stop.group(3) and f"trainer.resume={run_dir}" in stop.group(3)
+    _assert_nothing_left(pids)
+    # The printed command, at the job's 4 ranks again, ends where the uninterrupted run ends.
+    resumed = subprocess.run(
+        shlex.split(stop.group(3)),
+        cwd=tmp_path,  # the resumed run writes a new run directory under outputs/
+        env=cli_env(DDPTRAIN_DATA=str(mnist_root)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    new_dir = re.search(r"ddptrain: outputs in (\S+):", resumed.stdout).group(1)
+    final = json.loads((Path(tmp_path, new_dir) / "metrics.json").read_text())
+    assert final["step"] == STEPS and final["params_sha256"] == uninterrupted
 
 
 def test_mpi_is_refused_before_anything_runs(tmp_path):

@@ -19,6 +19,7 @@ ELASTIC = {"trainer": {"elastic": True, "world_size_invariant": True}}
         ({"launcher": {"name": "torchrun"}}, "launcher=torchrun", "the local launcher's"),
         ({"trainer": {"doctor": True}}, "trainer.doctor", "one fixed group of ranks"),
         ({"trainer": {"smoke_check": True}}, "trainer.smoke_check=true", "a member that joins later has none"),
+        ({"dist": {"min_world_size": 5}}, "dist.min_world_size=5", "the job starts with 4 rank(s), fewer than that"),
     ],
 )
 def test_what_elastic_training_cannot_be_combined_with_is_refused_with_the_reason(override, named, why):
@@ -37,6 +38,11 @@ def test_what_elastic_training_cannot_be_combined_with_is_refused_with_the_reaso
 def test_normal_mode_is_refused_naming_the_mode_it_needs():
     with pytest.raises(ConfigError, match=r"trainer.elastic=true needs trainer.world_size_invariant=true"):
         validate(Config.from_dict({"trainer": {"elastic": True}}), 4)
+
+
+def test_min_world_size_without_elastic_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match=r"dist.min_world_size=2 applies to elastic jobs only"):
+        validate(Config.from_dict({"dist": {"min_world_size": 2}}), 4)
 
 
 def test_any_world_size_is_accepted_even_one_that_divides_neither_v_nor_the_batch():
@@ -74,3 +80,39 @@ def test_a_change_is_one_line_naming_who_left_who_joined_the_sizes_the_step_and_
         "elastic: generation 3: lost 2.0 and took in 2.1; 4 -> 4 rank(s); training goes on after step 120 "
         "(0.63 s lost; why: all_reduce failed: a peer closed)"
     )
+
+
+def test_a_member_waiting_to_be_admitted_leaves_when_the_job_finishes():
+    """A worker restarted near the end registers, but the job ends before a step boundary admits
+    it: it must not wait for a generation that never comes (the launcher would wait on it)."""
+    import threading
+    import time
+
+    import torch.distributed as tdist
+
+    from ddptrain.comm.elastic import ElasticMembership, JobFinished
+    from ddptrain.comm.store import Store
+
+    store = Store(tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False))
+    first = ElasticMembership(store, "a")
+    first.join(1, timeout_s=10)
+    late = ElasticMembership(store, "b")
+    outcome: list = []
+
+    def join() -> None:
+        try:
+            late.join(1, timeout_s=30)
+        except JobFinished as exc:
+            outcome.append((str(exc), time.monotonic()))
+
+    waiter = threading.Thread(target=join)
+    waiter.start()
+    time.sleep(0.3)
+    assert not outcome  # still waiting to be admitted
+    finished = time.monotonic()
+    first.finish()
+    waiter.join(10)
+    assert outcome and "it finished before member b was admitted" in outcome[0][0]
+    assert outcome[0][1] - finished < 2
+    first.close()
+    late.close()
