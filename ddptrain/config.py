@@ -239,7 +239,13 @@ class LauncherConfig:
     max_restarts: int = bounded(0, at_least=0)
     """Local launcher: when a worker dies, restart the whole job up to this many times, resuming
     from the last checkpoint (``trainer.resume=latest`` in the same output directory). Under
-    torchrun use ``torchrun --max-restarts=N``: the job resumes the same way."""
+    torchrun use ``torchrun --max-restarts=N``: the job resumes the same way. With
+    ``trainer.elastic=true`` only the dead worker is restarted (up to N times in the whole job),
+    and it rejoins the others; nothing is read from disk."""
+    spares: int = bounded(0, at_least=0)
+    """Elastic jobs (``trainer.elastic``), local launcher: start this many workers more than
+    ``dist.world_size``. They load their data and wait; when a member is lost, one takes its place
+    at once (no process start), and a restarted worker becomes the next spare."""
 
 
 @dataclass

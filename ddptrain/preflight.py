@@ -223,11 +223,15 @@ def check_elastic(config: Config, world_size: int) -> None:
     """Refuse what ``trainer.elastic=true`` cannot be combined with, saying why."""
     t, d = config.trainer, config.dist
     if not t.elastic:
-        if d.min_world_size > 1:
-            raise ConfigError(
-                f"dist.min_world_size={d.min_world_size} applies to elastic jobs only (a job that is not elastic "
-                "stops at its first lost rank): set trainer.elastic=true, or drop dist.min_world_size"
-            )
+        for key, value, unset in (
+            ("dist.min_world_size", d.min_world_size, 1),
+            ("launcher.spares", config.launcher.spares, 0),
+        ):
+            if value != unset:
+                raise ConfigError(
+                    f"{key}={value} applies to elastic jobs only (a job that is not elastic stops at its first "
+                    f"lost rank): set trainer.elastic=true, or drop {key}"
+                )
         return
     if not t.world_size_invariant:
         raise ConfigError(

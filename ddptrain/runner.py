@@ -203,9 +203,9 @@ def _start_workers(config: Config, world_size: int) -> list:
 
 def _start_elastic_workers(config: Config) -> list:
     """The final metrics of the workers of an elastic job (``trainer.elastic``), which finish
-    together whatever the membership did (the same on each); ``None`` for a restarted worker that
-    the job ended without admitting."""
-    world_size = config.dist.world_size
+    together whatever the membership did (the same on each); ``None`` for a spare or a restarted
+    worker that the job ended without admitting."""
+    world_size = config.dist.world_size + config.launcher.spares  # the spares start, load their data and wait
     return spawn_elastic(
         _run_elastic_rank,
         world_size,

@@ -153,14 +153,17 @@ class ElasticMembership:
             self._wait_for_key(f"gen/{number}", deadline, f"a generation that admits {self.id}", give_up="finished")
 
     def newcomers_waiting(self) -> bool:
-        """Whether processes registered since the current generation was decided (one store round
-        trip: call it at step boundaries, on one rank, and share the answer)."""
+        """Whether processes registered that the current generation did not admit (one store round
+        trip: call it at step boundaries, on one rank, and share the answer). Some may be dead
+        already: a regroup then admits none of them."""
         return self.store.add("members/count", 0) > self._current().registered
 
-    def regroup(self, timeout_s: float) -> Generation:
+    def regroup(self, timeout_s: float, max_world_size: int | None = None) -> Generation:
         """Agree with the other members on the next generation: after a lost member (every member
         still running calls this), or to admit newcomers (every member calls this at the same
         step boundary). ``timeout_s``: how long a live member that has not arrived is waited for.
+        ``max_world_size``: admit newcomers, in the order they registered, only up to this size;
+        the others keep waiting (hot spares, taken in when a member is lost).
 
         Raises:
             Fenced: this member was left out (it arrived too late, or was declared dead).
@@ -176,7 +179,7 @@ class ElasticMembership:
             self.store.set(f"gen/{number}/arrived/{self.id}", "1")
             if self.store.add(f"gen/{number}/coordinator", 1) == 1:
                 self.store.set(f"gen/{number}/coordinated_by", self.id)
-                self._coordinate(number, timeout_s)
+                self._coordinate(number, timeout_s, max_world_size)
             generation = self._await_decision(number, time.monotonic() + timeout_s + self.dead_after_s + 5.0)
             if generation is None:
                 number += 1  # the coordinator died before deciding: the next number elects another
@@ -233,7 +236,7 @@ class ElasticMembership:
         members = [self.store.get(f"members/{i}").decode() for i in range(1, world_size + 1)]
         self._write(Generation(0, tuple(members), world_size))
 
-    def _coordinate(self, number: int, timeout_s: float) -> None:
+    def _coordinate(self, number: int, timeout_s: float, max_world_size: int | None) -> None:
         previous = self._current()
         deadline = time.monotonic() + timeout_s
         seen: dict[str, tuple[bytes, float]] = {}  # heartbeat value and when it was first seen so
@@ -249,9 +252,17 @@ class ElasticMembership:
             if member not in arrived:
                 self._fence(member)
         registered = self.store.add("members/count", 0)
-        newcomers = [self.store.get(f"members/{i}").decode() for i in range(previous.registered + 1, registered + 1)]
-        newcomers = [m for m in newcomers if not self._is_dead(m, {})]
-        self._write(Generation(number, tuple(arrived + newcomers), registered))
+        room = len(arrived) + registered if max_world_size is None else max_world_size
+        admitted: list[str] = []
+        for index in range(previous.registered + 1, registered + 1):
+            newcomer = self.store.get(f"members/{index}").decode()
+            if self._is_dead(newcomer, {}):
+                continue
+            if len(arrived) + len(admitted) >= room:
+                registered = index - 1  # this one and those after it wait for a later generation
+                break
+            admitted.append(newcomer)
+        self._write(Generation(number, tuple(arrived + admitted), registered))
 
     def _is_dead(self, member: str, seen: dict[str, tuple[bytes, float]]) -> bool:
         if self.store.check([f"fenced/{member}"]):

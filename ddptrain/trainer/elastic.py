@@ -139,7 +139,7 @@ class ElasticTraining:
     def regroup(self) -> ProcessGroup:
         """Agree with the other members on the next generation and form its group (see the
         module docstring). Raises ``Fenced`` when this member was left out: it must exit."""
-        self.membership.regroup(timeout_s=self.config.dist.timeout_s)
+        self.membership.regroup(timeout_s=self.config.dist.timeout_s, max_world_size=self.config.dist.world_size)
         return self._form_group()
 
     def _form_group(self) -> ProcessGroup:
@@ -149,13 +149,17 @@ class ElasticTraining:
                     resolve_backend(self.config), timeout_s=self.config.dist.timeout_s
                 )
             except CommError:  # a member of the new generation was lost meanwhile: agree again
-                self.membership.regroup(timeout_s=self.config.dist.timeout_s)
+                self.membership.regroup(
+                    timeout_s=self.config.dist.timeout_s, max_world_size=self.config.dist.world_size
+                )
 
     def admission_vote(self, is_main: bool) -> float:
-        """Rank 0's vote to admit newcomers at this step boundary (1.0: some wait), asked of the
-        store at most every ``_ASK_EVERY_S``; 0.0 on the other ranks."""
+        """Rank 0's vote to admit newcomers at this step boundary (1.0: some wait and the job is
+        below ``dist.world_size``), asked of the store at most every ``_ASK_EVERY_S``; 0.0 on the
+        other ranks."""
         now = time.monotonic()
-        if not is_main or now - self._asked_at < _ASK_EVERY_S:
+        full = self.generation.world_size >= self.config.dist.world_size  # the others wait as hot spares
+        if not is_main or full or now - self._asked_at < _ASK_EVERY_S:
             return 0.0
         self._asked_at = now
         return float(self.membership.newcomers_waiting())

@@ -57,8 +57,9 @@ def uninterrupted(tmp_path_factory, mnist_root) -> str:
 def _run_with_kills(
     run_dir: Path, mnist_root: Path, kills: list[tuple[str, int]], *overrides: str, sig: int = signal.SIGKILL
 ):
-    """Run the elastic job at 4 ranks; send ``sig`` to member ``m`` once rank 0 has logged step
-    ``s``, for each ``(m, s)`` of ``kills`` in order. Returns (exit code, output, metrics, member pids)."""
+    """Run the elastic job at 4 ranks; send ``sig`` to member ``m`` (``rank0``: generation 0's rank
+    0) once rank 0 has logged step ``s``, for each ``(m, s)`` of ``kills`` in order. Returns (exit
+    code, output, metrics, member pids, generation 0's rank 0)."""
     command = [PYTHON, "-m", "ddptrain", *COMMON, "trainer.elastic=true", "dist.world_size=4"]
     command += ["dist.timeout_s=60", f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.Popen(
@@ -75,23 +76,26 @@ def _run_with_kills(
     pids: dict[str, int] = {}
     lines: list[str] = []
     pending = list(kills)
+    rank0 = None  # the member that is rank 0 of generation 0 ("rank0" in kills)
     for line in proc.stdout:
         lines.append(line)
         if started := re.search(r"member (\d+\.\d+) started \(slot \d+, pid (\d+)\)", line):
             pids[started.group(1)] = int(started.group(2))
+        if first := re.search(r"member (\d+\.\d+) \(pid \d+\) joined generation 0 as rank 0 ", line):
+            rank0 = first.group(1)
         if store := re.search(r"its store serves on \S+ \(pid (\d+)\)", line):
             pids["store"] = int(store.group(1))
         step = re.search(r"\]\[rank 0\]\[INFO\] step (\d+)/", line)
         if step and pending and int(step.group(1)) >= pending[0][1]:
             member, _ = pending.pop(0)
-            os.kill(pids[member], sig)
+            os.kill(pids[rank0 if member == "rank0" else member], sig)
     proc.wait()
     watchdog.cancel()
     output = "".join(lines)
     assert not pending, f"the run ended before the kills {pending}:\n{output[-3000:]}"
     metrics_file = run_dir / "metrics.json"
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else {}
-    return proc.returncode, output, metrics, pids
+    return proc.returncode, output, metrics, pids, rank0
 
 
 def _alive(pid: int) -> bool:
@@ -109,8 +113,8 @@ def _assert_nothing_left(pids: dict[str, int]) -> None:
     assert not left, f"processes left after the job ended: {left}"
 
 
-def test_kill_rank_0_then_another_rejoin_and_end_bitwise(tmp_path, mnist_root, uninterrupted):
-    code, output, metrics, pids = _run_with_kills(
+def test_kill_the_first_spawned_worker_then_another_both_rejoin_and_end_bitwise(tmp_path, mnist_root, uninterrupted):
+    code, output, metrics, pids, rank0 = _run_with_kills(
         tmp_path / "run", mnist_root, [("0.0", 40), ("2.0", 120)], "launcher.max_restarts=2"
     )
     assert code == 0, output[-4000:]
@@ -134,21 +138,38 @@ def test_without_restarts_the_survivors_end_bitwise_at_3_ranks(tmp_path, mnist_r
     """4 -> 3 ranks: 8 virtual ranks spread 2/3/3 over the survivors, which invariant mode alone
     allows. Killed once step 70 is logged, the survivors go on from step 70 or 71: 70 or 71 global
     batches of 128 samples, which 3 ranks cannot share evenly (the position must stay exact)."""
-    code, output, metrics, pids = _run_with_kills(tmp_path / "run", mnist_root, [("0.0", 70)])
+    code, output, metrics, pids, rank0 = _run_with_kills(tmp_path / "run", mnist_root, [("rank0", 70)])
     assert code == 0, output[-4000:]
     assert "no restart left" in output
     assert metrics["world_size"] == 3 and metrics["step"] == STEPS and metrics["params_agree"]
     [change] = metrics["membership_changes"]
-    assert change["left"] == ["0.0"] and change["world_size_before"] == 4 and change["world_size"] == 3
+    assert change["left"] == [rank0] and change["world_size_before"] == 4 and change["world_size"] == 3
     assert change["step"] % 3, f"the change came at step {change['step']}, where 3 ranks share the position evenly"
     assert metrics["params_sha256"] == uninterrupted, "the run at 3 survivors ends with other parameters"
+    _assert_nothing_left(pids)
+
+
+def test_a_hot_spare_takes_the_lost_ranks_place_in_the_same_change(tmp_path, mnist_root, uninterrupted):
+    """launcher.spares=2: two more workers load their data and wait; the change that loses rank 0
+    takes one of them in at once (4 -> 4, not 5), and the restarted worker becomes a spare too,
+    never admitted."""
+    code, output, metrics, pids, rank0 = _run_with_kills(
+        tmp_path / "run", mnist_root, [("rank0", 60)], "launcher.spares=2", "launcher.max_restarts=1"
+    )
+    assert code == 0, output[-4000:]
+    [change] = metrics["membership_changes"]
+    [spare] = change["joined"]
+    assert change["left"] == [rank0] and spare.endswith(".0") and spare != rank0, (change, rank0)  # a first attempt
+    assert change["world_size_before"] == change["world_size"] == 4
+    assert f"member {rank0[0]}.1 started" in output  # restarted: the new spare, never admitted
+    assert metrics["params_sha256"] == uninterrupted
     _assert_nothing_left(pids)
 
 
 def test_a_stopped_rank_is_excluded_after_the_timeout_fenced_and_replaced(tmp_path, mnist_root, uninterrupted):
     """SIGSTOP: the process lives but never arrives. After dist.timeout_s the others regroup
     without it; it is fenced (killed, so it cannot come back with stale state) and restarted."""
-    code, output, metrics, pids = _run_with_kills(
+    code, output, metrics, pids, rank0 = _run_with_kills(
         tmp_path / "run", mnist_root, [("1.0", 50)], "launcher.max_restarts=1", "dist.timeout_s=8", sig=signal.SIGSTOP
     )
     assert code == 0, output[-4000:]
@@ -165,7 +186,7 @@ def test_below_min_world_size_the_job_stops_with_a_checkpoint_and_the_resume_end
     tmp_path, mnist_root, uninterrupted
 ):
     run_dir = tmp_path / "run"
-    code, output, metrics, pids = _run_with_kills(run_dir, mnist_root, [("1.0", 50)], "dist.min_world_size=4")
+    code, output, metrics, pids, rank0 = _run_with_kills(run_dir, mnist_root, [("1.0", 50)], "dist.min_world_size=4")
     assert code == 1, output[-4000:]
     assert "3 rank(s) left, fewer than dist.min_world_size=4: stopping with a checkpoint" in output
     stop = re.search(r"ddptrain: stopped by dist.min_world_size at step (\d+) \((\S+)\)\. Resume with: (.*)", output)

@@ -40,9 +40,11 @@ def test_normal_mode_is_refused_naming_the_mode_it_needs():
         validate(Config.from_dict({"trainer": {"elastic": True}}), 4)
 
 
-def test_min_world_size_without_elastic_is_refused_not_ignored():
+def test_the_elastic_keys_without_elastic_are_refused_not_ignored():
     with pytest.raises(ConfigError, match=r"dist.min_world_size=2 applies to elastic jobs only"):
         validate(Config.from_dict({"dist": {"min_world_size": 2}}), 4)
+    with pytest.raises(ConfigError, match=r"launcher.spares=1 applies to elastic jobs only"):
+        validate(Config.from_dict({"launcher": {"spares": 1}}), 4)
 
 
 def test_any_world_size_is_accepted_even_one_that_divides_neither_v_nor_the_batch():
