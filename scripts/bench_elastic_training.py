@@ -1,12 +1,14 @@
 """Elastic training (``trainer.elastic=true``) measured from outside: chaos, and the cost when nothing fails.
 
-    .venv/bin/python scripts/bench_elastic_training.py chaos [--steps 9000] [--every 20] [--seed 0]
+    .venv/bin/python scripts/bench_elastic_training.py chaos [--steps 9000] [--every 20] [--seed 0] [--spares 0 1]
     .venv/bin/python scripts/bench_elastic_training.py overhead [--steps 400] [--rounds 5]
 
 ``chaos``: ``python -m ddptrain recipe=mnist trainer.world_size_invariant=true trainer.elastic=true
-dist.world_size=4``, no checkpoints written (so none can be read), one log line per step. Every
-``--every`` seconds (+-30%) this script SIGKILLs a random live worker (rank 0 included: the pids
-come from the launcher's ``member X started (slot S, pid P)`` lines), and the launcher restarts it.
+dist.world_size=4``, once per ``--spares`` value (``launcher.spares``), no checkpoints written (so
+none can be read), one log line per step. Every ``--every`` seconds (+-30%) this script SIGKILLs a
+random member of the current generation (rank 0 included; the members are read from the job's
+store, the pids from the launcher's ``member X started (slot S, pid P)`` lines), and the launcher
+restarts it.
 Per kill it prints the seconds from the kill to the next step rank 0 logs (the survivors' next
 completed step) and to the first line saying the group is back at 4 ranks; then their median and
 max, whether every kill is a change in the log, and whether the final ``params_sha256`` equals that
@@ -36,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from ddptrain.comm.store import connect
+
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -58,26 +62,50 @@ def _metrics(run_dir: Path) -> dict:
 
 
 def chaos(args: argparse.Namespace, work: Path) -> int:
-    rng = random.Random(args.seed)
     steps = f"trainer.max_steps={args.steps}"
     epochs = f"trainer.epochs={-(-args.steps // 469)}"
-    command = _job(
-        work / "chaos", steps, epochs, "trainer.elastic=true", "dist.world_size=4", "trainer.log_every_steps=1"
+    runs = {n: _chaos_run(args, work / f"chaos-spares{n}", n, steps, epochs) for n in args.spares}
+    reference = work / "reference"
+    ref = subprocess.run(
+        _job(reference, steps, epochs, "dist.world_size=1", *NO_CHECKPOINTS), cwd=REPO, capture_output=True
     )
-    command += [f"launcher.max_restarts={10**6}", *NO_CHECKPOINTS]
+    expected = _metrics(reference)["params_sha256"] if ref.returncode == 0 else None
+    same = {n: run is not None and _metrics(run)["params_sha256"] == expected for n, run in runs.items()}
+    for n in args.spares:
+        print(f"launcher.spares={n}: final params_sha256 equal to the uninterrupted run's: {same[n]}")
+    return 0 if all(same.values()) else 1
+
+
+def _members(store, lines: list[tuple[float, str]]) -> list[str]:
+    """The current generation's members, read from the job's store (its address is in the log)."""
+    if store[0] is None:
+        address = next((m.group(1) for _, line in lines if (m := re.search(r"its store serves on (\S+) ", line))), None)
+        if address is None:
+            return []
+        store[0] = connect(address).prefixed("elastic")
+    latest = store[0].get("latest").decode()
+    return json.loads(store[0].get(f"gen/{latest}"))["members"]
+
+
+def _chaos_run(args: argparse.Namespace, run_dir: Path, spares: int, steps: str, epochs: str) -> Path | None:
+    """One chaos job (see the module docstring); its directory, or None when the job failed, read a
+    checkpoint or left a kill out of its record."""
+    print(f"\n== launcher.spares={spares}", flush=True)
+    rng = random.Random(args.seed)
+    command = _job(run_dir, steps, epochs, "trainer.elastic=true", "dist.world_size=4", "trainer.log_every_steps=1")
+    command += [f"launcher.max_restarts={10**6}", f"launcher.spares={spares}", *NO_CHECKPOINTS]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     pids: dict[str, int] = {}
     lines: list[tuple[float, str]] = []  # (arrival time, line)
     kills: list[tuple[float, str]] = []
     done = threading.Event()
+    store = [None]
 
     def read() -> None:
         for line in proc.stdout:
             lines.append((time.monotonic(), line))
             if started := re.search(r"member (\d+\.\d+) started \(slot \d+, pid (\d+)\)", line):
                 pids[started.group(1)] = int(started.group(2))
-            if ended := re.search(r"member (\d+\.\d+) \(slot \d+, pid \d+\) (killed|failed|exited)", line):
-                pids.pop(ended.group(1), None)
         done.set()
 
     reader = threading.Thread(target=read, daemon=True)
@@ -85,13 +113,11 @@ def chaos(args: argparse.Namespace, work: Path) -> int:
     while not any("step 1/" in line for _, line in lines) and not done.is_set():
         time.sleep(0.05)
     while not done.wait(args.every * rng.uniform(0.7, 1.3)):
-        live = sorted(pids)
-        if not live:
-            continue
-        victim = rng.choice(live)
         try:
+            members = _members(store, lines)  # a member, not a spare: its loss is a change
+            victim = rng.choice(members)
             os.kill(pids[victim], signal.SIGKILL)
-        except (KeyError, ProcessLookupError):
+        except (IndexError, KeyError, ProcessLookupError, OSError):
             continue
         kills.append((time.monotonic(), victim))
         print(f"SIGKILL {victim}", flush=True)
@@ -119,19 +145,14 @@ def chaos(args: argparse.Namespace, work: Path) -> int:
         print(f"kill -> next completed step: median {statistics.median(to_step):.3f} s, max {max(to_step):.3f} s")
     if to_full:
         print(f"kill -> back at 4 ranks:     median {statistics.median(to_full):.3f} s, max {max(to_full):.3f} s")
-    changes = _metrics(work / "chaos")["membership_changes"] if (work / "chaos" / "metrics.json").exists() else []
+    changes = _metrics(run_dir)["membership_changes"] if (run_dir / "metrics.json").exists() else []
     lost = sorted(m for c in changes for m in c["left"])
-    lines_logged = output.count("elastic: generation")
-    print(f"kills: {len(kills)}; members the log says were lost: {len(lost)}; change lines: {lines_logged}")
-    print(f"checkpoint read: {'resumed from' in output}; exit code {proc.returncode}")
-    reference = work / "reference"
-    ref = subprocess.run(
-        _job(reference, steps, epochs, "dist.world_size=1", *NO_CHECKPOINTS), cwd=REPO, capture_output=True
+    print(
+        f"kills: {len(kills)}; lost in metrics.json: {len(lost)}; change lines: {output.count('elastic: generation')}"
     )
-    same = ref.returncode == 0 and proc.returncode == 0
-    same = same and _metrics(reference)["params_sha256"] == _metrics(work / "chaos")["params_sha256"]
-    print(f"final params_sha256 equal to the uninterrupted run's: {same}")
-    return 0 if same and sorted(v for _, v in kills) == lost else 1
+    print(f"checkpoint read: {'resumed from' in output}; exit code {proc.returncode}")
+    recorded = sorted(v for _, v in kills) == lost
+    return run_dir if proc.returncode == 0 and recorded and "resumed from" not in output else None
 
 
 def overhead(args: argparse.Namespace, work: Path) -> int:
@@ -160,6 +181,7 @@ def main() -> int:
     c.add_argument("--steps", type=int, default=9000)
     c.add_argument("--every", type=float, default=20.0, help="seconds between kills (+-30%%)")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--spares", type=int, nargs="+", default=[0, 1], help="launcher.spares of each chaos run")
     o = sub.add_parser("overhead")
     o.add_argument("--steps", type=int, default=400)
     o.add_argument("--rounds", type=int, default=5)
