@@ -25,6 +25,7 @@ bits of an uninterrupted one whatever the membership did.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -184,10 +185,15 @@ class ElasticTraining:
         return broadcast_object(group, mine if group.rank() == source else None, source), source
 
     def with_membership(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` (a survivor's, before a change) with the job's history: the members of the
-        generation that ended and the changes so far, so that every member records the same."""
+        """A copy of ``state`` (a survivor's, before a change) with the job's history: the members
+        of the generation that ended and the changes so far, so that every member records the same.
+
+        A copy: a state dict holds the live tensors, and rebinding to the new group overwrites the
+        weights with rank 0's (DDP's construction), while the member with the most steps, whose
+        state everyone loads, may be another rank.
+        """
         members, changes = list(self.generation.members), [dataclasses.asdict(c) for c in self.changes]
-        return {**state, "elastic": {"members": members, "changes": changes}}
+        return copy.deepcopy({**state, "elastic": {"members": members, "changes": changes}})
 
     def record(self, state: dict[str, Any], step: int, reason: str, seconds_lost: float) -> MembershipChange:
         """Take the history that came with the agreed ``state`` (:meth:`with_membership`) and add

@@ -118,3 +118,20 @@ def test_a_member_waiting_to_be_admitted_leaves_when_the_job_finishes():
     assert outcome[0][1] - finished < 2
     first.close()
     late.close()
+
+
+def test_the_state_a_survivor_keeps_is_a_copy_that_rebinding_cannot_change():
+    """Between the copy and the hand-over, DDP's construction in the new group writes rank 0's
+    weights into the module; the member with the most steps may be another rank."""
+    from types import SimpleNamespace
+
+    import torch
+
+    weights = torch.nn.Linear(2, 2)
+    membership = SimpleNamespace(generation=SimpleNamespace(members=("0.0", "1.0")))
+    kept = ElasticTraining(Config(), membership=membership).with_membership({"model": weights.state_dict(), "step": 7})
+    before = kept["model"]["weight"].clone()
+    with torch.no_grad():
+        weights.weight.add_(1.0)  # what the broadcast of rank 0's weights does in place
+    assert torch.equal(kept["model"]["weight"], before)
+    assert kept["elastic"] == {"members": ["0.0", "1.0"], "changes": []}
