@@ -117,7 +117,13 @@ def _chaos_run(args: argparse.Namespace, run_dir: Path, spares: int, steps: str,
             members = _members(store, lines)  # a member, not a spare: its loss is a change
             victim = rng.choice(members)
             os.kill(pids[victim], signal.SIGKILL)
-        except (IndexError, KeyError, ProcessLookupError, OSError):
+        except (
+            IndexError,
+            KeyError,
+            ProcessLookupError,
+            OSError,
+            RuntimeError,
+        ):  # RuntimeError: the job (and its store) ended
             continue
         kills.append((time.monotonic(), victim))
         print(f"SIGKILL {victim}", flush=True)
