@@ -20,8 +20,14 @@ def _final_weights(impl: str, tmp_path) -> str:
         impl,
     ]
     proc = subprocess.run(command, cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return re.search(rf"weights sha256 (\w+) \({impl}, 2 ranks\)", proc.stdout).group(1)
+    # torch's own DDP sometimes aborts at interpreter exit on a loaded machine ("terminate called
+    # without an active exception", SIGABRT, after destroy_process_group): the reference's weights
+    # are already printed then, and they are what this test compares. Our implementation must exit 0.
+    torch_teardown = impl == "torch" and "terminate called without an active exception" in proc.stderr
+    assert proc.returncode == 0 or torch_teardown, proc.stdout + proc.stderr
+    found = re.search(rf"weights sha256 (\w+) \({impl}, 2 ranks\)", proc.stdout)
+    assert found, proc.stdout + proc.stderr
+    return found.group(1)
 
 
 def test_switching_the_imports_keeps_the_weights_bitwise(tmp_path):

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from ddptrain.comm.forensics import process_state
+from ddptrain.comm.store import connect
 from tests.conftest import PYTHON, cli_env, run_cli
 
 # No xdist group: the jobs spread over the workers; each worker makes the reference once.
@@ -56,11 +58,18 @@ def uninterrupted(tmp_path_factory, mnist_root) -> str:
 
 
 def _run_with_kills(
-    run_dir: Path, mnist_root: Path, kills: list[tuple[str, int]], *overrides: str, sig: int = signal.SIGKILL
+    run_dir: Path,
+    mnist_root: Path,
+    kills: list[tuple],
+    *overrides: str,
+    sig: int = signal.SIGKILL,
+    registered: int = 0,
 ):
     """Run the elastic job at 4 ranks; send ``sig`` to member ``m`` (``rank0``: generation 0's rank
-    0) once rank 0 has logged step ``s``, for each ``(m, s)`` of ``kills`` in order. Returns (exit
-    code, output, metrics, member pids, generation 0's rank 0)."""
+    0) once rank 0 has logged step ``s`` (and, given a third item, once the output holds that
+    text), for each ``(m, s[, text])`` of ``kills`` in order; not before ``registered`` workers
+    have registered with the job's store (read from outside: spares register once their data is
+    loaded). Returns (exit code, output, metrics, member pids, generation 0's rank 0)."""
     command = [PYTHON, "-m", "ddptrain", *COMMON, "trainer.elastic=true", "dist.world_size=4"]
     command += ["dist.timeout_s=60", f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.Popen(
@@ -78,6 +87,7 @@ def _run_with_kills(
     lines: list[str] = []
     pending = list(kills)
     rank0 = None  # the member that is rank 0 of generation 0 ("rank0" in kills)
+    job_store = None  # the elastic job's store, to read how many workers registered
     for line in proc.stdout:
         lines.append(line)
         if started := re.search(r"member (\d+\.\d+) started \(slot \d+, pid (\d+)\)", line):
@@ -87,8 +97,12 @@ def _run_with_kills(
         if store := re.search(r"its store serves on \S+ \(pid (\d+)\)", line):
             pids["store"] = int(store.group(1))
         step = re.search(r"\]\[rank 0\]\[INFO\] step (\d+)/", line)
-        if step and pending and int(step.group(1)) >= pending[0][1]:
-            member, _ = pending.pop(0)
+        if address := re.search(r"its store serves on (\S+) ", line):
+            job_store = connect(address.group(1)).prefixed("elastic")
+        after = pending[0][2] if pending and len(pending[0]) > 2 else None
+        due = step and pending and int(step.group(1)) >= pending[0][1] and (after is None or after in "".join(lines))
+        if due and (not registered or job_store.add("members/count", 0) >= registered):
+            member = pending.pop(0)[0]
             os.kill(pids[rank0 if member == "rank0" else member], sig)
     proc.wait()
     watchdog.cancel()
@@ -100,11 +114,8 @@ def _run_with_kills(
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    """A process that still exists and is not a zombie."""
+    return process_state(pid) not in (None, "Z")
 
 
 def _assert_nothing_left(pids: dict[str, int]) -> None:
@@ -116,7 +127,7 @@ def _assert_nothing_left(pids: dict[str, int]) -> None:
 
 def test_kill_the_first_spawned_worker_then_another_both_rejoin_and_end_bitwise(tmp_path, mnist_root, uninterrupted):
     code, output, metrics, pids, rank0 = _run_with_kills(
-        tmp_path / "run", mnist_root, [("0.0", 40), ("2.0", 120)], "launcher.max_restarts=2"
+        tmp_path / "run", mnist_root, [("0.0", 20), ("2.0", 80, "took in 0.1")], "launcher.max_restarts=2"
     )
     assert code == 0, output[-4000:]
     # The launcher saw each kill and restarted the slot; the restarted workers rejoined.
@@ -155,7 +166,7 @@ def test_a_hot_spare_takes_the_lost_ranks_place_in_the_same_change(tmp_path, mni
     takes one of them in at once (4 -> 4, not 5), and the restarted worker becomes a spare too,
     never admitted."""
     code, output, metrics, pids, rank0 = _run_with_kills(
-        tmp_path / "run", mnist_root, [("rank0", 60)], "launcher.spares=2", "launcher.max_restarts=1"
+        tmp_path / "run", mnist_root, [("rank0", 60)], "launcher.spares=2", "launcher.max_restarts=1", registered=6
     )
     assert code == 0, output[-4000:]
     [change] = metrics["membership_changes"]

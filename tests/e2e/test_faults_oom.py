@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import ddptrain.comm as dist
+from ddptrain.comm.forensics import process_state
 from ddptrain.launch import WorkerFailedError
 from ddptrain.launch.spawn import describe_exitcode
 from ddptrain.testing import run_distributed
@@ -30,11 +31,7 @@ LIMIT_MIB = 64
 
 def _alive(pid: int) -> bool:
     """A process that still exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+    return process_state(pid) not in (None, "Z")
 
 
 def _allocate_past_an_address_space_limit(how: str) -> None:

@@ -65,7 +65,7 @@ def test_known_keys_free_form_model_hydra_and_sweeps_pass():
 def test_a_typo_in_a_key_suggests_the_closest_key_anywhere():
     assert "Did you mean trainer.epochs?" in first_problem(["epochs=3"], OPTIONS)
     assert "Did you mean dist.bucket_cap_mb?" in first_problem(["dist.bucket_cap=5"], OPTIONS)
-    assert "Keys under launcher: max_restarts, name." in first_problem(["launcher.zzz=1"], OPTIONS)
+    assert "Keys under launcher: max_restarts, name, spares." in first_problem(["launcher.zzz=1"], OPTIONS)
 
 
 def test_a_typo_under_a_large_section_points_at_the_listing_instead_of_printing_every_key():
