@@ -221,8 +221,12 @@ class ElasticMembership:
         self.store.set("finished", "1")
 
     def close(self) -> None:
-        """Stop the heartbeat (the others then see this member as dead after ``dead_after_s``)."""
+        """Stop the heartbeat (the others then see this member as dead after ``dead_after_s``), and
+        wait for its thread: a thread still inside a store call when the interpreter exits can
+        abort the process (SIGABRT) after its work is done."""
         self._closed.set()
+        if self._heart is not threading.current_thread():
+            self._heart.join(timeout=5 * self.heartbeat_s + 1.0)
 
     # -- the coordinator ----------------------------------------------------------------------
     def _form_first(self, world_size: int, deadline: float) -> None:
