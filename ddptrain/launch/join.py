@@ -28,7 +28,7 @@ from .. import comm as dist
 from ..comm.process_group import ProcessGroup
 from .env import ClusterEnvironment, detect_environment, threads_per_rank
 
-__all__ = ["Membership", "RendezvousError", "join_process_group", "rendezvous_for"]
+__all__ = ["Membership", "RendezvousError", "claim_device", "join_process_group", "rendezvous_for"]
 
 
 class RendezvousError(ValueError):
@@ -98,6 +98,16 @@ def rendezvous_for(environment: ClusterEnvironment, backend: str) -> tuple[str |
     return f"tcp://{environment.master_addr}:{environment.master_port}", environment.world_size, environment.rank
 
 
+def claim_device(env: ClusterEnvironment, device_type: str, threads_per_worker: int | None) -> torch.device:
+    """This rank's device (the CPU, or ``cuda:{local_rank}``, made current: one GPU per rank, set
+    before NCCL starts) and its torch thread count (see :func:`join_process_group`)."""
+    device = torch.device("cuda", env.local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads_per_rank(env.local_world_size, threads_per_worker))
+    return device
+
+
 def join_process_group(
     backend: str,
     *,
@@ -127,10 +137,7 @@ def join_process_group(
         ValueError: an inconsistent launcher environment (from :func:`detect_environment`).
     """
     env = detect_environment() if environment is None else environment
-    device = torch.device("cuda", env.local_rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # before NCCL starts: one GPU per rank
-    torch.set_num_threads(threads_per_rank(env.local_world_size, threads_per_worker))
+    device = claim_device(env, device_type, threads_per_worker)
     created = not dist.is_initialized()
     if created:
         init_method, world_size, rank = rendezvous_for(env, backend)

@@ -474,15 +474,15 @@ class _ElasticWatch:
             if ended_at is not None and time.monotonic() - ended_at > _STRAGGLER_GRACE_S:
                 self._end_stragglers()
                 break
-            limits = [d for d in (deadline, ended_at and ended_at + _STRAGGLER_GRACE_S) if d is not None]
-            left = min(limits) - time.monotonic() if limits else None
             if deadline is not None and deadline <= time.monotonic():
                 raise LaunchTimeoutError(
                     f"the elastic job did not finish within {self.timeout_s:g} s; every worker was killed"
                 )
-            for ready in wait_any(
-                list(self.readers) + list(self.sentinels), timeout=None if left is None else max(0.0, left)
-            ):
+            limits = [
+                d for d in (deadline, None if ended_at is None else ended_at + _STRAGGLER_GRACE_S) if d is not None
+            ]
+            left = max(0.0, min(limits) - time.monotonic()) if limits else None
+            for ready in wait_any(list(self.readers) + list(self.sentinels), timeout=left):
                 self._ended(*_ended_worker(ready, self.readers, self.sentinels, self.procs))
         if not self.results:
             raise root_cause(self.failures)

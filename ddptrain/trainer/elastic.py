@@ -32,15 +32,13 @@ import os
 import time
 from typing import Any
 
-import torch
-
 from ..comm import CommError
 from ..comm.elastic import ElasticMembership, Generation
 from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.process_group import ProcessGroup
 from ..config import Config
-from ..launch.env import detect_environment, threads_per_rank
-from ..launch.join import Membership
+from ..launch.env import detect_environment
+from ..launch.join import Membership, claim_device
 from ..logs import follow_rank
 from ..preflight import resolve_backend
 
@@ -118,11 +116,7 @@ class ElasticTraining:
         running one; this process's :class:`~ddptrain.launch.join.Membership` in its group (its
         device and thread count picked as :func:`~ddptrain.launch.join.join_process_group` does)."""
         env = detect_environment()
-        cuda = self.config.trainer.device.startswith("cuda")
-        device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
-        if cuda:
-            torch.cuda.set_device(device)
-        torch.set_num_threads(threads_per_rank(env.local_world_size, self.config.dist.threads_per_worker or None))
+        device = claim_device(env, self.config.trainer.device, self.config.dist.threads_per_worker or None)
         generation = self.membership.join(self.config.dist.world_size, timeout_s=self.config.dist.init_timeout_s)
         self.joined_late = generation.number > 0
         group = self._form_group()
