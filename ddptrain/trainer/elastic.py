@@ -42,7 +42,7 @@ from ..launch.join import Membership, claim_device
 from ..logs import follow_rank
 from ..preflight import resolve_backend
 
-__all__ = ["ElasticTraining", "MembershipChange", "MembershipChangeDue"]
+__all__ = ["ElasticTraining", "MembershipChange", "MembershipChangeDue", "TrainingStateLost"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -52,6 +52,11 @@ _ASK_EVERY_S = 0.1
 
 class MembershipChangeDue(Exception):
     """Raised at a step boundary when the members agreed to admit newcomers (the Trainer regroups)."""
+
+
+class TrainingStateLost(RuntimeError):
+    """Every member that held the training state is gone: the job cannot go on in place (not a
+    ``CommError``: regrouping again cannot help)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,12 +171,13 @@ class ElasticTraining:
         member's in-memory state, ``None`` for a newcomer.
 
         Raises:
-            CommError: no member holds a state (every member that had one is gone).
+            TrainingStateLost: no member holds a state (every member that had one is gone).
+            CommError: a member was lost during the hand-over.
         """
         steps = all_gather_object(group, -1 if mine is None else int(mine["step"]))
         most = max(steps)
         if most < 0:
-            raise CommError(
+            raise TrainingStateLost(
                 "elastic job: every member that held the training state is gone, so there is nothing to go on "
                 "from. Resume from the run's last checkpoint: python -m ddptrain ... trainer.resume=latest"
             )

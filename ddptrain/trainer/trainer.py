@@ -238,7 +238,8 @@ class Trainer:
         stop votes to carry in the step's reduction. Default: invariant mode's shards and exact sums
         under ``trainer.world_size_invariant``, local SGD / DiLoCo under ``dist.sync``, ZeRO's
         sharded optimizer under ``dist.zero_stage`` 1 or 2, else plain DDP. Called once per fit,
-        after the model, data and optimizers are built."""
+        after the model, data and optimizers are built, and again in an elastic job after each
+        membership change (for the new group)."""
         if self.config.trainer.world_size_invariant:
             return InvariantSteps(self, votes)
         if self.config.dist.sync != "every_step":
@@ -275,7 +276,7 @@ class Trainer:
             self.setup()  # model in DDP, data, optimizer, callbacks; resumed if asked
             joined_late = self.elastic is not None and self.elastic.joined_late
             if joined_late:  # admitted into a running elastic job: the state comes from a peer
-                self._take_state(None, time.monotonic(), "newcomers waiting")
+                self._go_on_from_agreed_state(None, time.monotonic(), "newcomers waiting", regroup=False)
             self._call("on_fit_start")
             if not joined_late:  # (the members it joins are past these collectives)
                 self._sanity_check()  # a few validation batches: a broken validation_step fails now
@@ -494,10 +495,28 @@ class Trainer:
         the start of the step in flight (a failure), or from now (newcomers admitted)."""
         started = self._step_started if isinstance(cause, CommError) else time.monotonic()
         mine = self.elastic.with_membership(self.checkpointer.state_dict(gather_rng=False))  # before any rebinding
-        group = self.elastic.regroup()  # Fenced: this member was left out, and exits
-        self._bind_to_group(group)
         reason = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
-        self._take_state(mine, started, reason)
+        self._go_on_from_agreed_state(mine, started, reason, regroup=True)
+
+    def _go_on_from_agreed_state(self, mine: dict[str, Any] | None, started: float, reason: str, regroup: bool) -> None:
+        """Regroup (unless this member was just admitted, its group bound by ``setup``), bind to
+        the new group, take the agreed state. A member lost during the change itself (a
+        ``CommError`` in the new group's collectives) ends that generation too: the members agree
+        on the next one, as often as it takes. ``mine`` is a copy, so a rebinding cut short
+        leaves it as it was; on a newcomer (None) the agreed state overwrites what it built."""
+        while True:
+            try:
+                if regroup:
+                    self._bind_to_group(self.elastic.regroup())  # Fenced: this member was left out, and exits
+                self._take_state(mine, started, reason)
+                return
+            except CommError as exc:
+                log.warning(
+                    "elastic: generation %d broke up during the change (%s); agreeing on the next",
+                    self.elastic.generation.number,
+                    str(exc).splitlines()[0][:200],
+                )
+                regroup = True
 
     def _bind_to_group(self, group) -> None:
         """Rebuild what belongs to the old group for ``group``: the ranks, the run directory's

@@ -66,8 +66,9 @@ def _run_with_kills(
     registered: int = 0,
 ):
     """Run the elastic job at 4 ranks; send ``sig`` to member ``m`` (``rank0``: generation 0's rank
-    0) once rank 0 has logged step ``s`` (and, given a third item, once the output holds that
-    text), for each ``(m, s[, text])`` of ``kills`` in order; not before ``registered`` workers
+    0; ``another``: a first-attempt member not killed yet, other than that one) once rank 0 has
+    logged step ``s`` (and, given a third item, once the output holds that text), for each
+    ``(m, s[, text])`` of ``kills`` in order; not before ``registered`` workers
     have registered with the job's store (read from outside: spares register once their data is
     loaded). Returns (exit code, output, metrics, member pids, generation 0's rank 0)."""
     command = [PYTHON, "-m", "ddptrain", *COMMON, "trainer.elastic=true", "dist.world_size=4"]
@@ -88,6 +89,8 @@ def _run_with_kills(
     pending = list(kills)
     rank0 = None  # the member that is rank 0 of generation 0 ("rank0" in kills)
     job_store = None  # the elastic job's store, to read how many workers registered
+    last_step = -1  # the last step rank 0 logged
+    killed: list[str] = []
     for line in proc.stdout:
         lines.append(line)
         if started := re.search(r"member (\d+\.\d+) started \(slot \d+, pid (\d+)\)", line):
@@ -96,14 +99,19 @@ def _run_with_kills(
             rank0 = first.group(1)
         if store := re.search(r"its store serves on \S+ \(pid (\d+)\)", line):
             pids["store"] = int(store.group(1))
-        step = re.search(r"\]\[rank 0\]\[INFO\] step (\d+)/", line)
+        if step := re.search(r"\]\[rank 0\]\[INFO\] step (\d+)/", line):
+            last_step = int(step.group(1))
         if address := re.search(r"its store serves on (\S+) ", line):
             job_store = connect(address.group(1)).prefixed("elastic")
         after = pending[0][2] if pending and len(pending[0]) > 2 else None
-        due = step and pending and int(step.group(1)) >= pending[0][1] and (after is None or after in "".join(lines))
+        due = pending and last_step >= pending[0][1] and (after is None or after in line or after in "".join(lines))
         if due and (not registered or job_store.add("members/count", 0) >= registered):
             member = pending.pop(0)[0]
-            os.kill(pids[rank0 if member == "rank0" else member], sig)
+            if member == "another":  # a first-attempt member not killed yet, other than generation 0's rank 0
+                member = next(m for m in sorted(pids) if m.endswith(".0") and m != rank0 and m not in killed)
+            member = rank0 if member == "rank0" else member
+            os.kill(pids[member], sig)
+            killed.append(member)
     proc.wait()
     watchdog.cancel()
     output = "".join(lines)
@@ -165,6 +173,29 @@ def test_without_restarts_the_survivors_end_bitwise_at_3_ranks(tmp_path, mnist_r
     assert change["left"] == [rank0] and change["world_size_before"] == 4 and change["world_size"] == 3
     assert change["step"] % 3, f"the change came at step {change['step']}, where 3 ranks share the position evenly"
     assert metrics["params_sha256"] == uninterrupted, "the run at 3 survivors ends with other parameters"
+    _assert_nothing_left(pids)
+
+
+def test_a_member_lost_during_a_change_ends_that_generation_too_and_the_rest_go_on_bitwise(
+    tmp_path, mnist_root, uninterrupted
+):
+    """4 -> 3 -> 2 ranks, no restarts. The first change is held after its group is formed and
+    before the state is handed over (tests/e2e/slow_hand_over.py); another member is killed in
+    that window. The survivors' hand-over fails in the new group, and they agree on the next
+    generation instead of failing the job."""
+    code, output, metrics, pids, rank0 = _run_with_kills(
+        tmp_path / "run",
+        mnist_root,
+        [("rank0", 40), ("another", 40, "hand-over held")],
+        "recipe.trainer_class=tests.e2e.slow_hand_over.SlowHandOverTrainer",
+    )
+    assert code == 0, output[-4000:]
+    assert "broke up during the change" in output, output[-4000:]
+    changes = _real_changes(metrics)
+    assert [c["world_size"] for c in changes] == [2], changes  # the held generation never took a state
+    assert changes[0]["world_size_before"] == 4 and rank0 in changes[0]["left"] and len(changes[0]["left"]) == 2
+    assert metrics["world_size"] == 2 and metrics["step"] == STEPS and metrics["params_agree"]
+    assert metrics["params_sha256"] == uninterrupted
     _assert_nothing_left(pids)
 
 

@@ -4,10 +4,9 @@ job, with workers killed from outside, is tests/e2e/test_elastic_cli.py."""
 import pytest
 
 from ddptrain import Config, ConfigError
-from ddptrain.comm import CommError
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.elastic import ElasticTraining, MembershipChange
+from ddptrain.trainer.elastic import ElasticTraining, MembershipChange, TrainingStateLost
 
 ELASTIC = {"trainer": {"elastic": True, "world_size_invariant": True}}
 
@@ -59,7 +58,7 @@ def _agree(rank, world_size, steps):
     mine = None if steps[rank] is None else {"step": steps[rank], "from": rank}
     try:
         return ElasticTraining.agree_on_state(comm.get_process_group(), mine)
-    except CommError as exc:
+    except TrainingStateLost as exc:
         return str(exc)
 
 
