@@ -10,6 +10,7 @@ job in CI). Observed from outside: the backend's threads (by their names in /pro
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import time
 
@@ -23,13 +24,14 @@ from tests.conftest import PYTHON, REPO, cli_env
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
 SCRIPT = str(REPO / "tests" / "dist" / "exit_after_collective.py")
+STOPPED_SCRIPT = str(REPO / "tests" / "dist" / "stop_while_waiting.py")
 
 
-def _job() -> list[tuple[int, str]]:
+def _start(script: str) -> list[subprocess.Popen]:
     url = f"tcp://127.0.0.1:{find_free_port()}"
-    ranks = [
+    return [
         subprocess.Popen(
-            [PYTHON, SCRIPT, url, str(rank)],
+            [PYTHON, script, url, str(rank)],
             cwd=REPO,
             env=cli_env(),
             stdout=subprocess.PIPE,
@@ -38,6 +40,10 @@ def _job() -> list[tuple[int, str]]:
         )
         for rank in range(2)
     ]
+
+
+def _job() -> list[tuple[int, str]]:
+    ranks = _start(SCRIPT)
     try:
         outputs = [p.communicate(timeout=60)[0] for p in ranks]
         return [(p.returncode, out) for p, out in zip(ranks, outputs)]
@@ -81,3 +87,24 @@ def test_a_job_that_ends_with_an_unwaited_collective_exits_0():
         for rank, (code, out) in enumerate(_job()):
             failed = code != 0 or "terminate called" in out
             assert not failed, f"job {attempt}, rank {rank}: exit {code}\n{out[-3000:]}"
+
+
+def test_a_rank_stopped_by_a_signal_inside_a_stuck_collective_destroys_its_group_at_once():
+    """A launcher's SIGTERM (torchrun taking a host's workers away) reaches a rank blocked on a
+    dead peer: destroying the group must abandon the stuck work, not join it until the collective
+    timeout (then the launcher's SIGKILL comes first and the rank's clean-up never runs)."""
+    ranks = _start(STOPPED_SCRIPT)
+    try:
+        assert ranks[0].stdout.readline().strip() == "waiting"
+        time.sleep(0.5)  # inside the all_reduce by now
+        ranks[0].send_signal(signal.SIGTERM)
+        try:
+            out = ranks[0].communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            pytest.fail("rank 0 was still destroying its group 20 s after the SIGTERM (the timeout is 60 s)")
+        assert ranks[0].returncode == 0, out
+        assert float(out.split("destroyed in ")[1].split()[0]) < 5, out
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()

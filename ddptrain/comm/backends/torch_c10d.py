@@ -69,6 +69,9 @@ class TorchWork(Work):
                 raise
             except RuntimeError as exc:
                 raise self._group.translate_error(self.op_name, exc, self._seq, wait_timeout=timeout) from exc
+            except BaseException:  # a signal stopped the wait (Ctrl-C, a launcher's SIGTERM): the work is left
+                self._group._failed = True  # running, perhaps stuck on a dead peer; destroy() must not join it
+                raise
             self._waited = True
 
     def _wait_in_slices(self, timeout: timedelta | None) -> None:
