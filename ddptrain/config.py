@@ -173,6 +173,10 @@ class DistConfig:
     min_world_size: int = bounded(1, at_least=1)
     """Elastic jobs (``trainer.elastic``): the fewest ranks training goes on with. Below it the
     members left write a checkpoint and stop (exit status 1), printing the command that resumes."""
+    elastic_store: str | None = None
+    """Elastic jobs started by another launcher (torchrun or srun on each host): the job's store as
+    ``HOST:PORT``, served by ``python -m ddptrain.store`` on one host; it outlives every rank.
+    ``None``: the local launcher serves it (one host)."""
     threads_per_worker: int = bounded(0, at_least=0)
     """torch intra-op threads per rank; 0 means ``cores // ranks on this machine`` (at least 1)."""
     bucket_cap_mb: Any = field(default=DEFAULT_BUCKET_CAP_MB, metadata={"check": _check_bucket_cap})

@@ -18,6 +18,7 @@ from .config import Config, ConfigError, check_fields, check_precision
 __all__ = [
     "validate",
     "per_rank_batch_size",
+    "job_world_size",
     "check_elastic",
     "resolve_backend",
     "check_device",
@@ -44,6 +45,15 @@ def validate(config: Config, world_size: int) -> None:
     check_elastic(config, world_size)
     per_rank_batch_size(config, world_size)
     check_device(config)
+
+
+def job_world_size(config: Config, launcher_world_size: int | None) -> int:
+    """The job's world size: the external launcher's (``launcher_world_size``; None: none), else
+    ``dist.world_size``. An elastic job's is always ``dist.world_size``: there each host's
+    launcher starts only its own workers, and the job's store joins them."""
+    if launcher_world_size is None or config.trainer.elastic:
+        return config.dist.world_size
+    return launcher_world_size
 
 
 def per_rank_batch_size(config: Config, world_size: int) -> int:
@@ -226,6 +236,7 @@ def check_elastic(config: Config, world_size: int) -> None:
         for key, value, unset in (
             ("dist.min_world_size", d.min_world_size, 1),
             ("launcher.spares", config.launcher.spares, 0),
+            ("dist.elastic_store", d.elastic_store, None),
         ):
             if value != unset:
                 raise ConfigError(
@@ -246,10 +257,16 @@ def check_elastic(config: Config, world_size: int) -> None:
             "an MPI job cannot lose a process: MPI ends the whole job when one rank dies",
         ),
         (
-            config.launcher.name != "local",
-            f"launcher={config.launcher.name}",
-            "the elastic job's store and restarts are the local launcher's (python -m ddptrain spawns the "
-            "workers itself)",
+            config.launcher.name == "mpirun",
+            "launcher=mpirun",
+            "mpirun ends the whole job when one of its processes dies",
+        ),
+        (
+            config.launcher.name == "torchrun" and not d.elastic_store,
+            "launcher=torchrun without dist.elastic_store",
+            "workers that another launcher starts need the job's store, which outlives every rank: start "
+            "`python -m ddptrain.store --host 0.0.0.0 --port 29400` on one host and pass "
+            "dist.elastic_store=HOST:29400",
         ),
         (
             t.doctor or t.lr_find or d.bucket_cap_mb == "auto",

@@ -27,7 +27,7 @@ from .launch import MpiexecNotFoundError, WorkerFailedError, forkserver, launch
 from .launch.env import ClusterEnvironment, detect_environment, threads_per_rank
 from .launch.spawn import spawn_elastic, spawn_workers
 from .logs import setup_logging
-from .preflight import check_device, resolve_backend, validate
+from .preflight import check_device, job_world_size, resolve_backend, validate
 from .rundir import RunDir
 
 __all__ = ["run", "prepare_job", "load_trainer_class", "plugin_callbacks"]
@@ -56,8 +56,9 @@ def load_trainer_class(config: Config) -> type:
     return cls
 
 
-def run(config: Config) -> dict[str, Any]:
-    """Run the job described by ``config``; rank 0's final metrics.
+def run(config: Config) -> dict[str, Any] | None:
+    """Run the job described by ``config``; rank 0's final metrics (``None``: a worker of an
+    elastic job that finished without admitting it).
 
     Under torchrun, mpirun or srun this process is one rank: it trains in place. Otherwise
     (``launcher=local``) it starts ``dist.world_size`` worker processes on this machine and waits.
@@ -74,16 +75,22 @@ def run(config: Config) -> dict[str, Any]:
         cls = load_trainer_class(config)
         config = dev_run_config(config)
         _check_launcher(config, env)
-        validate(config, env.world_size)
+        validate(config, job_world_size(config, env.world_size))
         check_device(config, env.local_world_size)
         cls.prepare_data(config)  # every rank: dataset caches are written atomically
-        return _run_rank(env.rank, env.world_size, config)
+        return (_run_elastic_rank if config.trainer.elastic else _run_rank)(env.rank, env.world_size, config)
     if config.launcher.name != "local":
         name = config.launcher.name
         raise ConfigError(
             f"launcher={name}, but this process was not started by {name} (no {_EXPECTED_ENV[name][0]} "
             f"environment found). Start it as: {_EXPECTED_ENV[name][1]}; or use launcher=local "
             "to spawn the workers here."
+        )
+    if config.dist.elastic_store:
+        raise ConfigError(
+            f"dist.elastic_store={config.dist.elastic_store}, but this process was not started by another launcher: "
+            "the local launcher serves the elastic job's store itself. Drop dist.elastic_store, or start the workers "
+            "with torchrun (one per host, --nnodes=1) or srun"
         )
     config = _checked_in_a_preloaded_process(config)
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
@@ -224,6 +231,9 @@ def _check_launcher(config: Config, env: ClusterEnvironment) -> None:
             f"launcher={name}, but this process was started by {env.name}; use launcher={env.name} "
             "or launcher=local (which accepts any external launcher)"
         )
+    if config.trainer.elastic:
+        _check_elastic_launcher(config, env)
+        return
     if env.name == "mpi" and config.dist.world_size != env.world_size:
         # mpirun's -n and the config disagree: refuse rather than guess which one the user meant
         raise ConfigError(
@@ -233,6 +243,28 @@ def _check_launcher(config: Config, env: ClusterEnvironment) -> None:
     if config.dist.world_size != env.world_size and env.rank == 0:
         logging.getLogger("ddptrain.runner").info(
             "%s started %d rank(s); dist.world_size=%d is ignored", env.name, env.world_size, config.dist.world_size
+        )
+
+
+def _check_elastic_launcher(config: Config, env: ClusterEnvironment) -> None:
+    """An elastic job under another launcher: its store given, and each host's launcher on its own."""
+    how = (
+        "start `python -m ddptrain.store --host 0.0.0.0 --port 29400` on one host, then on each host "
+        "`torchrun --nnodes=1 --nproc-per-node=N --max-restarts=R -m ddptrain ... trainer.elastic=true "
+        "dist.elastic_store=HOST:29400 dist.world_size=<ranks of all hosts>`"
+    )
+    if env.name == "mpi":
+        raise ConfigError("trainer.elastic=true cannot run under mpirun: MPI ends the whole job when one rank dies")
+    if not config.dist.elastic_store:
+        raise ConfigError(
+            f"trainer.elastic=true under {env.name} needs the job's store, which outlives every rank "
+            f"(dist.elastic_store is not set): {how}"
+        )
+    if env.name == "torchrun" and env.world_size > env.local_world_size:  # its rendezvous spans hosts
+        raise ConfigError(
+            f"trainer.elastic=true under a torchrun of {env.world_size} ranks over several nodes: when one worker "
+            "fails, torchrun restarts the workers of every node, the survivors included. Run one torchrun per "
+            f"host with --nnodes=1, so each restarts only its own workers, and let the job's store join them: {how}"
         )
 
 
@@ -251,8 +283,8 @@ def _run_rank(rank: int, world_size: int, config: Config) -> dict[str, Any]:
 
 
 def _run_elastic_rank(slot: int, world_size: int, config: Config) -> dict[str, Any] | None:
-    """One worker of an elastic job (the local launcher's slot ``slot``): ``_run_rank``, or ``None``
-    when the job finished before this worker was admitted."""
+    """One worker of an elastic job (the local launcher's slot ``slot``, or another launcher's
+    rank): ``_run_rank``, or ``None`` when the job finished before this worker was admitted."""
     from .comm.elastic import JobFinished
 
     try:

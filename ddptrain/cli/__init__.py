@@ -373,7 +373,12 @@ def _run_other_rank(argv: list[str], deferred: _StopSignalsDeferred) -> int:
     except Exception as exc:  # noqa: BLE001 - rank 0 reports the same problem in full
         return _error(_hydra_message(exc), EXIT_BAD_CONFIG)
     deferred.release()  # the job starts
-    return _run_job(cfg, None, False, argv)[0]
+    # Rank 0's run directory is the job's (the trainer agrees on it); but in an elastic job any
+    # process may become rank 0, so a directory named on the command line is every rank's.
+    from .overrides import override_tokens
+
+    named = [t.split("=", 1)[1] for t in override_tokens(argv) if t.startswith("hydra.run.dir=")]
+    return _run_job(cfg, named[-1] if named else None, False, argv)[0]
 
 
 def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tuple[int, bool]:
@@ -389,7 +394,7 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
         )
         return _error(message, EXIT_BAD_CONFIG), True
     from ..config import ConfigError
-    from ..preflight import validate
+    from ..preflight import job_world_size, validate
     from .app import to_config
 
     full_error = envvars.get_flag("DDPTRAIN_FULL_ERROR") or os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -400,7 +405,7 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
         config = to_config(cfg, run_dir)
         # The config's own rules first, before torch is imported: a value error answers in a
         # fraction of a second. run() checks again, for callers of the Python API.
-        validate(config, env.world_size if env.is_launched_externally() else config.dist.world_size)
+        validate(config, job_world_size(config, env.world_size if env.is_launched_externally() else None))
     except ConfigError as exc:
         if full_error:
             raise
@@ -434,6 +439,8 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
             raise
         refused = before_start and isinstance(exc, (DatasetCorruptError, CheckpointError))
         return _error(f"{type(exc).__name__}: {exc}", EXIT_FAILED), refused
+    if metrics is None:  # an elastic job's worker that the job finished without admitting
+        return EXIT_OK, False
     dev_run_passed = bool(metrics.get("fast_dev_run"))
     if env.rank != 0:
         return _exit_status(metrics), dev_run_passed

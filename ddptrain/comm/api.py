@@ -108,6 +108,7 @@ def init_process_group(
     group_name: str = "world",
     check_collectives: bool | None = None,
     init_timeout=None,
+    master_addr: str | None = None,
 ) -> ProcessGroup:
     """Join the job: rendezvous with every rank, then build the default group.
 
@@ -121,6 +122,8 @@ def init_process_group(
             while ``timeout`` stays short so a stuck training collective fails fast).
         world_size, rank: ``-1`` reads ``WORLD_SIZE``/``RANK`` from the environment.
         store: an existing :class:`Store` instead of ``init_method`` (needs rank and world_size).
+        master_addr: with ``store``, the store's host: gloo talks on the interface that routes to
+            it, which the other hosts can reach (default ``MASTER_ADDR``, else loopback).
         check_collectives: how mismatched collectives (operation, size, dtype, root) are caught.
             ``True`` (default; ``DDPTRAIN_CHECK_COLLECTIVES=1``): every ``DDPTRAIN_CHECK_EVERY``
             collectives each rank compares its peers' ledgers (memory-mapped files, no message):
@@ -169,7 +172,7 @@ def init_process_group(
                 f"init_process_group(store=...) needs rank and world_size, got rank={rank}, world_size={world_size}"
             )
         wait_for_all_ranks(store, rank, world_size, as_timedelta(init_timeout, timeout_td), "an explicit store")
-        master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        master_addr = master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     else:
         info = rendezvous(init_method, rank, world_size, as_timedelta(init_timeout, timeout_td))
         store, rank, world_size, master_addr = info.store, info.rank, info.world_size, info.master_addr

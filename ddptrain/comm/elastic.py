@@ -13,7 +13,8 @@ the next one, through the store alone:
    Rank 0 is so the lowest surviving rank, and its duties move with the number;
 3. everyone reads the list and builds the new group (:meth:`ElasticMembership.new_process_group`).
 
-A member is known dead when it is fenced (``fenced/<id>``); when its process is gone, a zombie or
+A member is known dead when it is fenced (``fenced/<id>``) or has said it left (``left/<id>``, on
+:meth:`ElasticMembership.close`); when its process is gone, a zombie or
 stopped (read from ``/proc`` where the coordinator shares its host and pid namespace; a stopped
 one is killed, so that it cannot come back with stale state); or when its heartbeat
 (``hb/<id>``, which a thread of each member rewrites every ``heartbeat_s``) has not changed for
@@ -91,10 +92,18 @@ class ElasticMembership:
         dead_after_s: a member whose heartbeat has not changed for this long is dead (members on
             another host; on this one, ``/proc`` tells at once).
         heartbeat_s: how often this member's heartbeat is rewritten.
+        store_host: the store's host (default loopback): each generation's gloo group talks on the
+            interface that routes to it, which members on other hosts can reach.
     """
 
     def __init__(
-        self, store: Store, member_id: str | None = None, *, dead_after_s: float = 5.0, heartbeat_s: float = 0.1
+        self,
+        store: Store,
+        member_id: str | None = None,
+        *,
+        dead_after_s: float = 5.0,
+        heartbeat_s: float = 0.1,
+        store_host: str = "127.0.0.1",
     ):
         if dead_after_s <= 2 * heartbeat_s:
             raise ValueError(f"dead_after_s={dead_after_s} must exceed two heartbeats ({heartbeat_s} s each)")
@@ -102,6 +111,7 @@ class ElasticMembership:
         self.id = member_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.dead_after_s = dead_after_s
         self.heartbeat_s = heartbeat_s
+        self.store_host = store_host
         self.generation: Generation | None = None
         self._group = None  # the current generation's process group (new_process_group)
         self._host = _this_host()
@@ -114,19 +124,20 @@ class ElasticMembership:
         self.store.set(f"members/{index}", self.id)
 
     @classmethod
-    def from_environment(cls, **options) -> ElasticMembership:
-        """The membership of a worker started by an elastic launcher: the store at
-        ``DDPTRAIN_ELASTIC_STORE`` (``HOST:PORT``), the id ``DDPTRAIN_ELASTIC_ID`` (default: a
-        fresh one); ``options`` as for the constructor."""
+    def from_environment(cls, address: str | None = None, **options) -> ElasticMembership:
+        """The membership of a worker of an elastic job: the store at ``address`` (``HOST:PORT``;
+        default ``DDPTRAIN_ELASTIC_STORE``, which the local launcher sets), the id
+        ``DDPTRAIN_ELASTIC_ID`` (default: a fresh one); ``options`` as for the constructor."""
         from .. import envvars
         from .store import connect
 
-        address = envvars.get_str("DDPTRAIN_ELASTIC_STORE")
+        address = address or envvars.get_str("DDPTRAIN_ELASTIC_STORE")
         if not address:
             raise CommError(
                 "DDPTRAIN_ELASTIC_STORE is not set: an elastic worker needs its job's store as HOST:PORT "
                 "(python -m ddptrain.store prints it; the elastic local launcher sets it)"
             )
+        options.setdefault("store_host", address.rpartition(":")[0])
         return cls(connect(address), envvars.get_str("DDPTRAIN_ELASTIC_ID") or None, **options)
 
     # -- joining and regrouping ---------------------------------------------------------------
@@ -145,12 +156,16 @@ class ElasticMembership:
         while True:
             latest = int(self.store.get("latest", self._left(deadline, "join", world_size)))
             for n in range(number, latest + 1):
+                # A number may have no record: its regroup was abandoned (the coordinator died) and
+                # the members agreed on the next number instead.
+                if not self.store.check([f"gen/{n}"]):
+                    continue
                 generation = self._read(n)
                 if self.id in generation.members:
                     self.generation = generation
                     return generation
-            number = latest + 1
-            self._wait_for_key(f"gen/{number}", deadline, f"a generation that admits {self.id}", give_up="finished")
+            number = max(number, latest + 1)
+            self._wait_for_later_generation(number, deadline)
 
     def newcomers_waiting(self) -> bool:
         """Whether processes registered that the current generation did not admit (one store round
@@ -204,8 +219,10 @@ class ElasticMembership:
         generation = self._current()
         if api.is_initialized():
             api.destroy_process_group()
+        self._wait_for_the_others(generation, time.monotonic() + timeout_s)
         group = api.init_process_group(
             backend,
+            master_addr=self.store_host,
             store=self.store.prefixed(f"gen/{generation.number}/pg"),
             rank=generation.rank_of(self.id),
             world_size=generation.world_size,
@@ -215,18 +232,43 @@ class ElasticMembership:
         self._group = group
         return group
 
+    def _wait_for_the_others(self, generation: Generation, deadline: float) -> None:
+        """Wait until every member of ``generation`` is about to form its group. A member lost
+        meanwhile (another host's launcher restarting all its workers, say) ends the wait at
+        once, as a :class:`CommError`, instead of the group's rendezvous timing out."""
+        key = f"gen/{generation.number}/forming"
+        self.store.set(f"{key}/{self.id}", "1")
+        seen: dict[str, tuple[bytes, float]] = {}
+        while missing := [m for m in generation.members if not self.store.check([f"{key}/{m}"])]:
+            lost = [m for m in missing if self._is_dead(m, seen)]
+            if lost:
+                raise CommError(
+                    f"elastic job: member(s) {', '.join(lost)} of generation {generation.number} were lost "
+                    "before its group formed; the others agree on the next"
+                )
+            if time.monotonic() > deadline:
+                raise CommTimeoutError(
+                    f"elastic job: member(s) {', '.join(missing)} of generation {generation.number} did not "
+                    "come to form its group in time"
+                )
+            time.sleep(_POLL_S)
+
     def finish(self) -> None:
         """Say the job is over (one member, at the end): a member still waiting in :meth:`join` to
         be admitted raises :class:`JobFinished` instead of waiting for a generation that never comes."""
         self.store.set("finished", "1")
 
     def close(self) -> None:
-        """Stop the heartbeat (the others then see this member as dead after ``dead_after_s``), and
+        """Stop the heartbeat and say this member has left (the others then count it dead), and
         wait for its thread: a thread still inside a store call when the interpreter exits can
         abort the process (SIGABRT) after its work is done."""
         self._closed.set()
         if self._heart is not threading.current_thread():
             self._heart.join(timeout=5 * self.heartbeat_s + 1.0)
+        try:  # said, so that the others need not wait dead_after_s to know (another host's view)
+            self.store.set(f"left/{self.id}", "1")
+        except Exception:  # noqa: BLE001 - the store is gone: the job has ended, nobody waits
+            pass
 
     # -- the coordinator ----------------------------------------------------------------------
     def _form_first(self, world_size: int, deadline: float) -> None:
@@ -269,7 +311,7 @@ class ElasticMembership:
         self._write(Generation(number, tuple(arrived + admitted), registered))
 
     def _is_dead(self, member: str, seen: dict[str, tuple[bytes, float]]) -> bool:
-        if self.store.check([f"fenced/{member}"]):
+        if self.store.check([f"fenced/{member}"]) or self.store.check([f"left/{member}"]):
             return True
         beat = self._heartbeat_of(member)
         if beat is None:
@@ -328,13 +370,19 @@ class ElasticMembership:
         record = json.loads(self.store.get(f"gen/{number}"))
         return Generation(number, tuple(record["members"]), record["registered"])
 
-    def _wait_for_key(self, key: str, deadline: float, what: str, give_up: str | None = None) -> None:
-        """Wait until ``key`` exists; :class:`JobFinished` if the key ``give_up`` appears first."""
+    def _wait_for_later_generation(self, number: int, deadline: float) -> None:
+        """Wait until a generation numbered ``number`` or later is written."""
+        while int(self.store.get("latest")) < number:
+            if self._closed.is_set() or time.monotonic() > deadline:
+                raise CommTimeoutError(f"elastic job: member {self.id} waited in vain for a generation that admits it")
+            if self.store.check(["finished"]):
+                raise JobFinished(f"elastic job: it finished before member {self.id} was admitted")
+            time.sleep(_POLL_S)
+
+    def _wait_for_key(self, key: str, deadline: float, what: str) -> None:
         while not self.store.check([key]):
             if self._closed.is_set() or time.monotonic() > deadline:
                 raise CommTimeoutError(f"elastic job: member {self.id} waited in vain for {what}")
-            if give_up is not None and self.store.check([give_up]):
-                raise JobFinished(f"elastic job: it finished before member {self.id} was admitted")
             time.sleep(_POLL_S)
 
     def _left(self, deadline: float, what: str, world_size: int) -> float:

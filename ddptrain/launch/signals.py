@@ -39,14 +39,18 @@ _log = logging.getLogger("ddptrain.launch")
 class StoppedBySignal(KeyboardInterrupt):
     """SIGINT or SIGTERM stopped the job before its ranks could stop cleanly (they were starting)."""
 
-    def __init__(self, signal_name: str):
-        super().__init__("during start-up, before any rank trained: nothing to resume; run the command again")
+    def __init__(
+        self,
+        signal_name: str,
+        detail: str = "during start-up, before any rank trained: nothing to resume; run the command again",
+    ):
+        super().__init__(detail)
         self.signal_name = signal_name
 
 
-def take_stop_signals(handler: Callable) -> dict[int, object]:
-    """Handle SIGINT and SIGTERM with ``handler``, in the main thread (elsewhere: nothing); the
-    previous handlers, for :func:`restore_signals`.
+def take_stop_signals(handler: Callable, signals: tuple[int, ...] = STOP_SIGNALS) -> dict[int, object]:
+    """Handle ``signals`` (default SIGINT and SIGTERM) with ``handler``, in the main thread
+    (elsewhere: nothing); the previous handlers, for :func:`restore_signals`.
 
     A signal this process inherited as ignored stays ignored, as Python leaves it: ``nohup``, or a
     background job of a non-interactive shell, starts with SIGINT ignored, and a Ctrl-C in that
@@ -54,7 +58,7 @@ def take_stop_signals(handler: Callable) -> dict[int, object]:
     """
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS if signal.getsignal(sig) is not signal.SIG_IGN}
+    return {sig: signal.signal(sig, handler) for sig in signals if signal.getsignal(sig) is not signal.SIG_IGN}
 
 
 def restore_signals(previous: dict[int, object]) -> None:

@@ -100,13 +100,13 @@ class ElasticTraining:
             ``dist.timeout_s``: the groups' collective timeout and how long a live member that
             does not arrive at a regroup is waited for; ``dist.init_timeout_s``: how long a member
             waits to be admitted).
-        membership: the job's membership (default: from the launcher's environment,
-            :meth:`ElasticMembership.from_environment`).
+        membership: the job's membership (default: the store at ``dist.elastic_store``, else the
+            local launcher's, :meth:`ElasticMembership.from_environment`).
     """
 
     def __init__(self, config: Config, membership: ElasticMembership | None = None):
         self.config = config
-        self.membership = membership or ElasticMembership.from_environment()
+        self.membership = membership or ElasticMembership.from_environment(config.dist.elastic_store)
         self.changes: list[MembershipChange] = []
         self.joined_late = False
         """True for a member admitted into a running job (it gets the state from a peer)."""

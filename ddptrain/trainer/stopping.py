@@ -29,7 +29,7 @@ import torch
 
 from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
-from ..launch.signals import SECOND_SIGNAL_AFTER_S, restore_signals, take_stop_signals
+from ..launch.signals import SECOND_SIGNAL_AFTER_S, StoppedBySignal, restore_signals, take_stop_signals
 
 __all__ = ["GracefulStop"]
 
@@ -44,20 +44,29 @@ class GracefulStop:
 
     Args:
         max_time_s: stop after this many seconds from :meth:`install` (``trainer.max_time``); None: never.
+        sigterm_leaves: SIGTERM ends this process at once instead of stopping the job: in an
+            elastic job whose workers another launcher supervises, SIGTERM is that launcher taking
+            this member away (torchrun stops all of a host's workers to restart them), and the
+            others go on without it.
     """
 
-    def __init__(self, max_time_s: float | None = None) -> None:
+    def __init__(self, max_time_s: float | None = None, sigterm_leaves: bool = False) -> None:
         self.requested: str | None = None
         """The first signal this rank received (``"SIGINT"``/``"SIGTERM"``, or ``"max_time"``), or None."""
         self._first_at = 0.0
         self._previous: dict[int, object] = {}
         self._max_time_s = max_time_s
         self._deadline: float | None = None
+        self._sigterm_leaves = sigterm_leaves
 
     def install(self) -> None:
         """Take over SIGINT and SIGTERM (main thread only, and not one inherited as ignored:
         :func:`~ddptrain.launch.signals.take_stop_signals`); start the ``max_time`` clock."""
-        self._previous = take_stop_signals(self._on_signal)
+        if self._sigterm_leaves:
+            self._previous = take_stop_signals(self._on_signal, (signal.SIGINT,))
+            self._previous.update(take_stop_signals(_leave_the_job, (signal.SIGTERM,)))
+        else:
+            self._previous = take_stop_signals(self._on_signal)
         if self._max_time_s is not None:
             self._deadline = time.monotonic() + self._max_time_s
 
@@ -95,3 +104,7 @@ class GracefulStop:
         process_group.label_next_collective("stop votes")
         process_group.all_reduce(votes, ReduceOp.SUM).wait()
         return self.decide(votes.tolist())
+
+
+def _leave_the_job(signum: int, frame) -> None:
+    raise StoppedBySignal("SIGTERM", "this worker's launcher took it away; the elastic job goes on with the others")

@@ -645,7 +645,10 @@ class Trainer:
         self.callback_metrics: dict[str, float] = {}
         self.logged = LoggedMetrics()  # what self.log collected, until the next reduction
         max_time = self.config.trainer.max_time
-        self._stop = GracefulStop(None if max_time is None else max_time_seconds(max_time))
+        self._stop = GracefulStop(
+            None if max_time is None else max_time_seconds(max_time),
+            sigterm_leaves=bool(self.config.trainer.elastic and self.config.dist.elastic_store),  # see GracefulStop
+        )
 
     def _call(self, hook: str, *args: Any) -> None:
         for callback in self.callbacks:

@@ -161,7 +161,7 @@ def test_a_stopped_member_is_fenced_and_the_others_go_on(job):
     assert failed and all("timed out" in e["error"].lower() or "timeout" in e["error"].lower() for e in failed), failed
 
 
-def test_a_coordinator_that_dies_before_deciding_is_replaced(job):
+def test_a_coordinator_that_dies_before_deciding_is_replaced_and_can_rejoin(job):
     from ddptrain.comm.store import connect
 
     j = job(steps=200)
@@ -181,8 +181,12 @@ def test_a_coordinator_that_dies_before_deciding_is_replaced(job):
     # as soon as c is back (6 s after its stall began), not after waiting out the dead coordinator (~13 s)
     assert min(e["t"] for e in final) - killed_at < 8, min(e["t"] for e in final) - killed_at
     assert not store.check(["gen/1"])
+    # the dead coordinator's restart joins past the number that was never written
+    j.start("d")
+    joined = j.wait_for(_generation(3, 3))
+    assert {e["member"] for e in joined} == {survivor, "c", "d"}
     codes = j.finish()
-    assert codes == {coordinator: -signal.SIGKILL, survivor: 0, "c": 0}, codes
+    assert codes == {coordinator: -signal.SIGKILL, survivor: 0, "c": 0, "d": 0}, codes
     assert check_events(j.events()) == []
     assert max(e["step"] for e in j.events() if e["event"] == "step") == 200
 

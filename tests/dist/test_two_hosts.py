@@ -4,17 +4,33 @@ Needs root and `ip netns` (iproute2); skips with the reason otherwise. Only the 
 addresses (10.231.<n>.1/.2, made here and removed afterwards) and loopback are used.
 """
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
+
+from tests.conftest import BIN, PYTHON, cli_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(240)]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAINING = (  # the elastic job's, and its uninterrupted reference's
+    "recipe=mnist",
+    "trainer.world_size_invariant=true",
+    "trainer.max_steps=600",
+    "trainer.progress=false",
+    "trainer.loggers.tensorboard=false",
+    "trainer.eval_every_epochs=0",
+    "trainer.limit_val_batches=1",
+)
 
 
 def _sh(*cmd, check=True):
@@ -90,3 +106,84 @@ def test_two_node_torchrun_job_between_namespaces(two_hosts):
         first, last = float(re.search(r"first=([\d.]+)", r).group(1)), float(re.search(r"last=([\d.]+)", r).group(1))
         assert last < first, r  # training really happened
     assert {re.search(r"node=(\d)", r).group(1) for r in results} == {"0", "1"}
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+@pytest.mark.timeout(300)
+def test_an_elastic_job_over_two_hosts_goes_on_when_one_hosts_worker_dies(two_hosts, mnist_root, tmp_path):
+    """The store process in namespace A; one torchrun per namespace (--standalone: each restarts
+    only its own workers), 2 workers each, joined by the store into a job of 4. One of B's workers
+    is SIGKILLed: A's ranks go on in their processes, B's torchrun restarts its workers and they
+    rejoin, and the run ends with the bits of an uninterrupted 1-rank run."""
+    (ns_a, addr_a), (ns_b, _addr_b) = two_hosts
+    elastic = (*TRAINING, "trainer.elastic=true", "dist.world_size=4", f"hydra.run.dir={tmp_path / 'run'}")
+    reference = subprocess.run(
+        [PYTHON, "-m", "ddptrain", *TRAINING, "dist.world_size=1", f"hydra.run.dir={tmp_path / 'ref'}"],
+        cwd=ROOT,
+        env=cli_env(DDPTRAIN_DATA=str(mnist_root)),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
+    uninterrupted = json.loads((tmp_path / "ref" / "metrics.json").read_text())["params_sha256"]
+
+    env = cli_env(DDPTRAIN_DATA=str(mnist_root), PYTHONPATH=ROOT)
+    port = 29400 + os.getpid() % 500
+    store = subprocess.Popen(
+        ["ip", "netns", "exec", ns_a, PYTHON, "-m", "ddptrain.store", "--host", "0.0.0.0", "--port", str(port)],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    hosts: dict[str, subprocess.Popen] = {}
+    lines: dict[str, list[str]] = {ns_a: [], ns_b: []}
+    try:
+        assert "ddptrain store: serving on" in store.stdout.readline()
+        torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]
+        torchrun += ["--monitor-interval", "0.1", "-m", "ddptrain", *elastic, f"dist.elastic_store={addr_a}:{port}"]
+        for ns in (ns_a, ns_b):
+            hosts[ns] = subprocess.Popen(
+                ["ip", "netns", "exec", ns, *torchrun],
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        readers = [threading.Thread(target=lambda ns=ns: lines[ns].extend(hosts[ns].stdout)) for ns in hosts]
+        for reader in readers:
+            reader.start()
+        deadline = time.monotonic() + 180
+        while not any(re.search(r"\]\[INFO\] step (2\d|[3-9]\d)/", line) for ns in lines for line in lines[ns]):
+            assert time.monotonic() < deadline and all(h.poll() is None for h in hosts.values()), lines
+            time.sleep(0.05)
+        a_workers, b_workers = _children(hosts[ns_a].pid), _children(hosts[ns_b].pid)
+        assert len(a_workers) == len(b_workers) == 2, (a_workers, b_workers)
+        os.kill(b_workers[0], signal.SIGKILL)
+        for ns, host in hosts.items():
+            try:
+                code = host.wait(timeout=max(1.0, deadline + 60 - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                code = "still running"
+            assert code == 0, f"host {ns}: {code}\n" + "".join(lines[ns])[-6000:]
+        for reader in readers:
+            reader.join(timeout=10)
+    finally:
+        for process in [*hosts.values(), store]:
+            process.kill()
+            process.wait()
+    output = "".join(lines[ns_a] + lines[ns_b])
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    changes = metrics["membership_changes"]
+    left = {int(member.split("-")[-2]) for c in changes for member in c["left"]}  # ids: host-pid-suffix
+    assert left and left <= set(b_workers), (changes, a_workers, b_workers)  # A's ranks never left
+    assert sum(len(c["joined"]) for c in changes) >= len(left), changes  # B's restarted workers rejoined
+    assert metrics["world_size"] == 4 and metrics["params_agree"], output[-4000:]
+    assert metrics["params_sha256"] == uninterrupted, output[-4000:]

@@ -15,7 +15,8 @@ ELASTIC = {"trainer": {"elastic": True, "world_size_invariant": True}}
     ("override", "named", "why"),
     [
         ({"dist": {"backend": "mpi"}}, "dist.backend=mpi", "an MPI job cannot lose a process"),
-        ({"launcher": {"name": "torchrun"}}, "launcher=torchrun", "the local launcher's"),
+        ({"launcher": {"name": "torchrun"}}, "launcher=torchrun without dist.elastic_store", "dist.elastic_store=HOST"),
+        ({"launcher": {"name": "mpirun"}}, "launcher=mpirun", "mpirun ends the whole job"),
         ({"trainer": {"doctor": True}}, "trainer.doctor", "one fixed group of ranks"),
         ({"trainer": {"smoke_check": True}}, "trainer.smoke_check=true", "a member that joins later has none"),
         ({"dist": {"min_world_size": 5}}, "dist.min_world_size=5", "the job starts with 4 rank(s), fewer than that"),
@@ -44,6 +45,8 @@ def test_the_elastic_keys_without_elastic_are_refused_not_ignored():
         validate(Config.from_dict({"dist": {"min_world_size": 2}}), 4)
     with pytest.raises(ConfigError, match=r"launcher.spares=1 applies to elastic jobs only"):
         validate(Config.from_dict({"launcher": {"spares": 1}}), 4)
+    with pytest.raises(ConfigError, match=r"dist.elastic_store=host:29400 applies to elastic jobs only"):
+        validate(Config.from_dict({"dist": {"elastic_store": "host:29400"}}), 4)
 
 
 def test_any_world_size_is_accepted_even_one_that_divides_neither_v_nor_the_batch():

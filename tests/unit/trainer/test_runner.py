@@ -29,6 +29,52 @@ def test_run_refuses_a_launcher_that_did_not_start_us(monkeypatch):
         run(config)
 
 
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "OMPI_COMM_WORLD_RANK",
+    "PMI_RANK",
+    "SLURM_PROCID",
+)
+ELASTIC = {"trainer": {"elastic": True, "world_size_invariant": True}, "dist": {"world_size": 4}}
+
+
+def _as_torchrun_worker(monkeypatch, world_size: int, local_world_size: int) -> None:
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    env = {"RANK": 0, "WORLD_SIZE": world_size, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": local_world_size}
+    env |= {"GROUP_RANK": 0, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500, "TORCHELASTIC_RUN_ID": "t"}
+    for var, value in env.items():
+        monkeypatch.setenv(var, str(value))
+
+
+def test_an_elastic_job_under_another_launcher_is_refused_where_that_launcher_would_undo_it(monkeypatch):
+    _as_torchrun_worker(monkeypatch, world_size=2, local_world_size=2)
+    with pytest.raises(
+        ConfigError, match=r"trainer.elastic=true under torchrun needs the job's store.*python -m ddptrain.store"
+    ):
+        run(Config.from_dict(ELASTIC))
+    _as_torchrun_worker(monkeypatch, world_size=4, local_world_size=2)  # one torchrun over two nodes
+    store = {**ELASTIC, "dist": {**ELASTIC["dist"], "elastic_store": "10.0.0.1:29400"}}
+    with pytest.raises(
+        ConfigError,
+        match=r"over several nodes: when one worker fails, torchrun restarts the workers of every node.*--nnodes=1",
+    ):
+        run(Config.from_dict(store))
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(
+        ConfigError, match=r"dist.elastic_store=10.0.0.1:29400, but this process was not started by another launcher"
+    ):
+        run(Config.from_dict(store))
+
+
 def test_fit_refuses_a_doctor_it_was_not_given(tmp_path):
     """trainer.doctor is the doctor's callbacks' work: the runner adds them, a bare fit() must not
     silently run without them."""
