@@ -95,3 +95,21 @@ def test_uninstall_restores_the_handlers_that_were_there_before(previous_handler
     assert signal.getsignal(signal.SIGINT) is record and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     stop.uninstall()  # twice: nothing more to give back
     assert signal.getsignal(signal.SIGINT) is record
+
+
+def test_in_an_elastic_job_under_another_launcher_sigterm_leaves_the_job_and_sigint_stops_it(previous_handlers):
+    """torchrun SIGTERMs a host's workers to restart them: that member leaves at once (the others go
+    on without it); Ctrl-C keeps its meaning, a vote to stop the job after the current step."""
+    from ddptrain.launch.signals import StoppedBySignal
+
+    stop = GracefulStop(sigterm_leaves=True)
+    stop.install()
+    try:
+        with pytest.raises(StoppedBySignal, match="the elastic job goes on with the others") as left:
+            _send(signal.SIGTERM)
+        assert left.value.signal_name == "SIGTERM" and stop.requested is None
+        _send_not_interrupting(signal.SIGINT)
+        assert stop.requested == "SIGINT"
+    finally:
+        stop.uninstall()
+    assert previous_handlers[1] == []
