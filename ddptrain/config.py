@@ -521,8 +521,8 @@ class TrainerConfig:
     process group, redo the step in flight and go on in the same processes; a worker the launcher
     restarts (``launcher.max_restarts``) rejoins at a step boundary and gets the state from a peer.
     Nothing is read from disk. Needs ``trainer.world_size_invariant=true`` (any world size then
-    works, and the bits equal an uninterrupted run's), the local launcher, and gloo or nccl
-    (docs/faults.md: Elastic training)."""
+    works, and the bits equal an uninterrupted run's), the local launcher or one torchrun per host
+    with ``dist.elastic_store``, and gloo or nccl (docs/faults.md: Elastic training)."""
     smoke_check: bool = False
     """After training, fail unless the parameters are identical on every rank and the training
     loss fell by at least 1%, measured on the same samples (the training set's first
