@@ -1,16 +1,17 @@
 """Elastic training (``trainer.elastic=true``) measured from outside: chaos, and the cost when nothing fails.
 
     .venv/bin/python scripts/bench_elastic_training.py chaos [--steps 9000] [--every 20] [--seed 0] [--spares 0 1]
+        [--world-size 4]
     .venv/bin/python scripts/bench_elastic_training.py overhead [--steps 400] [--rounds 5]
 
 ``chaos``: ``python -m ddptrain recipe=mnist trainer.world_size_invariant=true trainer.elastic=true
-dist.world_size=4``, once per ``--spares`` value (``launcher.spares``), no checkpoints written (so
+dist.world_size=4`` (``--world-size``), once per ``--spares`` value (``launcher.spares``), no checkpoints written (so
 none can be read), one log line per step. Every ``--every`` seconds (+-30%) this script SIGKILLs a
 random member of the current generation (rank 0 included; the members are read from the job's
 store, the pids from the launcher's ``member X started (slot S, pid P)`` lines), and the launcher
 restarts it.
 Per kill it prints the seconds from the kill to the next step rank 0 logs (the survivors' next
-completed step) and to the first line saying the group is back at 4 ranks; then their median and
+completed step) and to the first line saying the group is back at full size; then their median and
 max, whether every kill is a change in the log, and whether the final ``params_sha256`` equals that
 of the same training run uninterrupted (1 rank, not elastic: invariant mode's bits do not depend on
 the world size).
@@ -92,7 +93,14 @@ def _chaos_run(args: argparse.Namespace, run_dir: Path, spares: int, steps: str,
     checkpoint or left a kill out of its record."""
     print(f"\n== launcher.spares={spares}", flush=True)
     rng = random.Random(args.seed)
-    command = _job(run_dir, steps, epochs, "trainer.elastic=true", "dist.world_size=4", "trainer.log_every_steps=1")
+    command = _job(
+        run_dir,
+        steps,
+        epochs,
+        "trainer.elastic=true",
+        f"dist.world_size={args.world_size}",
+        "trainer.log_every_steps=1",
+    )
     command += [f"launcher.max_restarts={10**6}", f"launcher.spares={spares}", *NO_CHECKPOINTS]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     pids: dict[str, int] = {}
@@ -138,19 +146,19 @@ def _chaos_run(args: argparse.Namespace, run_dir: Path, spares: int, steps: str,
         step = next(
             (t for t, line in lines if change and t > change and re.search(r"\]\[INFO\] step \d+/", line)), None
         )
-        full = next((t for t, line in lines if t > at and re.search(r"-> 4 rank\(s\)", line)), None)
+        full = next((t for t, line in lines if t > at and re.search(rf"-> {args.world_size} rank\(s\)", line)), None)
         rows.append((victim, None if step is None else step - at, None if full is None or full > until else full - at))
-    print(f"\n{'victim':>8} {'to next step (s)':>17} {'to 4 ranks (s)':>15}")
+    print(f"\n{'victim':>8} {'to next step (s)':>17} {'to full size (s)':>17}")
     for victim, step, full in rows:
         print(
-            f"{victim:>8} {step if step is None else f'{step:.3f}':>17} {full if full is None else f'{full:.3f}':>15}"
+            f"{victim:>8} {step if step is None else f'{step:.3f}':>17} {full if full is None else f'{full:.3f}':>17}"
         )
     to_step = [s for _, s, _ in rows if s is not None]
     to_full = [f for _, _, f in rows if f is not None]
     if to_step:
         print(f"kill -> next completed step: median {statistics.median(to_step):.3f} s, max {max(to_step):.3f} s")
     if to_full:
-        print(f"kill -> back at 4 ranks:     median {statistics.median(to_full):.3f} s, max {max(to_full):.3f} s")
+        print(f"kill -> back at full size: median {statistics.median(to_full):.3f} s, max {max(to_full):.3f} s")
     changes = _metrics(run_dir)["membership_changes"] if (run_dir / "metrics.json").exists() else []
     lost = sorted(m for c in changes for m in c["left"])
     print(
@@ -187,6 +195,7 @@ def main() -> int:
     c.add_argument("--steps", type=int, default=9000)
     c.add_argument("--every", type=float, default=20.0, help="seconds between kills (+-30%%)")
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--world-size", type=int, default=4, help="dist.world_size of the chaos runs")
     c.add_argument("--spares", type=int, nargs="+", default=[0, 1], help="launcher.spares of each chaos run")
     o = sub.add_parser("overhead")
     o.add_argument("--steps", type=int, default=400)
