@@ -172,6 +172,27 @@ def mnist_root(tmp_path_factory) -> Path:
     return root
 
 
+def made_once(tmp_path_factory, name: str, make):
+    """``make(directory)``'s result (JSON-serialisable), made once per test session even when
+    pytest-xdist spreads the tests that need it over several workers: the first worker to ask makes
+    it, under a lock, in the session's shared temporary directory; the others read it. A ``make``
+    that raises leaves nothing behind, so the next worker to ask tries again."""
+    import json
+
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above each worker's own
+    result = root / f"made-once-{name}.json"
+    with FileLock(str(root / f"made-once-{name}.lock")):
+        if not result.exists():
+            directory = root / f"made-once-{name}"
+            directory.mkdir(exist_ok=True)
+            result.write_text(json.dumps(make(directory)))
+    return json.loads(result.read_text())
+
+
 @pytest.fixture(autouse=True)
 def _stop_signal_handlers_unchanged(request):
     """Every test leaves SIGINT and SIGTERM as it found them, handlers and signal mask. SIG_IGN and

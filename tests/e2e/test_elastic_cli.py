@@ -22,7 +22,7 @@ import pytest
 
 from ddptrain.comm.forensics import process_state
 from ddptrain.comm.store import connect
-from tests.conftest import PYTHON, cli_env, run_cli
+from tests.conftest import PYTHON, cli_env, made_once, run_cli
 
 # No xdist group: the jobs spread over the workers; each worker makes the reference once.
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
@@ -43,18 +43,21 @@ COMMON = (
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory, mnist_root) -> str:
     """The final ``params_sha256`` of the same training on one rank, never interrupted (invariant
-    mode: the bits do not depend on the world size)."""
-    run_dir = tmp_path_factory.mktemp("elastic") / "reference"
-    proc = run_cli(
-        *COMMON,
-        "dist.world_size=1",
-        f"hydra.run.dir={run_dir}",
-        cwd=ROOT,
-        timeout=300,
-        env={"DDPTRAIN_DATA": str(mnist_root)},
-    )
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads((run_dir / "metrics.json").read_text())["params_sha256"]
+    mode: the bits do not depend on the world size). Made once for all pytest workers."""
+
+    def make(directory: Path) -> str:
+        proc = run_cli(
+            *COMMON,
+            "dist.world_size=1",
+            f"hydra.run.dir={directory / 'reference'}",
+            cwd=ROOT,
+            timeout=300,
+            env={"DDPTRAIN_DATA": str(mnist_root)},
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        return json.loads((directory / "reference" / "metrics.json").read_text())["params_sha256"]
+
+    return made_once(tmp_path_factory, "elastic-cli-uninterrupted", make)
 
 
 def _run_with_kills(
