@@ -398,7 +398,15 @@ def spawn_elastic(
     import subprocess
     import sys
 
-    store = subprocess.Popen([sys.executable, "-m", "ddptrain.store", "--port", "0"], stdout=subprocess.PIPE, text=True)
+    # A session of its own: a terminal's Ctrl-C (to the foreground process group) must not stop the
+    # store while the ranks still need it to stop cleanly; it ends with this launcher instead.
+    store = subprocess.Popen(
+        [sys.executable, "-m", "ddptrain.store", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=lambda: die_with_parent(signal.SIGTERM),
+    )
     watch = _ElasticWatch(fn, world_size, tuple(args), threads, max_restarts, timeout_s, dict(env or {}))
     try:
         line = store.stdout.readline()  # "ddptrain store: serving on 127.0.0.1:PORT"
@@ -408,7 +416,8 @@ def spawn_elastic(
         _log.info("elastic job: its store serves on %s (pid %d)", line.split()[-1], store.pid)
         for slot in range(world_size):
             watch.start(slot)
-        with SignalForwarder(lambda: [p.pid for p in watch.procs.values() if p.is_alive()]):
+        with SignalForwarder(lambda: [p.pid for p in watch.procs.values() if p.is_alive()]) as forwarder:
+            watch.forwarder = forwarder
             return watch.collect()
     finally:
         _stop(list(watch.procs.values()))
@@ -441,6 +450,7 @@ class _ElasticWatch:
         self.results: dict[int, Any] = {}
         self.failures: list[WorkerFailedError] = []
         self.done: set[tuple[int, int]] = set()
+        self.forwarder: SignalForwarder | None = None  # set while collecting: a stop signal ends restarts
 
     def start(self, slot: int) -> None:
         key = (slot, self.attempts[slot])
@@ -516,7 +526,9 @@ class _ElasticWatch:
             failure = failure_from_report(slot, outcome)
             why = f"{member} failed: {outcome.error}"
         self.failures.append(failure)
-        if self.restarts_left > 0:
+        if self.forwarder is not None and self.forwarder.received:  # the job is stopping: nothing to rejoin
+            _log.info("%s; the job is stopping (%s): not restarted", why, self.forwarder.received)
+        elif self.restarts_left > 0:
             self.restarts_left -= 1
             self.attempts[slot] += 1
             _log.warning("%s; the others go on, and slot %d starts again as member %d.%d", why, slot, slot, key[1] + 1)

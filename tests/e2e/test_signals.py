@@ -79,15 +79,20 @@ def _start(command: list[str], cwd: Path) -> subprocess.Popen:
 
 
 def _wait_for_step(run_dir: Path, proc: subprocess.Popen, step: int = 10, timeout_s: float = 120) -> None:
+    _wait_for_line(run_dir, proc, rf"step {step}/", timeout_s)
+
+
+def _wait_for_line(run_dir: Path, proc: subprocess.Popen, pattern: str, timeout_s: float = 120) -> re.Match:
     log = run_dir / "train.log"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"the job ended before step {step}: {proc.communicate()}")
-        if log.exists() and re.search(rf"step {step}/", log.read_text()):
-            return
-        time.sleep(0.1)
-    pytest.fail(f"no step {step} in {log} within {timeout_s} s")
+            pytest.fail(f"the job ended before a line matching {pattern!r}: {proc.communicate()}")
+        found = re.search(pattern, log.read_text()) if log.exists() else None
+        if found:
+            return found
+        time.sleep(0.05)
+    pytest.fail(f"no line matching {pattern!r} in {log} within {timeout_s} s")
 
 
 def _stop_and_check(proc: subprocess.Popen, send, run_dir: Path, signal_name: str, code: int) -> int:
@@ -132,6 +137,28 @@ def test_ctrl_c_on_the_local_launcher(tmp_path, uninterrupted):
     # A terminal's Ctrl-C: SIGINT to the foreground process group (the ranks sit in groups of their own).
     _stop_and_check(proc, lambda: os.killpg(proc.pid, signal.SIGINT), run_dir, "SIGINT", 130)
     assert _resume(tmp_path, run_dir) == uninterrupted
+
+
+def test_ctrl_c_stops_an_elastic_job_after_a_change_and_its_resume_ends_bitwise(tmp_path):
+    """Ctrl-C keeps its meaning in an elastic job: after a member was lost and the spare took its
+    place, the members stop with a checkpoint; the workers that were waiting to be admitted end too
+    and are not restarted, and the job's store stays up until the ranks are done with it."""
+    elastic = ["trainer.world_size_invariant=true", "trainer.elastic=true", "dist.world_size=4"]
+    elastic += ["launcher.spares=1", "launcher.max_restarts=2"]
+    run_dir = tmp_path / "run"
+    proc = _start([PYTHON, "-m", "ddptrain", *JOB, *elastic, f"hydra.run.dir={run_dir}"], tmp_path)
+    member = _wait_for_line(run_dir, proc, r"member 1\.0 started \(slot 1, pid (\d+)\)")
+    _wait_for_step(run_dir, proc)
+    os.kill(int(member.group(1)), signal.SIGKILL)
+    _wait_for_line(run_dir, proc, r"elastic: generation \d+: lost 1\.0")
+    _stop_and_check(proc, lambda: os.killpg(proc.pid, signal.SIGINT), run_dir, "SIGINT", 130)
+    log = (run_dir / "train.log").read_text()
+    after = log.split("SIGINT: the ranks stop")[1]
+    assert "starts again" not in after, log  # nothing restarted after the stop
+    assert "failed:" not in after, log  # a rank that lost the store on its way out reports a failure
+    reference = run_cli(*JOB, elastic[0], f"hydra.run.dir={tmp_path / 'reference'}", cwd=tmp_path, env=ENV, timeout=200)
+    assert reference.returncode == 0, reference.stdout + reference.stderr
+    assert _resume(tmp_path, run_dir, *elastic) == _sha(tmp_path / "reference")
 
 
 def test_sigterm_to_the_local_launcher_with_mpi_ranks(tmp_path, uninterrupted):
