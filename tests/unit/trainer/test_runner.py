@@ -4,31 +4,6 @@ import pytest
 
 from ddptrain import Config, ConfigError, run
 
-
-def test_run_refuses_a_launcher_that_did_not_start_us(monkeypatch):
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "TORCHELASTIC_RUN_ID",
-        "OMPI_COMM_WORLD_RANK",
-        "PMI_RANK",
-        "SLURM_PROCID",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    config = Config.from_dict({"launcher": {"name": "torchrun"}})
-    with pytest.raises(
-        ConfigError,
-        match=r"launcher=torchrun, but this process was not started by torchrun.*"
-        r"torchrun --nproc-per-node=2 -m ddptrain",
-    ):
-        run(config)
-    config = Config.from_dict({"recipe": {"trainer_class": "torch.nn.Linear"}})
-    with pytest.raises(ConfigError, match="not a subclass of ddptrain.Trainer"):
-        run(config)
-
-
 LAUNCHER_VARS = (
     "RANK",
     "WORLD_SIZE",
@@ -42,12 +17,32 @@ LAUNCHER_VARS = (
     "PMI_RANK",
     "SLURM_PROCID",
 )
+
+
+def _outside_any_launcher(monkeypatch) -> None:
+    for var in LAUNCHER_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_run_refuses_a_launcher_that_did_not_start_us(monkeypatch):
+    _outside_any_launcher(monkeypatch)
+    config = Config.from_dict({"launcher": {"name": "torchrun"}})
+    with pytest.raises(
+        ConfigError,
+        match=r"launcher=torchrun, but this process was not started by torchrun.*"
+        r"torchrun --nproc-per-node=2 -m ddptrain",
+    ):
+        run(config)
+    config = Config.from_dict({"recipe": {"trainer_class": "torch.nn.Linear"}})
+    with pytest.raises(ConfigError, match="not a subclass of ddptrain.Trainer"):
+        run(config)
+
+
 ELASTIC = {"trainer": {"elastic": True, "world_size_invariant": True}, "dist": {"world_size": 4}}
 
 
 def _as_torchrun_worker(monkeypatch, world_size: int, local_world_size: int) -> None:
-    for var in LAUNCHER_VARS:
-        monkeypatch.delenv(var, raising=False)
+    _outside_any_launcher(monkeypatch)
     env = {"RANK": 0, "WORLD_SIZE": world_size, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": local_world_size}
     env |= {"GROUP_RANK": 0, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": 29500, "TORCHELASTIC_RUN_ID": "t"}
     for var, value in env.items():
