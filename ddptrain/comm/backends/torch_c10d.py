@@ -77,7 +77,11 @@ class TorchWork(Work):
     def _wait_in_slices(self, timeout: timedelta | None) -> None:
         """Wait ``_ABORT_SLICE_S`` at a time, so that :meth:`TorchProcessGroup.abort` from another
         thread ends the wait. A slice that ends before the work did raises torch's "Operation timed
-        out!" and leaves the work running; a work that ended with an error is raised as it is."""
+        out!" and leaves the work running; a work that ended with an error is raised as it is.
+
+        A work can complete between its slice timing out and the check after: then it succeeded or
+        failed on its own, and the slice's "timed out" is not its outcome (taking it for one failed
+        a rank whose collective had succeeded everywhere, and the others waited on it in the next)."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         while True:
             if self._group.abort_reason is not None:
@@ -87,7 +91,11 @@ class TorchWork(Work):
                 self._work.wait(timedelta(seconds=max(left, 0.001)))
                 return
             except RuntimeError:
-                if self._work.is_completed() or (deadline is not None and time.monotonic() >= deadline):
+                if self._work.is_completed():
+                    if self._work.is_success():
+                        return
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
                     raise
 
     def is_completed(self) -> bool:
