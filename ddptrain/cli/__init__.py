@@ -32,7 +32,8 @@ into a :class:`ddptrain.Config` and hands it to :func:`ddptrain.trainer.run`.
 Exit status: 0 done (stopped by ``trainer.max_time`` too); 1 the run failed (a rank raised or
 died, data or checkpoint missing, smoke check failed); 2 bad configuration (nothing ran); 130
 stopped by Ctrl-C (SIGINT), 143 by SIGTERM, after writing a checkpoint and printing the command
-that resumes. Errors print one short message
+that resumes (an elastic job's workers under torchrun or srun exit 0 then: see ``_exit_status``).
+Errors print one short message
 on stderr; a failed rank's full traceback goes to ``<run dir>/error.log``
 (``DDPTRAIN_FULL_ERROR=1`` shows Python's traceback instead).
 """
@@ -442,14 +443,19 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
     if metrics is None:  # an elastic job's worker that the job finished without admitting
         return EXIT_OK, False
     dev_run_passed = bool(metrics.get("fast_dev_run"))
-    if env.rank != 0:
-        return _exit_status(metrics), dev_run_passed
-    _print_summary(config, metrics, argv)
-    return _exit_status(metrics), dev_run_passed
+    code = _exit_status(metrics, elastic_under_a_launcher=config.trainer.elastic and env.is_launched_externally())
+    if env.rank == 0:
+        _print_summary(config, metrics, argv)
+    return code, dev_run_passed
 
 
-def _exit_status(metrics: dict[str, Any]) -> int:
+def _exit_status(metrics: dict[str, Any], elastic_under_a_launcher: bool = False) -> int:
     stopped_by = metrics.get("stopped_by")  # trainer.max_time: a normal end
+    if elastic_under_a_launcher and stopped_by in ("SIGINT", "SIGTERM"):
+        # The ranks stopped together, with a checkpoint, on one rank's signal. A worker of another
+        # host saw no signal: a non-zero status would make its launcher (torchrun --max-restarts)
+        # start it again into a job that has stopped. A launcher that got the signal exits by it.
+        return EXIT_OK
     return {"SIGINT": EXIT_SIGINT, "SIGTERM": EXIT_SIGTERM, "dist.min_world_size": EXIT_FAILED}.get(stopped_by, EXIT_OK)
 
 

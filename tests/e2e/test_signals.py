@@ -161,6 +161,41 @@ def test_ctrl_c_stops_an_elastic_job_after_a_change_and_its_resume_ends_bitwise(
     assert _resume(tmp_path, run_dir, *elastic) == _sha(tmp_path / "reference")
 
 
+def test_ctrl_c_at_one_torchrun_of_an_elastic_job_stops_the_other_without_a_restart(tmp_path):
+    """An elastic job of two torchruns (one per "host", here both on loopback) joined by the job's
+    store. Ctrl-C at one of them stops every rank with a checkpoint; the other torchrun's worker,
+    which got no signal, exits 0, so its torchrun (--max-restarts 1) does not start it again into
+    a job that has stopped."""
+    store = subprocess.Popen(
+        [PYTHON, "-m", "ddptrain.store", "--port", "0"], stdout=subprocess.PIPE, text=True, env=cli_env(**ENV)
+    )
+    run_dir = tmp_path / "run"
+    args = [*JOB, "trainer.world_size_invariant=true", "trainer.elastic=true", "dist.world_size=2"]
+    try:
+        address = store.stdout.readline().split()[-1]
+        command = [TORCHRUN, "--standalone", "--nproc-per-node=1", "--max-restarts=1", "--monitor-interval=0.1"]
+        command += ["-m", "ddptrain", *args, f"dist.elastic_store={address}", f"hydra.run.dir={run_dir}"]
+        here, there = _start(command, tmp_path), _start(command, tmp_path)
+        try:
+            _wait_for_step(run_dir, here)
+            os.killpg(here.pid, signal.SIGINT)  # the terminal's Ctrl-C, at one host's torchrun
+            out, err = there.communicate(timeout=30)
+            here.communicate(timeout=30)
+        finally:
+            for proc in (here, there):
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        store.kill()
+        store.wait()
+    assert there.returncode == 0, out + err
+    assert "exitcode" not in err and "Restarting" not in err, err  # torchrun restarted no worker
+    log = (run_dir / "train.log").read_text()
+    stopped = re.search(r"stopped by SIGINT: step=(\d+)", log)
+    assert stopped, log[-3000:]
+    assert (run_dir / "checkpoints" / f"step_{int(stopped.group(1)):09d}.pt").exists(), log[-3000:]
+
+
 def test_sigterm_to_the_local_launcher_with_mpi_ranks(tmp_path, uninterrupted):
     if MPIEXEC is None:
         pytest.skip("no mpiexec")
