@@ -230,7 +230,8 @@ def check_sync(config: Config) -> None:
 
 
 def check_elastic(config: Config, world_size: int) -> None:
-    """Refuse what ``trainer.elastic=true`` cannot be combined with, saying why."""
+    """Refuse what ``trainer.elastic=true`` cannot be combined with, saying why. Which launcher
+    may run it depends on what started the process: the runner checks that (``_check_elastic_launcher``)."""
     t, d = config.trainer, config.dist
     if not t.elastic:
         for key, value, unset in (
@@ -255,18 +256,6 @@ def check_elastic(config: Config, world_size: int) -> None:
             resolve_backend(config) == "mpi",
             "dist.backend=mpi",
             "an MPI job cannot lose a process: MPI ends the whole job when one rank dies",
-        ),
-        (
-            config.launcher.name == "mpirun",
-            "launcher=mpirun",
-            "mpirun ends the whole job when one of its processes dies",
-        ),
-        (
-            config.launcher.name == "torchrun" and not d.elastic_store,
-            "launcher=torchrun without dist.elastic_store",
-            "workers that another launcher starts need the job's store, which outlives every rank: start "
-            "`python -m ddptrain.store --host 0.0.0.0 --port 29400` on one host and pass "
-            "dist.elastic_store=HOST:29400",
         ),
         (
             t.doctor or t.lr_find or d.bucket_cap_mb == "auto",

@@ -315,15 +315,24 @@ def _check_composition(argv: list[str]) -> tuple[str | None, str | None]:
 def _fix_run_dir(argv: list[str], run_dir: str | None) -> tuple[list[str], list[Path] | None]:
     """The arguments for Hydra with the run directory fixed to ``run_dir`` (resolved once, so this
     invocation knows whether it creates it); if it does not exist yet, it and its missing parents."""
-    given = [t.split("=", 1)[1].strip("'\"") for t in argv if t.startswith("hydra.run.dir=")]
+    given = _named_run_dir(argv)
     if run_dir is None:
         return list(argv), None
-    path = Path(given[-1] if given else run_dir).absolute()
+    path = Path(run_dir if given is None else given).absolute()
     missing = [path, *(p for p in path.parents if not p.exists())]
     if path.exists():
         return list(argv), None
     quoted = run_dir.replace("\\", "\\\\").replace("'", "\\'")
-    return (list(argv) if given else [f"hydra.run.dir='{quoted}'", *argv]), missing  # first: before any flag
+    fixed = list(argv) if given is not None else [f"hydra.run.dir='{quoted}'", *argv]  # first: before any flag
+    return fixed, missing
+
+
+def _named_run_dir(argv: list[str]) -> str | None:
+    """The run directory the command line names (``hydra.run.dir=``, the last one), or None."""
+    from .overrides import override_tokens
+
+    given = [t.split("=", 1)[1].strip("'\"") for t in override_tokens(argv) if t.startswith("hydra.run.dir=")]
+    return given[-1] if given else None
 
 
 def _remove_empty_run_dir(run_dir: Path, fresh: list[Path]) -> None:
@@ -376,10 +385,7 @@ def _run_other_rank(argv: list[str], deferred: _StopSignalsDeferred) -> int:
     deferred.release()  # the job starts
     # Rank 0's run directory is the job's (the trainer agrees on it); but in an elastic job any
     # process may become rank 0, so a directory named on the command line is every rank's.
-    from .overrides import override_tokens
-
-    named = [t.split("=", 1)[1] for t in override_tokens(argv) if t.startswith("hydra.run.dir=")]
-    return _run_job(cfg, named[-1] if named else None, False, argv)[0]
+    return _run_job(cfg, _named_run_dir(argv), False, argv)[0]
 
 
 def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tuple[int, bool]:

@@ -364,9 +364,7 @@ class ElasticMembership:
             time.sleep(_POLL_S)
         return self._read(number)
 
-    def _read(self, number: int, deadline: float | None = None) -> Generation:
-        if deadline is not None:
-            self._wait_for_key(f"gen/{number}", deadline, f"generation {number}'s membership")
+    def _read(self, number: int) -> Generation:
         record = json.loads(self.store.get(f"gen/{number}"))
         return Generation(number, tuple(record["members"]), record["registered"])
 
@@ -377,12 +375,6 @@ class ElasticMembership:
                 raise CommTimeoutError(f"elastic job: member {self.id} waited in vain for a generation that admits it")
             if self.store.check(["finished"]):
                 raise JobFinished(f"elastic job: it finished before member {self.id} was admitted")
-            time.sleep(_POLL_S)
-
-    def _wait_for_key(self, key: str, deadline: float, what: str) -> None:
-        while not self.store.check([key]):
-            if self._closed.is_set() or time.monotonic() > deadline:
-                raise CommTimeoutError(f"elastic job: member {self.id} waited in vain for {what}")
             time.sleep(_POLL_S)
 
     def _left(self, deadline: float, what: str, world_size: int) -> float:

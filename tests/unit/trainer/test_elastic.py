@@ -15,8 +15,6 @@ ELASTIC = {"trainer": {"elastic": True, "world_size_invariant": True}}
     ("override", "named", "why"),
     [
         ({"dist": {"backend": "mpi"}}, "dist.backend=mpi", "an MPI job cannot lose a process"),
-        ({"launcher": {"name": "torchrun"}}, "launcher=torchrun without dist.elastic_store", "dist.elastic_store=HOST"),
-        ({"launcher": {"name": "mpirun"}}, "launcher=mpirun", "mpirun ends the whole job"),
         ({"trainer": {"doctor": True}}, "trainer.doctor", "one fixed group of ranks"),
         ({"trainer": {"smoke_check": True}}, "trainer.smoke_check=true", "a member that joins later has none"),
         ({"dist": {"min_world_size": 5}}, "dist.min_world_size=5", "the job starts with 4 rank(s), fewer than that"),

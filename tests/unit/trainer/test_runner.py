@@ -14,6 +14,9 @@ LAUNCHER_VARS = (
     "MASTER_PORT",
     "TORCHELASTIC_RUN_ID",
     "OMPI_COMM_WORLD_RANK",
+    "OMPI_COMM_WORLD_SIZE",
+    "OMPI_COMM_WORLD_LOCAL_RANK",
+    "OMPI_COMM_WORLD_LOCAL_SIZE",
     "PMI_RANK",
     "SLURM_PROCID",
 )
@@ -49,6 +52,14 @@ def _as_torchrun_worker(monkeypatch, world_size: int, local_world_size: int) -> 
         monkeypatch.setenv(var, str(value))
 
 
+def _as_mpi_rank(monkeypatch) -> None:
+    _outside_any_launcher(monkeypatch)
+    for var in ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        monkeypatch.setenv(var, "0")
+    for var in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.setenv(var, "4")
+
+
 def test_an_elastic_job_under_another_launcher_is_refused_where_that_launcher_would_undo_it(monkeypatch):
     _as_torchrun_worker(monkeypatch, world_size=2, local_world_size=2)
     with pytest.raises(
@@ -62,8 +73,10 @@ def test_an_elastic_job_under_another_launcher_is_refused_where_that_launcher_wo
         match=r"over several nodes: when one worker fails, torchrun restarts the workers of every node.*--nnodes=1",
     ):
         run(Config.from_dict(store))
-    for var in LAUNCHER_VARS:
-        monkeypatch.delenv(var, raising=False)
+    _as_mpi_rank(monkeypatch)  # mpirun ends the whole job when one rank dies
+    with pytest.raises(ConfigError, match=r"trainer.elastic=true cannot run under mpirun: MPI ends the whole job"):
+        run(Config.from_dict(store))
+    _outside_any_launcher(monkeypatch)
     with pytest.raises(
         ConfigError, match=r"dist.elastic_store=10.0.0.1:29400, but this process was not started by another launcher"
     ):
