@@ -520,9 +520,11 @@ class TrainerConfig:
     """Keep training when a rank is lost: the survivors agree on a new membership, form a new
     process group, redo the step in flight and go on in the same processes; a worker the launcher
     restarts (``launcher.max_restarts``) rejoins at a step boundary and gets the state from a peer.
-    Nothing is read from disk. Needs ``trainer.world_size_invariant=true`` (any world size then
-    works, and the bits equal an uninterrupted run's), the local launcher or one torchrun per host
-    with ``dist.elastic_store``, and gloo or nccl (docs/faults.md: Elastic training)."""
+    Nothing is read from disk. Each step's global batch is shared by whoever is present: with
+    ``trainer.world_size_invariant=true`` the bits equal an uninterrupted run's; without it, each
+    rank's gradient is weighted by its share (the same samples per step, float sums in another
+    order). Needs the local launcher or one torchrun per host with ``dist.elastic_store``, and
+    gloo or nccl (docs/faults.md: Elastic training)."""
     smoke_check: bool = False
     """After training, fail unless the parameters are identical on every rank and the training
     loss fell by at least 1%, measured on the same samples (the training set's first

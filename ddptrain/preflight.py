@@ -245,12 +245,6 @@ def check_elastic(config: Config, world_size: int) -> None:
                     f"lost rank): set trainer.elastic=true, or drop {key}"
                 )
         return
-    if not t.world_size_invariant:
-        raise ConfigError(
-            "trainer.elastic=true needs trainer.world_size_invariant=true: the survivors of a lost rank redo "
-            "its step over the same global batch, and only invariant mode splits a global batch over any "
-            "number of ranks (with the same bits as an uninterrupted run). Set trainer.world_size_invariant=true"
-        )
     conflicts = [
         (
             resolve_backend(config) == "mpi",
@@ -271,6 +265,23 @@ def check_elastic(config: Config, world_size: int) -> None:
             t.smoke_check,
             "trainer.smoke_check=true",
             "its loss probe starts on the ranks present at the start, and a member that joins later has none",
+        ),
+        (
+            bool(d.zero_stage),
+            f"dist.zero_stage={d.zero_stage}",
+            "each rank holds the only copy of its shard of the optimizer state, and a lost rank takes it along",
+        ),
+        (
+            d.sync != "every_step",
+            f"dist.sync={d.sync}",
+            "the ranks' copies of the model differ between outer steps, and a lost rank takes its local "
+            "steps along: the survivors hold no common state to redo them from",
+        ),
+        (
+            config.data.drop_last,
+            "data.drop_last=true",
+            "the members present share each global batch by sample position and take every sample once "
+            "(the epoch's last step may be short)",
         ),
     ]
     _refuse_conflicts("trainer.elastic=true", conflicts, "set trainer.elastic=false")

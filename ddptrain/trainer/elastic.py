@@ -20,7 +20,10 @@ collectives line up:
    completed is redone. Nothing is read from disk.
 
 In invariant mode the step's shards do not depend on who computes them, so the run keeps the
-bits of an uninterrupted one whatever the membership did.
+bits of an uninterrupted one whatever the membership did. In normal mode the members present
+share each global batch by position, each gradient weighted by its share
+(:class:`.global_batch_steps.SharedBatchSteps`): the same samples per step, float sums in the
+order the shares give.
 """
 
 from __future__ import annotations

@@ -29,21 +29,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset, TensorDataset, default_collate
 
-from ..data.global_batches import StepShards, epoch_order, step_shards, virtual_ranks_of
+from ..data.global_batches import virtual_ranks_of
 from ..ddp.exact import ExactAllReducer
 from ..preflight import check_world_size_invariant
-from .data import move_to
-from .steps import StepStrategy
+from .global_batch_steps import GlobalBatchSteps, GlobalStep
 
-__all__ = ["InvariantSteps", "InvariantStep", "shard_seed"]
+__all__ = ["InvariantSteps", "shard_seed"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -58,35 +55,19 @@ def shard_seed(seed: int, epoch: int, step: int, shard: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-@dataclass(frozen=True)
-class InvariantStep:
-    """One optimizer step of this rank: its shards, the epoch's order, and how many of this rank's
-    sampler positions it covers (``rank_samples``, what the Trainer reports to the sampler)."""
-
-    epoch: int
-    work: StepShards
-    order: torch.Tensor
-    rank_samples: int
-
-
-class InvariantSteps(StepStrategy):
+class InvariantSteps(GlobalBatchSteps):
     """The step strategy of world-size-invariant mode (see the module docstring). The stop votes
     ride in the step's exact sum; :meth:`take_votes` gives their sums."""
 
     def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
-        super().__init__(trainer, votes)
         cfg = trainer.config
-        self._vote_sums: list[float] | None = None
         check_world_size_invariant(cfg, trainer.world_size)
         self.virtual_ranks = cfg.trainer.virtual_ranks
-        self.micro_batches = cfg.trainer.grad_accum_steps
-        self.global_batch = cfg.data.global_batch_size
-        self.seed = cfg.trainer.seed
         spread = cfg.trainer.elastic  # an elastic job's world size need not divide the virtual ranks
-        self.mine = virtual_ranks_of(trainer.rank, trainer.world_size, self.virtual_ranks, spread=spread)
-        # (epoch, samples of that epoch's order the applied steps took): exact at any world size,
-        # where the sampler's per-rank count times the world size is not once the world size changes.
-        self.position: tuple[int, int] | None = None
+        mine = virtual_ranks_of(trainer.rank, trainer.world_size, self.virtual_ranks, spread=spread)
+        super().__init__(trainer, votes, self.virtual_ranks, mine)
+        self._vote_sums: list[float] | None = None
+        self.seed = cfg.trainer.seed
         module: nn.Module = trainer.model.module
         self.params = [p for p in module.parameters() if p.requires_grad]  # tied weights: once
         self.float_buffers = [b for b in module.buffers() if b.is_floating_point()]
@@ -120,32 +101,8 @@ class InvariantSteps(StepStrategy):
                 threads,
             )
 
-    # == data =====================================================================================
-    def batches(self) -> Iterator[InvariantStep]:
-        """The rest of this epoch, one :class:`InvariantStep` per optimizer step."""
-        sampler, world_size = self.trainer.train_sampler, self.trainer.world_size
-        dataset_len = sampler.dataset_len
-        start = self._global_position()  # the same for every world size
-        sampler.set_consumed(-(-start // world_size))  # this world size's count, as its steps advance it
-        order = epoch_order(dataset_len, sampler.seed, sampler.epoch, sampler.shuffle)
-        steps = step_shards(start, dataset_len, self.global_batch, self.micro_batches, self.virtual_ranks, self.mine)
-        # Every rank is done setting up (a resume restores the global generator) before any shard
-        # draws from it: ranks that are threads share that generator.
-        self.trainer.process_group.barrier().wait()
-        for work in steps:
-            end = work.start + work.num_samples
-            rank_samples = -(-end // world_size) - -(-work.start // world_size)
-            yield InvariantStep(sampler.epoch, work, order, rank_samples)
-
-    def _load(self, dataset: Dataset, indices: torch.Tensor) -> Any:
-        options = self.trainer.train_loader_options  # a train_dataloader() DataLoader's: its collate_fn
-        collate = (options or {}).get("collate_fn") or default_collate
-        if isinstance(dataset, TensorDataset) and collate is default_collate:
-            return tuple(t.index_select(0, indices) for t in dataset.tensors)  # t[indices]'s, cheaper
-        return collate([dataset[i] for i in indices.tolist()])
-
     # == one step =================================================================================
-    def forward_backward(self, step: InvariantStep) -> float:
+    def forward_backward(self, step: GlobalStep) -> float:
         """Forward and backward of this rank's shards, the exact sum of the gradients over all ranks
         in each parameter's ``.grad``; the step's loss (the same on every rank and world size).
 
@@ -169,9 +126,9 @@ class InvariantSteps(StepStrategy):
                 self._restore(snapshot)
                 self._grads_into(row_views)
                 _seed(t.device, shard_seed(self.seed, step.epoch, t.state.step, shard.index))
-                batch = self._load(t.train_set, step.order[shard.start : shard.end])  # __getitem__ may draw
+                batch = self.load_shard(step, shard.start, shard.end)  # __getitem__ may draw
                 with t.precision.autocast():  # trainer.precision
-                    loss = t.training_step(module, move_to(batch, t.device, non_blocking=True))
+                    loss = t.training_step(module, batch)
                 t.precision.backward(loss, scale=shard.size / work.num_samples)
                 losses[shard.index] = float(loss.detach()) * shard.size
                 self._take_grads(row, row_views, used)
@@ -190,31 +147,6 @@ class InvariantSteps(StepStrategy):
         self._set_buffers(values, changed, int_values, work)
         loss = sum(extra[: work.num_shards].view(torch.float64).tolist()) / work.num_samples  # shard order: fixed
         return float(torch.tensor(loss, dtype=torch.float32))
-
-    def samples(self, step: InvariantStep) -> int:
-        self.position = (step.epoch, step.work.start + step.work.num_samples)  # the step is applied
-        return step.rank_samples
-
-    def steps_done_in_epoch(self) -> int:
-        """Every step of an epoch but its last takes a whole global batch."""
-        return -(-self._global_position() // self.global_batch)
-
-    def _global_position(self) -> int:
-        """Samples of the current epoch's order the applied steps took: the recorded position, or
-        (a new epoch, a checkpoint written before positions were recorded) the sampler's count
-        times the world size, exact at the world size that wrote it."""
-        sampler = self.trainer.train_sampler
-        if self.position is not None and self.position[0] == sampler.epoch:
-            return self.position[1]
-        return min(sampler.consumed * self.trainer.world_size, sampler.dataset_len)
-
-    def state_dict(self) -> dict[str, Any]:
-        """The exact position in the epoch (``{}`` before the first step)."""
-        return {} if self.position is None else {"epoch": self.position[0], "position": self.position[1]}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s position; ``{}`` (a checkpoint without one) keeps the sampler's."""
-        self.position = (int(state["epoch"]), int(state["position"])) if state else None
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -18,13 +18,16 @@ State a strategy keeps across steps goes into checkpoints through
 schedules' entries through :meth:`StepStrategy.optimizer_state_dict` /
 :meth:`StepStrategy.load_optimizer_state_dict` (a sharded optimizer consolidates them there).
 
-Four strategies exist:
+Five strategies exist:
 
 - :class:`DataParallelSteps`: plain DDP. All micro-batches but the last run under ``no_sync()``;
   the last one's backward all-reduces the gradients in buckets, and the stop votes ride in that
   all-reduce (:meth:`ddptrain.ddp.DistributedDataParallel.register_sideband`).
 - :class:`.invariant.InvariantSteps` (``trainer.world_size_invariant=true``): fixed shards and an
   exact integer sum, the same bits at any world size.
+- :class:`.global_batch_steps.SharedBatchSteps` (``trainer.elastic=true`` in normal mode): plain
+  DDP over one share per rank of each global batch, cut by position, so any number of members
+  can share it; each rank's loss is weighted by its share.
 - :class:`.zero_steps.ZeroSteps` (``dist.zero_stage=1|2``): plain DDP's backward with the buckets
   reduce-scattered; ``optimizer_step`` steps this rank's shard and all-gathers the parameters, and
   ``optimizer_state_dict`` consolidates the shards.
@@ -50,9 +53,8 @@ from typing import Any
 import torch
 
 from .data import batch_size_of, group_micro_batches, move_to, num_batches
-from .stopping import NUM_VOTES
 
-__all__ = ["StepStrategy", "MicroBatchSteps", "DataParallelSteps"]
+__all__ = ["StepStrategy", "MicroBatchSteps", "DataParallelSteps", "ride_in_gradients"]
 
 
 class StepStrategy(ABC):
@@ -181,6 +183,13 @@ def log_grad_norm(trainer: Any, norm: torch.Tensor) -> None:
     trainer.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
 
 
+def ride_in_gradients(model: Any, votes: Callable[[], list[float]]) -> None:
+    """Have DDP ``model`` sum ``votes()`` over ranks in each synchronised backward's last bucket (no
+    collective of their own). Their number is fixed for the fit (the stop votes, and in an elastic
+    job the admission vote), so one call tells the sideband's size."""
+    model.register_sideband(len(votes()), votes)
+
+
 class MicroBatchSteps(StepStrategy):
     """A step of ``trainer.grad_accum_steps`` micro-batches of this rank's samples (the last step of
     an epoch may get fewer), each loss divided by their number so the gradient is that of their
@@ -199,7 +208,7 @@ class DataParallelSteps(MicroBatchSteps):
 
     def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
         super().__init__(trainer, votes)
-        trainer.model.register_sideband(NUM_VOTES, votes)  # the votes ride in the gradient all-reduce
+        ride_in_gradients(trainer.model, votes)
 
     def forward_backward(self, micro_batches: Sequence[Any]) -> float:
         return accumulate_micro_batches(self.trainer, micro_batches, reduce=True)

@@ -67,6 +67,7 @@ from .dev_run import dev_run_batches, dev_run_config, remove_dev_run_dir
 from .elastic import ElasticTraining, MembershipChangeDue
 from .ema import EmaWeights
 from .evaluation import sanity_check, validation_pass
+from .global_batch_steps import SharedBatchSteps
 from .inference import run_predict, run_test
 from .invariant import InvariantSteps
 from .local_steps import LocalSteps
@@ -236,12 +237,15 @@ class Trainer:
     def configure_step_strategy(self, votes: Callable[[], list[float]]) -> StepStrategy:
         """How a step's micro-batches become a parameter update (:mod:`.steps`), given this rank's
         stop votes to carry in the step's reduction. Default: invariant mode's shards and exact sums
-        under ``trainer.world_size_invariant``, local SGD / DiLoCo under ``dist.sync``, ZeRO's
+        under ``trainer.world_size_invariant``, a global batch the members present share in an
+        elastic job (``trainer.elastic``), local SGD / DiLoCo under ``dist.sync``, ZeRO's
         sharded optimizer under ``dist.zero_stage`` 1 or 2, else plain DDP. Called once per fit,
         after the model, data and optimizers are built, and again in an elastic job after each
         membership change (for the new group)."""
         if self.config.trainer.world_size_invariant:
             return InvariantSteps(self, votes)
+        if self.config.trainer.elastic:  # normal mode: the members present share each global batch
+            return SharedBatchSteps(self, votes)
         if self.config.dist.sync != "every_step":
             return LocalSteps(self, votes)
         return ZeroSteps(self, votes) if self.config.dist.zero_stage else DataParallelSteps(self, votes)

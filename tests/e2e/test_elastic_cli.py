@@ -31,13 +31,13 @@ ROOT = Path(__file__).resolve().parents[2]
 STEPS = 200  # about 4 s of training at 4 ranks here: room for kills mid-epoch (469 steps per epoch)
 COMMON = (
     "recipe=mnist",
-    "trainer.world_size_invariant=true",
     f"trainer.max_steps={STEPS}",
     "trainer.progress=false",
     "trainer.loggers.tensorboard=false",
     "trainer.eval_every_epochs=0",
     "trainer.limit_val_batches=1",  # the final evaluation: one batch per rank (the parameters are what is compared)
 )
+INVARIANT = "trainer.world_size_invariant=true"
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +48,7 @@ def uninterrupted(tmp_path_factory, mnist_root) -> str:
     def make(directory: Path) -> str:
         proc = run_cli(
             *COMMON,
+            INVARIANT,
             "dist.world_size=1",
             f"hydra.run.dir={directory / 'reference'}",
             cwd=ROOT,
@@ -67,6 +68,7 @@ def _run_with_kills(
     *overrides: str,
     sig: int = signal.SIGKILL,
     registered: int = 0,
+    common: tuple[str, ...] = (*COMMON, INVARIANT),
 ):
     """Run the elastic job at 4 ranks; send ``sig`` to member ``m`` (``rank0``: generation 0's rank
     0; ``another``: a first-attempt member not killed yet, other than that one) once rank 0 has
@@ -74,7 +76,7 @@ def _run_with_kills(
     ``(m, s[, text])`` of ``kills`` in order; not before ``registered`` workers
     have registered with the job's store (read from outside: spares register once their data is
     loaded). Returns (exit code, output, metrics, member pids, generation 0's rank 0)."""
-    command = [PYTHON, "-m", "ddptrain", *COMMON, "trainer.elastic=true", "dist.world_size=4"]
+    command = [PYTHON, "-m", "ddptrain", *common, "trainer.elastic=true", "dist.world_size=4"]
     command += ["dist.timeout_s=60", f"hydra.run.dir={run_dir}", *overrides]
     proc = subprocess.Popen(
         command,
@@ -279,9 +281,76 @@ def test_mpi_is_refused_before_anything_runs(tmp_path):
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
-def test_normal_mode_is_refused_with_the_reason(tmp_path):
-    proc = run_cli(
-        "recipe=synthetic", "trainer.elastic=true", f"hydra.run.dir={tmp_path / 'run'}", cwd=ROOT, timeout=120
+# Normal mode: 2 epochs (938 steps), evaluated on the whole test set. Runs that differ only in float
+# sums and dropout draws end within about 0.1 point here (a world size of 3 against 4: 95.09% and
+# 95.03%); another seed, with other initial weights, differs by 0.9.
+NORMAL_STEPS = 938
+NORMAL = (
+    "recipe=mnist",
+    "trainer.epochs=2",
+    "trainer.progress=false",
+    "trainer.loggers.tensorboard=false",
+    "trainer.eval_every_epochs=0",
+    "trainer.checkpoint.every_epochs=0",
+)
+LOGGED_LOSS = re.compile(r"\]\[rank 0\]\[INFO\] step (\d+)/\d+ \(epoch \d+\): loss ([\d.]+)")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_normal(tmp_path_factory, mnist_root) -> dict:
+    """Plain DDP (not elastic) on the same 4 ranks, never interrupted: its final accuracy and its
+    logged losses by step. Made once for all pytest workers."""
+
+    def make(directory: Path) -> dict:
+        proc = run_cli(
+            *NORMAL,
+            "dist.world_size=4",
+            f"hydra.run.dir={directory / 'normal'}",
+            cwd=ROOT,
+            timeout=300,
+            env={"DDPTRAIN_DATA": str(mnist_root)},
+        )
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        metrics = json.loads((directory / "normal" / "metrics.json").read_text())
+        return {"accuracy": metrics["eval/accuracy"], "losses": dict(LOGGED_LOSS.findall(proc.stdout + proc.stderr))}
+
+    return made_once(tmp_path_factory, "elastic-cli-uninterrupted-normal", make)
+
+
+def test_in_normal_mode_the_job_goes_on_without_a_loss_jump_and_ends_as_accurate(
+    tmp_path, mnist_root, uninterrupted_normal
+):
+    """trainer.elastic=true without invariant mode: generation 0's rank 0 is killed, then another
+    worker once the first has rejoined. The survivors share each global batch (3 ranks: 43, 43 and
+    42 of 128 samples), the restarted workers rejoin, and the run ends within 0.3 point of plain
+    DDP's accuracy, its losses following plain DDP's step by step."""
+    code, output, metrics, pids, rank0 = _run_with_kills(
+        tmp_path / "run",
+        mnist_root,
+        [("rank0", 150), ("another", 450, "took in ")],  # once the first one is back
+        "launcher.max_restarts=2",
+        common=NORMAL,
     )
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "trainer.elastic=true needs trainer.world_size_invariant=true" in proc.stderr
+    assert code == 0, output[-4000:]
+    changes = _real_changes(metrics)
+    assert {m for c in changes for m in c["left"]} == {rank0, next(m for c in changes[1:] for m in c["left"])}
+    assert len({m for c in changes for m in c["left"]}) == 2 and len({m for c in changes for m in c["joined"]}) == 2
+    assert [c["world_size"] for c in changes] == [3, 4, 3, 4], changes
+    assert metrics["world_size"] == 4 and metrics["step"] == NORMAL_STEPS and metrics["params_agree"]
+    accuracy, reference = metrics["eval/accuracy"], uninterrupted_normal["accuracy"]
+    assert abs(accuracy - reference) <= 0.003, f"accuracy {accuracy:.4f}, uninterrupted {reference:.4f}"
+    # No jump. The logged losses (means over 10 steps) against plain DDP's at the same steps: before
+    # the first kill the runs take the same samples per step and agree to 1-2%; later the two
+    # trajectories differ by float order and dropout draws, about 5% per logged loss (one in 90 was
+    # 18% off in a trial), so: each within a third, and each block of 100 steps within 8% on average.
+    # A job that went on from a stale or fresh state would log the first losses again (2.3, not 0.5).
+    losses = {int(s): float(v) for s, v in LOGGED_LOSS.findall(output)}
+    assert len(losses) >= NORMAL_STEPS // 10 - len(changes), sorted(losses)  # a change restarts the window
+    ratios = {s: v / float(uninterrupted_normal["losses"][str(s)]) for s, v in losses.items()}
+    at = f"(step: ratio to plain DDP) {ratios}; changes at {[c['step'] for c in changes]}"
+    assert all(0.97 <= r <= 1.03 for s, r in ratios.items() if s < changes[0]["step"]), at
+    assert all(0.75 <= r <= 1.33 for r in ratios.values()), at
+    for block in range(0, NORMAL_STEPS, 100):
+        inside = [r for s, r in ratios.items() if block < s <= block + 100]
+        assert 0.92 <= sum(inside) / len(inside) <= 1.08, f"steps {block + 1}-{block + 100}: {at}"
+    _assert_nothing_left(pids)
