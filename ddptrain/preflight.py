@@ -97,7 +97,8 @@ def resolve_backend(config: Config, launcher_env: str = "local", master_addr: st
 
 
 def check_world_size_invariant(config: Config, world_size: int) -> None:
-    """World-size-invariant mode: the world size must divide ``trainer.virtual_ranks``; no ``drop_last``."""
+    """World-size-invariant mode: the world size must divide ``trainer.virtual_ranks``; no
+    ``drop_last``; nothing that measures DDP's buckets."""
     t = config.trainer
     if not t.world_size_invariant:
         return
@@ -113,6 +114,20 @@ def check_world_size_invariant(config: Config, world_size: int) -> None:
             "trainer.world_size_invariant=true takes every sample once (the last global batch may be "
             "short), so data.drop_last=true is refused: set data.drop_last=false"
         )
+    conflicts = [
+        (
+            t.doctor,
+            "trainer.doctor=true",
+            "the doctor measures and predicts DDP's bucket all-reduces, and invariant mode sums the gradients "
+            "exactly outside DDP's buckets (diagnose the same run without invariant mode)",
+        ),
+        (
+            config.dist.bucket_cap_mb == "auto",
+            "dist.bucket_cap_mb=auto",
+            "the autotuner times DDP's buckets, and invariant mode sends none (one exact sum per step)",
+        ),
+    ]
+    _refuse_conflicts("trainer.world_size_invariant=true", conflicts, "set trainer.world_size_invariant=false")
 
 
 def check_zero_stage(config: Config) -> None:
@@ -252,8 +267,8 @@ def check_elastic(config: Config, world_size: int) -> None:
             "an MPI job cannot lose a process: MPI ends the whole job when one rank dies",
         ),
         (
-            t.doctor or t.lr_find or d.bucket_cap_mb == "auto",
-            "trainer.doctor / trainer.lr_find / dist.bucket_cap_mb=auto",
+            t.lr_find or d.bucket_cap_mb == "auto",
+            "trainer.lr_find / dist.bucket_cap_mb=auto",
             "their measurements span steps of one fixed group of ranks",
         ),
         (

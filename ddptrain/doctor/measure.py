@@ -157,7 +157,7 @@ class StepRecorder:
         self._forward_started = 0.0
         self._hooks: list[Any] = []  # the forward hooks' handles while attached
         self._listening = False
-        self.last_batch: Any = None  # a micro-batch of the window (the compute probe reruns it)
+        self.last_step: Any = None  # a step of the window (the compute probe reruns one of its micro-batches)
 
     # -- listening -----------------------------------------------------------------------------
     def attach(self) -> None:
@@ -210,7 +210,7 @@ class StepRecorder:
         self._core_wait0 = self._core_wait.seconds()
         self._open = StepRecord(step, asked, data_s=now - asked, data_core_wait_s=self._core_wait0 - data_wait0)
         self._open.marks["data_end"] = now
-        self.last_batch = micro_batches[-1]
+        self.last_step = micro_batches
 
     def _on_forward_backward(self, now: float, _payload) -> None:
         if self._open is not None:

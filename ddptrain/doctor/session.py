@@ -11,6 +11,11 @@ time origin for the timeline), and at the end of the window two all-gathers, the
 few forward/backward passes under ``no_sync`` (the probe: compute without communication, also
 with fewer threads when threads outnumber cores; they consume random numbers, so a doctored run
 is not bitwise the same as an undoctored one).
+
+In an elastic job (``trainer.elastic``) the window measures one group of ranks. A membership
+change before the report is written starts the window again on the new group, from the step
+the members agreed on; a change after it leaves the report as it is. Rank 0 (always a member
+that was there before the change) tells the members which, so a newcomer follows along.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..comm.objects import all_gather_object
+from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.types import ReduceOp
 from ..ddp.buckets import MB
 from ..trainer.callbacks.base import Callback
@@ -50,17 +55,40 @@ class DoctorCallback(Callback):
         self.origin = 0.0
         self.report: dict | None = None
         self.records: list[dict] = []  # this rank's measured steps (StepRecord.to_dict)
+        self.window_started = False  # by on_fit_start, or (a newcomer to an elastic job) by a change
+        self.finished = False  # the window's collectives are done (the report written, or nothing measured)
 
     def on_fit_start(self, trainer) -> None:
+        if not self.window_started:
+            self._start_window(trainer)
+
+    def _start_window(self, trainer) -> None:
+        """Measure from ``doctor.warmup_steps`` steps after the current one (collective: the time origin)."""
         pg = trainer.process_group
         pg.all_reduce(torch.zeros(1, device=pg.device), ReduceOp.SUM).wait()  # a common time origin
         self.origin = time.perf_counter()
+        self.window_started = True
         first = trainer.state.step + self.config.warmup_steps
         self.recorder = StepRecorder(trainer, first, self.config.steps)
         self.recorder.attach()
         window = doctor_window(trainer)  # a fit that is only the window (python -m ddptrain.doctor): say so
         if window is not None and trainer.is_main:
             log.info("%s on %d rank(s)", window, trainer.world_size)
+
+    def on_membership_change(self, trainer, change) -> None:
+        """An elastic job's new group: unless the report is done, measure again on it (collective)."""
+        if self.recorder is not None:
+            self.recorder.detach()  # it listens to the old group's DDP wrapper
+            self.recorder = None
+        self.finished = broadcast_object(trainer.process_group, self.finished)  # rank 0 was a member before
+        self.window_started = True  # a newcomer's on_fit_start, after this, must not start one alone
+        if not self.finished:
+            if trainer.is_main:
+                log.info(
+                    "doctor: the membership changed before its report; measuring again on the %d rank(s) present",
+                    trainer.world_size,
+                )
+            self._start_window(trainer)
 
     def on_train_batch_end(self, trainer, loss: float) -> None:
         if self.recorder is not None and trainer.state.step >= self.recorder.last:
@@ -87,12 +115,14 @@ class DoctorCallback(Callback):
         }
         everyone = all_gather_object(pg, mine)
         if not all(e["records"] for e in everyone):
+            self.finished = True
             if trainer.is_main:
                 log.warning("doctor: no step was measured (the run ended within doctor.warmup_steps)")
             return
         link_rows = sweep(pg)
         facts = self._facts(trainer, everyone, records)
-        facts.compute_probe = _probe(trainer, recorder.last_batch, facts)
+        facts.compute_probe = _probe(trainer, trainer.strategy.one_micro_batch(recorder.last_step), facts)
+        self.finished = True  # every collective of the window is done
         if trainer.is_main:
             self.report = self._write(trainer, everyone, facts, link_rows)
 

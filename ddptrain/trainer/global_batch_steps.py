@@ -91,6 +91,11 @@ class GlobalBatchSteps(StepStrategy):
             batch = collate([dataset[i] for i in indices.tolist()])
         return move_to(batch, t.device, non_blocking=True)
 
+    def one_micro_batch(self, step: GlobalStep) -> Any:
+        """This rank's last shard of ``step`` that holds samples (the doctor's compute probe)."""
+        shard = next(s for s in reversed(step.work.shards) if s.size > 0)
+        return self.load_shard(step, shard.start, shard.end)
+
     def samples(self, step: GlobalStep) -> int:
         self.position = (step.epoch, step.work.start + step.work.num_samples)  # the step is applied
         return step.rank_samples

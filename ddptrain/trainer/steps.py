@@ -85,6 +85,11 @@ class StepStrategy(ABC):
         """How many of this rank's sampler positions ``step`` covered. Called once per step, after
         the step was applied (a strategy may record the step as done here)."""
 
+    def one_micro_batch(self, step: Any) -> Any:
+        """One micro-batch of ``step`` (an item of :meth:`batches`), as ``training_step`` takes it:
+        what the doctor's compute probe runs again. The last one by default."""
+        return step[-1]
+
     def steps_done_in_epoch(self) -> int:
         """Optimizer steps of the current epoch already done, from the sampler's position (an
         epoch's last step may hold fewer micro-batches)."""

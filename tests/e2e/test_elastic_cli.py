@@ -354,3 +354,34 @@ def test_in_normal_mode_the_job_goes_on_without_a_loss_jump_and_ends_as_accurate
         inside = [r for s, r in ratios.items() if block < s <= block + 100]
         assert 0.92 <= sum(inside) / len(inside) <= 1.08, f"steps {block + 1}-{block + 100}: {at}"
     _assert_nothing_left(pids)
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_the_doctor_measures_again_on_the_group_after_a_change_inside_its_window(tmp_path, mnist_root, restarts):
+    """trainer.doctor=true in an elastic job (normal mode): its window is steps 21-100; a worker is
+    killed at step 40, inside it. The window starts again on the survivors, and the report
+    describes the group of the last change before it. With a restart, the worker that rejoins
+    follows the others' window (before or after the report, whichever its start time gives)."""
+    run_dir = tmp_path / "run"
+    code, output, metrics, pids, rank0 = _run_with_kills(
+        run_dir,
+        mnist_root,
+        [("another", 40)],
+        "trainer.doctor=true",
+        "doctor.warmup_steps=20",
+        "doctor.steps=80",
+        f"launcher.max_restarts={restarts}",
+        common=COMMON,
+    )
+    assert code == 0, output[-4000:]
+    changes = _real_changes(metrics)
+    assert changes[0]["world_size"] == 3 and 20 < changes[0]["step"] < 100 and len(changes) == 1 + restarts, changes
+    report = json.loads((run_dir / "doctor.json").read_text())
+    # Every measured step is one group's, after its own warm-up: the group formed at a change.
+    trace = json.loads((run_dir / "doctor_trace.json").read_text())["traceEvents"]
+    steps = sorted({int(e["name"].split()[1]) for e in trace if e["name"].startswith("step ")})
+    [measured] = [c for c in changes if c["step"] + 21 == steps[0]]
+    assert len(steps) == 80 and report["world_size"] == measured["world_size"], (steps, changes)
+    assert len(report["per_rank"]) == len(report["job"]["compute_probe"]["warm_s"]) == measured["world_size"]
+    assert "doctor: the membership changed before its report; measuring again on the 3 rank(s) present" in output
+    _assert_nothing_left(pids)

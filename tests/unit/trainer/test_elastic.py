@@ -16,7 +16,7 @@ NORMAL = {"trainer": {"world_size_invariant": False}}
     ("override", "named", "why"),
     [
         ({"dist": {"backend": "mpi"}}, "dist.backend=mpi", "an MPI job cannot lose a process"),
-        ({"trainer": {"doctor": True}}, "trainer.doctor", "one fixed group of ranks"),
+        ({"trainer": {"lr_find": True}}, "trainer.lr_find", "one fixed group of ranks"),
         ({"trainer": {"smoke_check": True}}, "trainer.smoke_check=true", "a member that joins later has none"),
         ({"dist": {"min_world_size": 5}}, "dist.min_world_size=5", "the job starts with 4 rank(s), fewer than that"),
         # in normal mode: invariant mode refuses these three itself

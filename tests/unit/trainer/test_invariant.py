@@ -378,3 +378,23 @@ def test_without_dropout_a_whole_epoch_trains_what_plain_training_trains(tmp_pat
     config = _config(tmp_path / "invariant", model, epochs=1)
     for state, _ in run_threaded(_params, world_size, ImagesTrainer, config, timeout_s=60):
         _assert_states_close(state, plain[0][0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("override", "named"),
+    [
+        ({"trainer": {"doctor": True}}, "trainer.doctor=true"),
+        ({"dist": {"bucket_cap_mb": "auto"}}, "dist.bucket_cap_mb=auto"),
+    ],
+)
+def test_what_measures_ddps_buckets_is_refused_naming_why(override, named):
+    """Invariant mode sends no bucket: the doctor (whose probe once failed on its steps with a
+    TypeError) and the bucket autotune would measure nothing of what the run does."""
+    from ddptrain.preflight import validate
+
+    raw = {"dist": override.get("dist", {}), "trainer": {"world_size_invariant": True, **override.get("trainer", {})}}
+    with pytest.raises(ConfigError) as err:
+        validate(Config.from_dict(raw), 2)
+    message = str(err.value)
+    assert message.startswith(f"trainer.world_size_invariant=true cannot be combined with {named}"), message
+    assert "outside DDP's buckets" in message or "sends none" in message, message
