@@ -381,7 +381,8 @@ def test_the_doctor_measures_again_on_the_group_after_a_change_inside_its_window
     trace = json.loads((run_dir / "doctor_trace.json").read_text())["traceEvents"]
     steps = sorted({int(e["name"].split()[1]) for e in trace if e["name"].startswith("step ")})
     [measured] = [c for c in changes if c["step"] + 21 == steps[0]]
-    assert len(steps) == 80 and report["world_size"] == measured["world_size"], (steps, changes)
+    in_window = min(80, STEPS - measured["step"] - 20)  # a late change leaves the run's end inside the window
+    assert len(steps) == in_window and report["world_size"] == measured["world_size"], (steps, changes)
     assert len(report["per_rank"]) == len(report["job"]["compute_probe"]["warm_s"]) == measured["world_size"]
     assert "doctor: the membership changed before its report; measuring again on the 3 rank(s) present" in output
     _assert_nothing_left(pids)
