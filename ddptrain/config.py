@@ -379,6 +379,12 @@ class CheckpointConfig:
     """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy) for ``monitor``."""
     save_top_k: int = bounded(1, at_least=1)
     """How many best checkpoints ``monitor`` keeps (exactly these; ties keep the earlier step)."""
+    sharded: bool = False
+    """ZeRO only (``dist.zero_stage=1|2``): each rank writes its own shard of the optimizer state
+    to a file beside the checkpoint (``step_<N>.pt.optim-<rank>-of-<W>``), with no gather of the
+    full state and no rank holding more than its shard; the checkpoint file holds the rest. Reading
+    it puts the shards together, so it still resumes at any world size, with ZeRO or in plain DDP,
+    and ``ddptrain.load_model`` reads it. ``false``: one consolidated file (docs/zero.md)."""
 
 
 @dataclass

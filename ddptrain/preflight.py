@@ -134,6 +134,12 @@ def check_zero_stage(config: Config) -> None:
     """Refuse what ZeRO (``dist.zero_stage=1|2``) cannot be combined with, saying why."""
     stage = config.dist.zero_stage
     if not stage:
+        if config.trainer.checkpoint.sharded:
+            raise ConfigError(
+                "trainer.checkpoint.sharded=true writes each rank's shard of a ZeRO optimizer's state, and "
+                "dist.zero_stage=0 has none (every rank holds the whole state): set dist.zero_stage=1 or 2, "
+                "or drop trainer.checkpoint.sharded"
+            )
         return
     t, d = config.trainer, config.dist
     conflicts = [

@@ -48,12 +48,15 @@ backward (``find_unused_parameters`` is refused).
 ``state_dict`` format (per parameter, full size), loadable by plain DDP's optimizer or by a
 ZeroOptimizer at any world size; gathering it materialises the full state on every rank for the
 duration of the call. :meth:`ZeroOptimizer.load_state_dict` takes that format and keeps only
-this rank's shards. Both are collective.
+this rank's shards. Both are collective. :meth:`ZeroOptimizer.shard_state_dict` is the sharded
+alternative: this rank's pieces only, with no collective and no full-size copy;
+:func:`consolidate_shards` puts every rank's pieces back into the consolidated format.
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +67,7 @@ from ..comm.types import ReduceOp
 from .module import DistributedDataParallel
 from .shards import ALGORITHMS, ShardComm
 
-__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "check_elementwise"]
+__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "check_elementwise", "consolidate_shards"]
 
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "ASGD")
 
@@ -322,6 +325,30 @@ class ZeroOptimizer:
         return out
 
     # -- checkpoints ---------------------------------------------------------------------------
+    def shard_state_dict(self) -> dict[str, Any]:
+        """This rank's share of the optimizer state, without any collective or full-size copy:
+        ``{"params": {k: {"lo", "hi", "shape", "state"}}}``, ``k`` a parameter's index in the wrapped
+        optimizer's ``state_dict`` (its groups' order), ``[lo, hi)`` the elements of the flattened
+        parameter this rank steps, ``state`` their optimizer state (element-wise entries as the
+        ``hi - lo`` slice, others such as Adam's ``step`` as they are). Every rank's together make
+        the consolidated state again (:func:`consolidate_shards`)."""
+        order = {id(p): k for k, p in enumerate(p for group in self.optimizer.param_groups for p in group["params"])}
+        states = {} if self._shard_optimizer is None else self._shard_optimizer.state
+        params: dict[int, dict[str, Any]] = {}
+        for shard in self._shards:
+            state = states.get(shard.tensor)
+            if not state:
+                continue  # never stepped: nothing to save, as torch's own state_dict
+            (piece,) = shard.pieces
+            param = self.reducer.params[piece.param]
+            params[order[id(param)]] = {
+                "lo": piece.lo,
+                "hi": piece.hi,
+                "shape": list(param.shape),
+                "state": {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in state.items()},
+            }
+        return {"params": params}
+
     def state_dict(self) -> dict[str, Any]:
         """The consolidated state, in the wrapped optimizer's own ``state_dict`` format. Collective."""
         full = self._gather_full_state()
@@ -453,6 +480,42 @@ class ZeroOptimizer:
                 if self._group_of.get(i) == g:
                     param = self.reducer.params[i]
                     yield i, key, flat[offset : offset + param.numel()].view_as(param)
+
+
+def consolidate_shards(groups_entry: dict[str, Any], shards: list[dict[str, Any]]) -> dict[str, Any]:
+    """The consolidated optimizer ``state_dict`` (torch's per-parameter format) from every rank's
+    :meth:`ZeroOptimizer.shard_state_dict`; ``groups_entry`` supplies the ``param_groups``.
+
+    Raises:
+        ValueError: when the shards do not cover each parameter's elements exactly once (a shard
+            missing, or shards of different checkpoints), naming the parameter.
+    """
+    pieces: dict[int, list[dict[str, Any]]] = {}
+    for shard in shards:
+        for k, piece in shard["params"].items():
+            pieces.setdefault(int(k), []).append(piece)
+    state: dict[int, dict[str, Any]] = {}
+    for k, parts in sorted(pieces.items()):
+        shape = parts[0]["shape"]
+        numel = math.prod(shape)
+        covered = sorted((p["lo"], p["hi"]) for p in parts)
+        if covered[0][0] != 0 or covered[-1][1] != numel or any(a[1] != b[0] for a, b in zip(covered, covered[1:])):
+            raise ValueError(
+                f"the optimizer shards of parameter {k} (shape {tuple(shape)}) cover elements {covered} of "
+                f"{numel}: each element must be in exactly one shard (a shard file is missing, or the shards "
+                "come from different checkpoints)"
+            )
+        full: dict[str, Any] = {}
+        for part in parts:
+            for key, value in part["state"].items():
+                if torch.is_tensor(value) and value.dim() > 0:  # element-wise: this piece's slice
+                    if key not in full:
+                        full[key] = torch.empty(numel, dtype=value.dtype)
+                    full[key][part["lo"] : part["hi"]] = value
+                else:
+                    full.setdefault(key, value)  # the same on every piece of the parameter
+        state[k] = {key: v.view(shape) if torch.is_tensor(v) and v.dim() > 0 else v for key, v in full.items()}
+    return {"state": state, "param_groups": groups_entry["param_groups"]}
 
 
 def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:

@@ -146,6 +146,12 @@ class StepStrategy(ABC):
         :class:`.optimizers.OptimizerSet`): its own ``state_dict`` by default. Collective."""
         return optimizers.state_dict()
 
+    def optimizer_shard(self) -> dict[str, Any] | None:
+        """This rank's shard of the optimizer state, for a file of its own beside the checkpoint
+        (``trainer.checkpoint.sharded``; then :meth:`optimizer_state_dict` leaves it out), or None:
+        the checkpoint's ``optimizer`` entry holds the whole state. Not collective."""
+        return None
+
     def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
         """Restore :meth:`optimizer_state_dict`'s entries of ``checkpoint`` into ``optimizers``."""
         optimizers.load_state_dict(checkpoint)

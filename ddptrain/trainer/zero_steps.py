@@ -7,7 +7,9 @@ but the last; the stop votes ride in the reduction, in an all-reduce of their ow
   bucket and all-gathers the parameters; ``trainer.grad_clip_norm`` clips by the global norm
   over every rank's shard (one small all-reduce);
 - **checkpoints**: the ``optimizer`` entry is consolidated, in torch's per-parameter format, so a
-  checkpoint loads in plain DDP and at any world size (the shards are cut again on resume).
+  checkpoint loads in plain DDP and at any world size (the shards are cut again on resume). With
+  ``trainer.checkpoint.sharded=true`` each rank writes its shard to a file of its own instead
+  (:meth:`optimizer_shard`), which reading the checkpoint puts together again.
 
 The trainer's ``optimizer`` keeps its ``param_groups`` (what schedulers and ``train/lr`` use) but
 never holds state: the shards' optimizer does. Refused here: more than one optimizer. What the
@@ -72,7 +74,13 @@ class ZeroSteps(DataParallelSteps):
         self.zero.zero_grad()
 
     def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
+        if self.trainer.config.trainer.checkpoint.sharded:  # the state goes to each rank's own file
+            groups = {"param_groups": optimizers.state_dict()["optimizer"]["param_groups"]}
+            return {**optimizers.state_dict(), "optimizer": {**groups, "shards": self.trainer.world_size}}
         return {**optimizers.state_dict(), "optimizer": self.zero.state_dict()}
+
+    def optimizer_shard(self) -> dict[str, Any] | None:
+        return self.zero.shard_state_dict() if self.trainer.config.trainer.checkpoint.sharded else None
 
     def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
         optimizers.load_state_dict(checkpoint)  # the full state into the trainer's optimizer, schedules

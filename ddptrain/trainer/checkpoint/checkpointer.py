@@ -64,6 +64,7 @@ from .files import (
     load_checkpoint,
     load_step,
     monitor_entry,
+    optimizer_shard_path,
     prune_checkpoints,
     remove_checkpoint,
     save_checkpoint,
@@ -318,9 +319,16 @@ class Checkpointer:
     # == writing ==================================================================================
     def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
         """Write a checkpoint plus ``extra`` entries to ``path``; returns ``path``. Collective: rank 0
-        writes, atomically, with its digest (:func:`.files.save_checkpoint`)."""
+        writes, atomically, with its digest (:func:`.files.save_checkpoint`). A strategy that shards
+        the optimizer state to files (``trainer.checkpoint.sharded``) has every rank write its own
+        first, so the checkpoint appears only once all of them are on disk."""
         checkpoint = {**self.state_dict(), **(extra or {})}
         path = Path(path)
+        shard = None if self.strategy is None else self.strategy.optimizer_shard()
+        if shard is not None:
+            pg = self.process_group
+            save_checkpoint(optimizer_shard_path(path, pg.rank(), pg.size()), shard)
+            pg.barrier().wait()
         if self.is_main:
             save_checkpoint(path, checkpoint)
             log.info("checkpoint saved: %s (step %d)", path, self.state.step)

@@ -7,6 +7,12 @@ digest first: a crash leaves either the previous state or a complete pair, never
 under the final name. ``torch.load`` alone notices truncation but not a flipped byte inside a
 tensor; the digest catches both.
 
+A checkpoint of a ZeRO run with ``trainer.checkpoint.sharded=true`` also has one file per rank
+beside it, ``step_<step>.pt.optim-<rank>-of-<world size>`` (with its digest), holding that rank's
+shard of the optimizer state; the checkpoint's ``optimizer`` entry then holds the ``param_groups``
+and ``"shards": <world size>``. :func:`load_checkpoint` reads them back into the consolidated
+format, so every reader sees one layout; :func:`remove_checkpoint` deletes them with it.
+
 These are primitives on paths, with no collectives and no knowledge of a run: the
 :class:`~.checkpointer.Checkpointer` decides what to write where, and :mod:`.resolve` which
 file a ``trainer.resume`` value means.
@@ -14,6 +20,7 @@ file a ``trainer.resume`` value means.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import os
@@ -42,6 +49,7 @@ __all__ = [
     "monitor_entry",
     "prune_checkpoints",
     "remove_checkpoint",
+    "optimizer_shard_path",
 ]
 
 FORMAT_VERSION = 1
@@ -92,16 +100,60 @@ def save_checkpoint(path: PathLike, state: dict[str, Any]) -> Path:
     return path
 
 
+def optimizer_shard_path(path: PathLike, rank: int, world_size: int) -> Path:
+    """Where rank ``rank`` of ``world_size`` writes its shard of a sharded checkpoint's optimizer state."""
+    path = Path(path)
+    return path.with_name(f"{path.name}.optim-{rank}-of-{world_size}")
+
+
 def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]:
-    """Load and verify a checkpoint written by :func:`save_checkpoint`.
+    """Load and verify a checkpoint written by :func:`save_checkpoint`; a sharded optimizer entry
+    comes back consolidated, from the shard files beside it (each verified the same way).
 
     Loads with ``torch.load(weights_only=True)``: no code from the file runs.
 
     Raises:
         CheckpointError: missing, truncated or corrupt file (digest mismatch, unreadable archive),
-            or not a ddptrain checkpoint; the message lists other checkpoints next to it.
+            or not a ddptrain checkpoint, or a missing or corrupt optimizer shard; the message lists
+            other checkpoints next to it.
     """
     path = Path(path)
+    state = _load_verified(path, map_location)
+    if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
+        missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
+        raise CheckpointError(f"{path} is not a ddptrain checkpoint: keys {missing} are missing.{_others(path)}")
+    if state["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path} has checkpoint format {state['format_version']!r}; this ddptrain reads format {FORMAT_VERSION}"
+        )
+    if isinstance(state["optimizer"], dict) and "shards" in state["optimizer"]:
+        state["optimizer"] = _consolidated(path, state["optimizer"])
+    return state
+
+
+def _consolidated(path: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """A sharded optimizer entry with its shard files read and put together (torch's format)."""
+    from ...ddp.zero import consolidate_shards
+
+    world_size = int(entry["shards"])
+    shards = []
+    for rank in range(world_size):
+        shard_path = optimizer_shard_path(path, rank, world_size)
+        if not shard_path.is_file():
+            raise CheckpointError(
+                f"checkpoint {path} keeps its optimizer state in {world_size} shard files beside it "
+                f"(trainer.checkpoint.sharded), and {shard_path.name} is missing: copy a checkpoint "
+                f"with its {path.name}.optim-* files.{_others(path)}"
+            )
+        shards.append(_load_verified(shard_path))
+    try:
+        return consolidate_shards(entry, shards)
+    except ValueError as exc:
+        raise CheckpointError(f"checkpoint {path}: {exc}") from None
+
+
+def _load_verified(path: Path, map_location: Any = "cpu") -> Any:
+    """``torch.load(weights_only=True)`` of ``path`` after checking it against its digest file."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist{_others(path)}")
     data = path.read_bytes()
@@ -137,13 +189,6 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]
             f"it is truncated, corrupt, or not a torch checkpoint. It was not loaded and nothing was "
             f"deleted.{_others(path)}"
         ) from exc
-    if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
-        missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
-        raise CheckpointError(f"{path} is not a ddptrain checkpoint: keys {missing} are missing.{_others(path)}")
-    if state["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format {state['format_version']!r}; this ddptrain reads format {FORMAT_VERSION}"
-        )
     return state
 
 
@@ -204,9 +249,10 @@ def prune_checkpoints(directory: PathLike, keep_last: int) -> list[Path]:
 
 
 def remove_checkpoint(path: PathLike) -> None:
-    """Delete a checkpoint and its digest (either may already be gone)."""
+    """Delete a checkpoint, its optimizer shards and their digests (any may already be gone)."""
     path = Path(path)
-    for p in (path, path.with_name(path.name + ".sha256")):
+    shards = list(path.parent.glob(f"{glob.escape(path.name)}.optim-*")) if path.parent.is_dir() else []
+    for p in (*shards, path, path.with_name(path.name + ".sha256")):
         try:
             p.unlink()
         except FileNotFoundError:

@@ -17,7 +17,8 @@ from ddptrain import Config, Trainer
 from ddptrain.config import ConfigError
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
-from ddptrain.trainer.checkpoint import load_checkpoint
+from ddptrain.trainer.checkpoint import CheckpointError, load_checkpoint
+from ddptrain.trainer.checkpoint.files import remove_checkpoint
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -93,6 +94,52 @@ def test_a_zero_checkpoint_is_plain_and_resumes_at_another_world_size(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(as_plain[0], zero["model"].values())), "nothing trained"
 
 
+def test_a_sharded_checkpoint_keeps_one_shard_per_rank_and_reads_back_as_the_consolidated_one(tmp_path):
+    """trainer.checkpoint.sharded=true at 4 ranks: four shard files beside the checkpoint, none
+    holding the whole state, the checkpoint itself none of it; read back, the state is the
+    consolidated checkpoint's bit for bit, and it resumes at 2 ranks (ZeRO and plain DDP) as that one does."""
+    run_threaded(_fit, 4, tmp_path / "zero4", 2, max_steps=7, timeout_s=120)
+    run_threaded(_fit, 4, tmp_path / "shard4", 2, max_steps=7, checkpoint={"sharded": True}, timeout_s=120)
+    consolidated_path = tmp_path / "zero4" / "checkpoints" / "step_000000007.pt"
+    sharded_path = tmp_path / "shard4" / "checkpoints" / "step_000000007.pt"
+    raw = torch.load(sharded_path, weights_only=True)
+    assert raw["optimizer"]["shards"] == 4 and "state" not in raw["optimizer"]
+    total = sum(p.numel() for p in Task(_config(tmp_path, 0)).configure_model().parameters())
+    held = []
+    for rank in range(4):
+        shard = tmp_path / "shard4" / "checkpoints" / f"step_000000007.pt.optim-{rank}-of-4"
+        assert shard.with_name(shard.name + ".sha256").is_file()
+        pieces = torch.load(shard, weights_only=True)["params"].values()
+        assert all(p["state"]["exp_avg"].numel() == p["hi"] - p["lo"] for p in pieces)
+        held.append(sum(p["hi"] - p["lo"] for p in pieces))
+    assert sum(held) == total and max(held) < total, held  # every element once, no rank all of them
+    consolidated, sharded = load_checkpoint(consolidated_path), load_checkpoint(sharded_path)
+    assert sharded["optimizer"]["param_groups"] == consolidated["optimizer"]["param_groups"]
+    assert sharded["optimizer"]["state"].keys() == consolidated["optimizer"]["state"].keys()
+    for i, state in consolidated["optimizer"]["state"].items():
+        assert all(torch.equal(v, sharded["optimizer"]["state"][i][k]) for k, v in state.items()), i
+    again = {"allow_world_size_change": True, "timeout_s": 120}
+    for stage in (0, 2):
+        from_sharded = run_threaded(_fit, 2, tmp_path / f"s{stage}", stage, resume=str(sharded_path), **again)
+        from_consolidated = run_threaded(_fit, 2, tmp_path / f"c{stage}", stage, resume=str(consolidated_path), **again)
+        assert all(torch.equal(a, b) for a, b in zip(from_sharded[0], from_consolidated[0])), stage
+
+
+def test_a_sharded_checkpoint_missing_a_shard_is_refused_naming_it_and_deleting_it_takes_the_shards(tmp_path):
+    run_threaded(_fit, 2, tmp_path / "run", 1, max_steps=3, checkpoint={"sharded": True}, timeout_s=120)
+    path = tmp_path / "run" / "checkpoints" / "step_000000003.pt"
+    (tmp_path / "run" / "checkpoints" / "step_000000003.pt.optim-1-of-2").unlink()
+    with pytest.raises(CheckpointError, match=r"step_000000003.pt.optim-1-of-2 is missing"):
+        load_checkpoint(path)
+    remove_checkpoint(path)
+    assert sorted(p.name for p in path.parent.iterdir()) == []
+
+
+def test_sharded_checkpoints_without_zero_are_refused():
+    with pytest.raises(ConfigError, match="trainer.checkpoint.sharded=true writes each rank's shard of a ZeRO"):
+        validate(Config.from_dict({"trainer": {"checkpoint": {"sharded": True}}}), 2)
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -155,3 +202,17 @@ def test_more_than_one_optimizer_is_refused_with_the_count(tmp_path):
 
     with pytest.raises(ConfigError, match="shards one optimizer, and configure_optimizers returned 2"):
         run_threaded(body, 2, timeout_s=60)
+
+
+def test_shards_that_do_not_cover_a_parameter_exactly_once_are_refused_naming_it():
+    from ddptrain.ddp.zero import consolidate_shards
+
+    def piece(lo, hi):
+        return {"lo": lo, "hi": hi, "shape": [2, 3], "state": {"step": torch.tensor(1.0), "v": torch.ones(hi - lo)}}
+
+    groups = {"param_groups": []}
+    whole = consolidate_shards(groups, [{"params": {0: piece(0, 4)}}, {"params": {0: piece(4, 6)}}])
+    assert whole["state"][0]["v"].shape == (2, 3) and float(whole["state"][0]["step"]) == 1.0
+    for parts in ([piece(0, 4)], [piece(0, 4), piece(3, 6)]):  # a gap; an overlap
+        with pytest.raises(ValueError, match=r"parameter 0 \(shape \(2, 3\)\) cover elements"):
+            consolidate_shards(groups, [{"params": {0: p}} for p in parts])
