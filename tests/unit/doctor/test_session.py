@@ -189,3 +189,45 @@ def test_every_rank_gets_every_ranks_unhurried_compute_time(tmp_path):
     warm = probes[0]["warm_s"]
     assert 0 < warm[0] < 0.03 <= warm[1], warm
     assert probes[0]["now_s"] >= 0.03  # all ranks computing at once: the slowest rank's time
+
+
+class _AutocastSeen(DoctorTask):
+    """Records, at each training_step, whether autocast is on (what the step computes in)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.autocast_seen: list[bool] = []
+
+    def training_step(self, model, batch):
+        self.autocast_seen.append(torch.is_autocast_enabled("cpu"))
+        return super().training_step(model, batch)
+
+
+def _autocast_probe(rank, world_size, out):
+    cfg = doctor_config(out, model=MLP, batch=8)
+    cfg.trainer.doctor, cfg.trainer.max_steps, cfg.trainer.precision = False, 1, "bf16-mixed"
+    trainer = _AutocastSeen(cfg)
+    trainer.fit()
+    trained = list(trainer.autocast_seen)
+    facts = JobFacts(
+        world_size=world_size,
+        ranks_per_host=world_size,
+        threads=1,
+        cores=len(os.sched_getaffinity(0)),
+        num_workers=0,
+        bucket_cap_mb=25.0,
+        find_unused=False,
+        bucket_sizes=((MLP_BYTES,),),
+    )
+    _probe(trainer, (torch.randn(4, 32), torch.randint(0, 10, (4,))), facts, repeats=1)
+    return trained, trainer.autocast_seen[len(trained) :]
+
+
+@pytest.mark.timeout(120)
+def test_the_compute_probe_computes_in_the_trainings_precision(tmp_path):
+    """Under bf16-mixed the training step runs in autocast; the probe must time the same
+    computation (it once ran float32 while training ran bf16: the local-step predictions of a
+    bf16 recipe were 22-27% high)."""
+    trained, probed = run_threaded(_autocast_probe, 1, tmp_path, timeout_s=100)[0]
+    assert trained and all(trained), trained
+    assert probed and all(probed), probed
