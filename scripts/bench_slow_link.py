@@ -172,7 +172,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--syncs", nargs="+", default=["every_step", "local_sgd", "diloco"])
     parser.add_argument("--sync-every", nargs="+", type=int, default=[16], help="H for local_sgd/diloco")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=4, help="recipe=mnist_fast's own length (4)")
     parser.add_argument("--eval-every", type=int, default=47, help="steps between evaluations (235 per epoch)")
     parser.add_argument("--target", type=float, default=0.985)
     parser.add_argument("--rate", default="20mbit")
