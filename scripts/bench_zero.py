@@ -11,8 +11,8 @@ Per rank (rank 0's figures; the ranks differ by at most one bucket's chunk):
 
 - ``optim MB``: bytes of optimizer state the rank holds after the first step;
 - ``grad MB``: bytes of gradient the rank holds after a backward — ``.grad`` tensors plus our
-  DDP's bucket buffers and shard gradients (torch DDP's own buckets are not visible: its figure is
-  a lower bound);
+  DDP's bucket buffers and shard gradients that are not views of them (torch DDP's own buckets are
+  not visible: its figure is a lower bound);
 - ``peak RSS MB``: the process's peak resident memory (``ru_maxrss``), start-up included;
 - ``step ms``: median wall time of one step (forward, backward, optimizer step, zero_grad) after
   ``--warmup`` steps; ``fwd``/``bwd``/``opt ms`` its parts (``bwd`` includes the gradients'
@@ -103,8 +103,11 @@ def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, st
             grad_bytes = _tensor_bytes(p.grad for p in model.parameters())
             reducer = getattr(ddp, "reducer", None)
             if reducer is not None and hasattr(reducer, "shard_grads"):
-                grad_bytes += _tensor_bytes(f.buffer for f in reducer.flat if f is not None)
-                grad_bytes += _tensor_bytes(reducer.shard_grads)
+                buffers = [f.buffer for f in reducer.flat if f is not None]
+                grad_bytes += _tensor_bytes(buffers)
+                held = {b.untyped_storage().data_ptr() for b in buffers}  # ZeRO-1: its shards are views of them
+                shards = [s for s in reducer.shard_grads if s.untyped_storage().data_ptr() not in held]
+                grad_bytes += _tensor_bytes(shards)
         step()
         zero_grad()
         if i >= warmup:

@@ -220,18 +220,23 @@ class Reducer:
         self._sideband_bucket = self._sideband_carrier()
         if self.shard_comm is not None:
             self.shard_layouts = [self.shard_comm.layout(b.numel) for b in self.plan.buckets]
-            self.shard_grads = [
-                torch.zeros(lay.size, dtype=b.dtype, device=b.device)
-                for lay, b in zip(self.shard_layouts, self.plan.buckets)
-            ]
             tail = {b.index: lay.padded_numel - b.numel for b, lay in zip(self.plan.buckets, self.shard_layouts)}
         else:
             tail = {} if self._sideband_bucket is None else {self._sideband_bucket: self._sideband_size}
         self._tail = tail
         if self.zero_stage == 2:  # allocated as gradients arrive, freed once their chunk is kept
             self.flat: list[FlatBuffer | None] = [None] * len(self.plan.buckets)
+            self.shard_grads = [
+                torch.zeros(lay.size, dtype=b.dtype, device=b.device)
+                for lay, b in zip(self.shard_layouts, self.plan.buckets)
+            ]
         else:
             self.flat = allocate(self.plan, tail)
+        if self.zero_stage == 1:
+            # The owned chunk of each bucket's buffer, which the buffers keep between steps: the
+            # reduce-scatter leaves the average there, and only the next synchronised backward
+            # (after the step used it) writes the buffer again. No copy of it is kept.
+            self.shard_grads = [f.buffer[lay.start : lay.stop] for f, lay in zip(self.flat, self.shard_layouts)]
         self.layout_version += 1
         if self.as_view:  # existing gradients move into the new buffers
             for i, p in enumerate(self.params):
@@ -554,10 +559,11 @@ class Reducer:
         return frozenset(i for i, n in enumerate(used.cpu().tolist()) if n == 0)
 
     def _keep_shard(self, b: int) -> None:
-        """Keep this rank's chunk of bucket ``b``'s averaged gradients; ZeRO-2 frees the bucket."""
-        layout = self.shard_layouts[b]
-        self.shard_grads[b].copy_(self.flat[b].buffer[layout.start : layout.stop])
+        """Keep this rank's chunk of bucket ``b``'s averaged gradients: ZeRO-2 copies it out and
+        frees the bucket; at ZeRO-1 ``shard_grads[b]`` is that chunk of the buffer already."""
         if self.zero_stage == 2:
+            layout = self.shard_layouts[b]
+            self.shard_grads[b].copy_(self.flat[b].buffer[layout.start : layout.stop])
             self.flat[b] = None
 
     def _collect(self, b: int, work: object) -> None:

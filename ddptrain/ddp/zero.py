@@ -16,8 +16,9 @@ How one step goes:
    (:class:`~.shards.ShardLayout`); the bucket is divided by ``W`` and *reduce-scattered*, so this
    rank ends with the averaged gradients of its own chunk only (``ddp.reducer.shard_grads``).
    Parameters' ``.grad`` is ``None`` afterwards, at both stages. Stage 1 keeps the buckets' flat
-   gradient buffers allocated between steps (one full-size gradient, as plain DDP); stage 2 frees
-   each once its chunk is taken, so after backward a rank holds only its shard's gradient elements.
+   gradient buffers allocated between steps (one full-size gradient, as plain DDP), and its shard
+   is a view of each buffer's owned chunk (no copy); stage 2 copies the chunk out and frees each
+   buffer, so after backward a rank holds only its shard's gradient elements.
 2. **Step.** The elements of a parameter that lie in this rank's chunk are one contiguous slice of
    it; a second instance of the optimizer's own class, with the same hyper-parameters
    (``foreach``/``fused`` included: the same implementation), steps those slices — views of the

@@ -129,6 +129,12 @@ def _grads_after_one_backward(rank, world_size, stage):
         "numel": sum(p.numel() for p in model.parameters()),
         "ranges": zero.shard_gradient_elements(),
     }
+    # the gradient memory held: every distinct storage behind the buffers and the shards, once
+    buffers = [f.buffer for f in reducer.flat if f is not None]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in buffers + reducer.shard_grads}
+    held["gradient_bytes"] = sum(storages.values())
+    held["bucket_bytes"] = sum(b.untyped_storage().nbytes() for b in buffers)
+    held["shard_bytes"] = sum(g.numel() * g.element_size() for g in reducer.shard_grads)
     plain_grads = dict(zip(plain.reducer.params, (p.grad for p in plain.module.parameters())))
     for b, (bucket, layout) in enumerate(zip(reducer.plan.buckets, reducer.shard_layouts)):
         full = torch.cat([plain_grads[plain.reducer.params[i]].reshape(-1) for i in bucket.params])
@@ -144,6 +150,9 @@ def test_after_backward_a_rank_holds_exactly_its_shard_of_the_averaged_gradients
         assert all(g is None for g in rank_held["grads"]), "a parameter kept a full-size .grad"
         assert all(rank_held["buffers"]) == (stage == 1), rank_held["buffers"]  # stage 2 frees the buckets
         assert rank_held["elements"] <= rank_held["numel"] // world_size + len(rank_held["buffers"])
+        # stage 1: the shard is the buffers' owned chunk, no copy; stage 2: the shard alone
+        expected = rank_held["bucket_bytes"] if stage == 1 else rank_held["shard_bytes"]
+        assert rank_held["gradient_bytes"] == expected, rank_held
     # the ranks' shards cover every element of every parameter exactly once
     numel = dict(_template().named_parameters())
     for name, p in numel.items():
