@@ -13,6 +13,10 @@ What they share: the position in the epoch (the samples of the epoch's order the
 took). It is exact at any world size and survives a change of it, where the sampler's per-rank
 count times the world size does not once the world size no longer divides what was consumed.
 It travels in checkpoints and in an elastic job's state hand-over (:meth:`GlobalBatchSteps.state_dict`).
+
+Each shard is read by index in the training process (:meth:`GlobalBatchSteps.load_shard`), collated
+with a ``train_dataloader()`` DataLoader's ``collate_fn``: that DataLoader's worker processes are
+not used in these modes.
 """
 
 from __future__ import annotations

@@ -161,12 +161,9 @@ def test_doctor_off_listens_to_nothing_and_writes_nothing(tmp_path):
     assert not (tmp_path / "doctor.json").exists()
 
 
-def _probe_fit(rank, world_size, out):
-    cfg = doctor_config(out, model={**MLP, "slow_rank": 1, "slow_s": 0.03}, batch=8)
-    cfg.trainer.doctor, cfg.trainer.max_steps = False, 1
-    trainer = DoctorTask(cfg)
-    trainer.fit()
-    facts = JobFacts(
+def _mlp_facts(world_size: int) -> JobFacts:
+    """The job facts the probe needs, for MLP on ``world_size`` ranks of this machine."""
+    return JobFacts(
         world_size=world_size,
         ranks_per_host=world_size,
         threads=1,
@@ -176,6 +173,14 @@ def _probe_fit(rank, world_size, out):
         find_unused=False,
         bucket_sizes=((MLP_BYTES,),),
     )
+
+
+def _probe_fit(rank, world_size, out):
+    cfg = doctor_config(out, model={**MLP, "slow_rank": 1, "slow_s": 0.03}, batch=8)
+    cfg.trainer.doctor, cfg.trainer.max_steps = False, 1
+    trainer = DoctorTask(cfg)
+    trainer.fit()
+    facts = _mlp_facts(world_size)
     batch = (torch.randn(4, 32), torch.randint(0, 10, (4,)))
     return _probe(trainer, batch, facts)
 
@@ -209,16 +214,7 @@ def _autocast_probe(rank, world_size, out):
     trainer = _AutocastSeen(cfg)
     trainer.fit()
     trained = list(trainer.autocast_seen)
-    facts = JobFacts(
-        world_size=world_size,
-        ranks_per_host=world_size,
-        threads=1,
-        cores=len(os.sched_getaffinity(0)),
-        num_workers=0,
-        bucket_cap_mb=25.0,
-        find_unused=False,
-        bucket_sizes=((MLP_BYTES,),),
-    )
+    facts = _mlp_facts(world_size)
     _probe(trainer, (torch.randn(4, 32), torch.randint(0, 10, (4,))), facts, repeats=1)
     return trained, trainer.autocast_seen[len(trained) :]
 
