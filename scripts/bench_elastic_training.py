@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_elastic_training.py chaos [--steps 9000] [--every 20] [--seed 0] [--spares 0 1]
         [--world-size 4]
-    .venv/bin/python scripts/bench_elastic_training.py overhead [--steps 400] [--rounds 5]
+    .venv/bin/python scripts/bench_elastic_training.py overhead [--steps 400] [--rounds 5] [--normal]
 
 ``chaos``: ``python -m ddptrain recipe=mnist trainer.world_size_invariant=true trainer.elastic=true
 dist.world_size=4`` (``--world-size``), once per ``--spares`` value (``launcher.spares``), no checkpoints written (so
@@ -18,7 +18,8 @@ the world size).
 
 ``overhead``: the same job at 4 ranks with and without ``trainer.elastic=true``, alternating, and the
 median of ``time/train_s`` of each; the ratio is the cost of being elastic when nothing fails (the
-heartbeat thread, rank 0 asking the store for newcomers every 0.1 s).
+heartbeat thread, rank 0 asking the store for newcomers every 0.1 s). ``--normal``: both without
+invariant mode, so the elastic side also reads its shares of each global batch by position.
 
 Measured figures go to benchmarks/README.md with the command and the date.
 """
@@ -54,8 +55,9 @@ COMMON = [
 NO_CHECKPOINTS = ["trainer.checkpoint.every_epochs=0", "trainer.checkpoint.at_end=false"]
 
 
-def _job(run_dir: Path, *overrides: str) -> list[str]:
-    return [PYTHON, "-m", "ddptrain", *COMMON, f"hydra.run.dir={run_dir}", *overrides]
+def _job(run_dir: Path, *overrides: str, invariant: bool = True) -> list[str]:
+    common = COMMON if invariant else [o for o in COMMON if not o.startswith("trainer.world_size_invariant")]
+    return [PYTHON, "-m", "ddptrain", *common, f"hydra.run.dir={run_dir}", *overrides]
 
 
 def _metrics(run_dir: Path) -> dict:
@@ -179,7 +181,8 @@ def overhead(args: argparse.Namespace, work: Path) -> int:
                 "dist.world_size=4",
                 f"trainer.elastic={str(elastic).lower()}",
             ]
-            subprocess.run(_job(run_dir, *overrides, *NO_CHECKPOINTS), cwd=REPO, capture_output=True, check=True)
+            job = _job(run_dir, *overrides, *NO_CHECKPOINTS, invariant=not args.normal)
+            subprocess.run(job, cwd=REPO, capture_output=True, check=True)
             times[elastic].append(_metrics(run_dir)["time/train_s"])
             print(f"round {r}: elastic={elastic}: time/train_s {times[elastic][-1]:.3f}", flush=True)
     plain, elastic = statistics.median(times[False]), statistics.median(times[True])
@@ -200,6 +203,7 @@ def main() -> int:
     o = sub.add_parser("overhead")
     o.add_argument("--steps", type=int, default=400)
     o.add_argument("--rounds", type=int, default=5)
+    o.add_argument("--normal", action="store_true", help="no invariant mode: plain DDP against elastic normal mode")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-elastic-training-"))
     print(f"runs in {work}")
