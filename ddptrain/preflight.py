@@ -167,12 +167,6 @@ def check_zero_stage(config: Config) -> None:
             "each rank holds only its shard's gradients (use trainer.precision=bf16-mixed)",
         ),
         (
-            t.doctor,
-            "trainer.doctor=true",
-            "the doctor's model of a step predicts bucket all-reduces and does not yet account for "
-            "ZeRO's reduce-scatter and all-gather (diagnose the same run at zero stage 0)",
-        ),
-        (
             d.bucket_cap_mb == "auto",
             "dist.bucket_cap_mb=auto",
             "the autotuner times all-reduces, and ZeRO reduce-scatters (give a size in MiB)",

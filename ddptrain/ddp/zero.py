@@ -255,9 +255,11 @@ class ZeroOptimizer:
         return norm
 
     @torch.no_grad()
-    def step(self, closure: None = None) -> None:
+    def step(self, closure: None = None, all_gather: bool = True) -> None:
         """Step this rank's shards with the latest averaged gradients, then all-gather the
-        parameters bucket by bucket. Collective."""
+        parameters bucket by bucket. Collective. ``all_gather=False`` leaves the all-gather to
+        the caller (:meth:`all_gather_params`, before anything reads the parameters): a trainer
+        times it apart."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step takes no closure (closure optimizers such as LBFGS are refused)")
         if not self._take_grads():
@@ -270,14 +272,17 @@ class ZeroOptimizer:
         # its step hooks run, and a learning-rate scheduler sees that the optimizer stepped.
         self.optimizer.step()
         self._consumed_iteration = self._grads_of_iteration
-        self._all_gather_params()
+        if all_gather:
+            self.all_gather_params()
 
     def _groups_in_use(self) -> list[dict]:
         used = sorted({s.group for s in self._shards})
         return [self.optimizer.param_groups[g] for g in used]
 
-    def _all_gather_params(self) -> None:
-        """Every rank's updated chunk of every bucket into the parameters, bucket by bucket."""
+    @torch.no_grad()
+    def all_gather_params(self) -> None:
+        """Every rank's updated chunk of every bucket into the parameters, bucket by bucket
+        (collective; :meth:`step` does it unless told not to)."""
         reducer = self.reducer
         for bucket, layout in zip(self._buckets, self._layouts):
             # Only the owned chunk is read by the all-gather; padding past numel is never read back.

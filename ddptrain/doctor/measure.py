@@ -19,9 +19,11 @@ next one:
 - ``backward_s``: the rest of ``forward_backward`` that is not waiting for communication (the loss,
   backward, ``.item()``);
 - ``comm_s``: the reducer's wait after backward (``finalize_wait_s``), without the all-reduce of
-  ``find_unused_parameters``; split later into the link's time and the wait for the slowest rank;
+  ``find_unused_parameters``; under ZeRO also the parameters' all-gather after the shards' step
+  (``param_all_gather``: as exposed as the wait after backward); split later into the link's time
+  and the wait for the slowest rank;
 - ``find_unused_s``: finding unused parameters (graph walk and its all-reduce);
-- ``optimizer_s``: ``optimizer_step``;
+- ``optimizer_s``: ``optimizer_step``, without ZeRO's all-gather;
 - ``other_s``: the rest (callbacks, logging, the sampler).
 """
 
@@ -230,7 +232,17 @@ class StepRecorder:
         rec = self._open
         if rec is not None and "optimizer_start" in rec.marks:
             rec.marks["optimizer_end"] = now
-            rec.optimizer_s = now - rec.marks["optimizer_start"]
+            gathered = rec.marks.get("all_gather_end", now) - rec.marks.get("all_gather_start", now)
+            rec.optimizer_s = now - rec.marks["optimizer_start"] - gathered
+            rec.comm_s += gathered
+
+    def _on_param_all_gather(self, now: float, _payload) -> None:
+        if self._open is not None:
+            self._open.marks["all_gather_start"] = now
+
+    def _on_param_all_gather_end(self, now: float, _payload) -> None:
+        if self._open is not None and "all_gather_start" in self._open.marks:
+            self._open.marks["all_gather_end"] = now
 
     _handlers = {
         "data": _on_data,
@@ -239,6 +251,8 @@ class StepRecorder:
         "forward_backward_end": _on_forward_backward_end,
         "optimizer_step": _on_optimizer_step,
         "optimizer_step_end": _on_optimizer_step_end,
+        "param_all_gather": _on_param_all_gather,
+        "param_all_gather_end": _on_param_all_gather_end,
     }
 
     def _before_forward(self, _module, _args) -> None:

@@ -14,6 +14,7 @@ _PHASES = (  # name, start mark, end mark (StepRecord.marks)
     ("backward", "forward_end", "backward_end"),
     ("comm wait", "backward_end", "train_end"),
     ("optimizer", "optimizer_start", "optimizer_end"),
+    ("parameter all-gather", "all_gather_start", "all_gather_end"),  # ZeRO: inside the optimizer's span
 )
 
 

@@ -37,7 +37,9 @@ class StepPhases:
     - ``data``: the loop asks for the next step's micro-batches (so also: the previous step is over);
     - ``data_end``: they are here (payload: the list of micro-batches);
     - ``forward_backward`` / ``forward_backward_end``: forward and backward of the step (``Trainer.forward_backward``);
-    - ``optimizer_step`` / ``optimizer_step_end``: ``Trainer.optimizer_step``.
+    - ``optimizer_step`` / ``optimizer_step_end``: ``Trainer.optimizer_step``;
+    - ``param_all_gather`` / ``param_all_gather_end``: inside it, ZeRO's all-gather of the updated
+      parameters (``dist.zero_stage``), communication like the reduction in backward.
 
     ``data`` comes once more after an epoch's last step, when its iterator is found empty.
     Listeners run on the training thread, synchronously: keep them cheap.

@@ -227,3 +227,31 @@ def test_the_compute_probe_computes_in_the_trainings_precision(tmp_path):
     trained, probed = run_threaded(_autocast_probe, 1, tmp_path, timeout_s=100)[0]
     assert trained and all(trained), trained
     assert probed and all(probed), probed
+
+
+def _zero_fit(rank, world_size, out, stage):
+    cfg = doctor_config(out, model=MLP, dist={"zero_stage": stage, "bucket_cap_mb": 0.002}, batch=16, steps=4)
+    trainer = DoctorTask(cfg)
+    trainer.fit()
+    return [r for c in trainer.callbacks for r in getattr(c, "records", [])]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_under_zero_the_parameters_all_gather_counts_as_communication_not_optimizer_time(tmp_path, stage):
+    """ZeRO's step ends with an all-gather of the updated parameters: the doctor times it apart
+    from the shards' optimizer step and counts it with the reduce-scatter's wait as communication;
+    the phases still add up to the step, and the trace draws it."""
+    per_rank = run_threaded(_zero_fit, 2, tmp_path, stage, timeout_s=100)
+    for records in per_rank:
+        assert len(records) == 4
+        for r in records:
+            gathered = r["marks"]["all_gather_end"] - r["marks"]["all_gather_start"]
+            assert 0 < gathered and r["comm_s"] >= gathered, r
+            whole = r["marks"]["optimizer_end"] - r["marks"]["optimizer_start"]
+            assert r["optimizer_s"] == pytest.approx(whole - gathered, abs=1e-9), r
+            assert sum(r[p] for p in PHASES) == pytest.approx(r["end"] - r["start"], abs=1e-9)
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    assert report["world_size"] == 2 and report["breakdown"]["comm_exposed_s"] > 0
+    trace = json.loads((tmp_path / "doctor_trace.json").read_text())["traceEvents"]
+    assert sum(e["name"] == "parameter all-gather" for e in trace) == 8  # 4 steps on each of 2 ranks

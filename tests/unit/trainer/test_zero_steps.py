@@ -155,7 +155,6 @@ def test_sharded_checkpoints_without_zero_are_refused():
         ),
         ({"dist": {"gradient_as_bucket_view": True}}, "cannot be combined with dist.gradient_as_bucket_view=true"),
         ({"dist": {"bucket_cap_mb": "auto"}}, "cannot be combined with dist.bucket_cap_mb=auto"),
-        ({"trainer": {"doctor": True}}, "cannot be combined with trainer.doctor=true: the doctor's model"),
         (
             {"trainer": {"precision": "16-mixed", "device": "cuda"}},
             "cannot be combined with trainer.precision=16-mixed: its gradient scaler",
