@@ -215,9 +215,10 @@ def _time_compute(trainer, batch, threads: int, repeats: int, each_together: boo
             if each_together or i == 0:
                 pg.all_reduce(torch.zeros(1, device=pg.device), ReduceOp.SUM).wait()  # all ranks compute together
             started = time.perf_counter()
-            with model.no_sync(), trainer.precision.autocast():  # trainer.precision: as training computes
-                loss = trainer.training_step(model, move_to(batch, trainer.device))
-            loss.backward()
+            with model.no_sync():
+                with trainer.precision.autocast():  # trainer.precision: forward as training computes it
+                    loss = trainer.training_step(model, move_to(batch, trainer.device))
+                loss.backward()
             times.append(time.perf_counter() - started)
     finally:
         torch.set_num_threads(previous)
