@@ -281,12 +281,14 @@ def test_mpi_is_refused_before_anything_runs(tmp_path):
     assert not (tmp_path / "run" / "metrics.json").exists()
 
 
-# Normal mode: 2 epochs (938 steps), evaluated on the whole test set. Runs that differ only in float
-# sums and dropout draws end within about 0.1 point here (a world size of 3 against 4: 95.09% and
-# 95.03%); another seed, with other initial weights, differs by 0.9.
-NORMAL_STEPS = 938
+# Normal mode: recipe=mnist_fast (BatchNorm, AdamW, bf16) for 2 epochs, 470 steps of 256 samples,
+# evaluated on the whole test set: it ends near 99%, where runs that differ only in float sums end
+# within about 0.1 point. recipe=mnist is still learning fast after 2 epochs (~94%), and there the
+# same job killed twice ended 0.06, 0.10, 0.30 and 0.33 points from the uninterrupted one, the killed
+# run better in the large cases: a 0.3-point comparison measures chance there, not the change.
+NORMAL_STEPS = 470
 NORMAL = (
-    "recipe=mnist",
+    "recipe=mnist_fast",
     "trainer.epochs=2",
     "trainer.progress=false",
     "trainer.loggers.tensorboard=false",
@@ -298,12 +300,14 @@ LOGGED_LOSS = re.compile(r"\]\[rank 0\]\[INFO\] step (\d+)/\d+ \(epoch \d+\): lo
 
 @pytest.fixture(scope="module")
 def uninterrupted_normal(tmp_path_factory, mnist_root) -> dict:
-    """Plain DDP (not elastic) on the same 4 ranks, never interrupted: its final accuracy and its
-    logged losses by step. Made once for all pytest workers."""
+    """The same elastic job on the same 4 ranks, never interrupted: its final accuracy and its
+    logged losses by step (the killed job's equal them until its first kill). Made once for all
+    pytest workers."""
 
     def make(directory: Path) -> dict:
         proc = run_cli(
             *NORMAL,
+            "trainer.elastic=true",
             "dist.world_size=4",
             f"hydra.run.dir={directory / 'normal'}",
             cwd=ROOT,
@@ -321,13 +325,13 @@ def test_in_normal_mode_the_job_goes_on_without_a_loss_jump_and_ends_as_accurate
     tmp_path, mnist_root, uninterrupted_normal
 ):
     """trainer.elastic=true without invariant mode: generation 0's rank 0 is killed, then another
-    worker once the first has rejoined. The survivors share each global batch (3 ranks: 43, 43 and
-    42 of 128 samples), the restarted workers rejoin, and the run ends within 0.3 point of plain
-    DDP's accuracy, its losses following plain DDP's step by step."""
+    worker once the first has rejoined. The survivors share each global batch (3 ranks: 86, 85 and
+    85 of 256 samples), the restarted workers rejoin, and the run ends within 0.3 point of the
+    uninterrupted job's accuracy, its losses following that job's step by step."""
     code, output, metrics, pids, rank0 = _run_with_kills(
         tmp_path / "run",
         mnist_root,
-        [("rank0", 150), ("another", 450, "took in ")],  # once the first one is back
+        [("rank0", 60), ("another", 250, "took in ")],  # once the first one is back
         "launcher.max_restarts=2",
         common=NORMAL,
     )
@@ -335,24 +339,25 @@ def test_in_normal_mode_the_job_goes_on_without_a_loss_jump_and_ends_as_accurate
     changes = _real_changes(metrics)
     assert {m for c in changes for m in c["left"]} == {rank0, next(m for c in changes[1:] for m in c["left"])}
     assert len({m for c in changes for m in c["left"]}) == 2 and len({m for c in changes for m in c["joined"]}) == 2
-    assert [c["world_size"] for c in changes] == [3, 4, 3, 4], changes
     assert metrics["world_size"] == 4 and metrics["step"] == NORMAL_STEPS and metrics["params_agree"]
-    accuracy, reference = metrics["eval/accuracy"], uninterrupted_normal["accuracy"]
-    assert abs(accuracy - reference) <= 0.003, f"accuracy {accuracy:.4f}, uninterrupted {reference:.4f}"
-    # No jump. The logged losses (means over 10 steps) against plain DDP's at the same steps: before
-    # the first kill the runs take the same samples per step and agree to 1-2%; later the two
-    # trajectories differ by float order and dropout draws, about 5% per logged loss (one in 90 was
-    # 18% off in a trial), so: each within a third, and each block of 100 steps within 8% on average.
-    # A job that went on from a stale or fresh state would log the first losses again (2.3, not 0.5).
+    # No jump. The logged losses (means over 10 steps) against the uninterrupted job's at the same
+    # steps: before the first kill the two are the same computation; after it the trajectories
+    # differ by float order and dropout draws. Each block of 50 steps must stay within a quarter of
+    # the uninterrupted job's mean loss there, plus 0.02 (late losses are a few hundredths, where a
+    # ratio alone is noise). A job that went on from a stale or fresh state would log the first
+    # losses again (about 2, not a few hundredths).
     losses = {int(s): float(v) for s, v in LOGGED_LOSS.findall(output)}
+    reference_losses = {int(s): float(v) for s, v in uninterrupted_normal["losses"].items()}
     assert len(losses) >= NORMAL_STEPS // 10 - len(changes), sorted(losses)  # a change restarts the window
-    ratios = {s: v / float(uninterrupted_normal["losses"][str(s)]) for s, v in losses.items()}
-    at = f"(step: ratio to plain DDP) {ratios}; changes at {[c['step'] for c in changes]}"
-    assert all(0.97 <= r <= 1.03 for s, r in ratios.items() if s < changes[0]["step"]), at
-    assert all(0.75 <= r <= 1.33 for r in ratios.values()), at
-    for block in range(0, NORMAL_STEPS, 100):
-        inside = [r for s, r in ratios.items() if block < s <= block + 100]
-        assert 0.92 <= sum(inside) / len(inside) <= 1.08, f"steps {block + 1}-{block + 100}: {at}"
+    at = f"losses {losses}, uninterrupted {reference_losses}; changes at {[c['step'] for c in changes]}"
+    assert all(v == reference_losses[s] for s, v in losses.items() if s < changes[0]["step"]), at
+    for block in range(0, NORMAL_STEPS, 50):
+        inside = [s for s in losses if block < s <= block + 50]
+        mine = sum(losses[s] for s in inside) / len(inside)
+        theirs = sum(reference_losses[s] for s in inside) / len(inside)
+        assert abs(mine - theirs) <= 0.25 * theirs + 0.02, f"steps {block + 1}-{block + 50}: {at}"
+    accuracy, reference = metrics["eval/accuracy"], uninterrupted_normal["accuracy"]
+    assert abs(accuracy - reference) <= 0.003 + 1e-9, f"accuracy {accuracy:.4f}, uninterrupted {reference:.4f}"
     _assert_nothing_left(pids)
 
 
