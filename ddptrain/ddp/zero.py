@@ -255,15 +255,16 @@ class ZeroOptimizer:
         return norm
 
     @torch.no_grad()
-    def step(self, closure: None = None, all_gather: bool = True) -> None:
+    def step(self, closure: None = None, all_gather: bool = True) -> bool:
         """Step this rank's shards with the latest averaged gradients, then all-gather the
         parameters bucket by bucket. Collective. ``all_gather=False`` leaves the all-gather to
         the caller (:meth:`all_gather_params`, before anything reads the parameters): a trainer
-        times it apart."""
+        times it apart. Returns whether anything stepped (False: no synchronised backward since
+        the last step, so there is nothing to gather either)."""
         if closure is not None:
             raise ValueError("ZeroOptimizer.step takes no closure (closure optimizers such as LBFGS are refused)")
         if not self._take_grads():
-            return
+            return False
         if self._shard_optimizer is not None:
             for shard_group, group in zip(self._shard_optimizer.param_groups, self._groups_in_use()):
                 shard_group.update(_hyper(group))
@@ -274,6 +275,7 @@ class ZeroOptimizer:
         self._consumed_iteration = self._grads_of_iteration
         if all_gather:
             self.all_gather_params()
+        return True
 
     def _groups_in_use(self) -> list[dict]:
         used = sorted({s.group for s in self._shards})

@@ -68,18 +68,19 @@ class ZeroSteps(DataParallelSteps):
             norm = self.zero.clip_grad_norm_(math.inf if clip is None else clip)  # inf: scales by exactly 1
             if t.config.trainer.log_grad_norm:
                 log_grad_norm(t, norm)
-        self.zero.step(all_gather=False)
-        with t.phases.span("param_all_gather"):  # communication: the doctor counts it as such
-            self.zero.all_gather_params()
+        if self.zero.step(all_gather=False):  # nothing stepped: the parameters are as every rank has them
+            with t.phases.span("param_all_gather"):  # communication: the doctor counts it as such
+                self.zero.all_gather_params()
         step = t.state.step + 1  # the step being completed
         t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
         self.zero.zero_grad()
 
     def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
+        entries = optimizers.state_dict()  # the wrapped optimizer holds no state: only its groups
         if self.trainer.config.trainer.checkpoint.sharded:  # the state goes to each rank's own file
-            groups = {"param_groups": optimizers.state_dict()["optimizer"]["param_groups"]}
-            return {**optimizers.state_dict(), "optimizer": {**groups, "shards": self.trainer.world_size}}
-        return {**optimizers.state_dict(), "optimizer": self.zero.state_dict()}
+            groups = entries["optimizer"]["param_groups"]
+            return {**entries, "optimizer": {"param_groups": groups, "shards": self.trainer.world_size}}
+        return {**entries, "optimizer": self.zero.state_dict()}
 
     def optimizer_shard(self) -> dict[str, Any] | None:
         return self.zero.shard_state_dict() if self.trainer.config.trainer.checkpoint.sharded else None
