@@ -45,7 +45,9 @@ backward; stage 1 keeps the buffers.
 
 The next forward (:meth:`Reducer.prepare_for_forward`) refuses to go on if a backward left a
 bucket unlaunched (a parameter got no gradient), and after the first iteration rebuilds the
-buckets once, in the order gradients actually arrived on rank 0 (broadcast, so ranks agree).
+buckets once, in the order gradients actually arrived on rank 0 (broadcast, so ranks agree). The
+first layout already assumed the reverse of registration order, so for a model that runs its
+modules in registration order the rebuild finds nothing to change and installs nothing.
 
 Why in place: copying a gradient into the flat buffer and the result back costs two passes
 over memory, which on a CPU-bound rank costs as much as a large part of the all-reduce itself;
@@ -190,7 +192,7 @@ class Reducer:
         self.shard_layouts: list[ShardLayout] = []  # per bucket, while sharded
         self.shard_grads: list[torch.Tensor] = []  # per bucket: this rank's chunk of the averaged gradients
         self.layout_version = 0  # counts installed layouts: a sharded optimizer re-splits when it changes
-        self._install(self._assign())
+        self._install(self._layout_in(reversed(range(len(self.params)))))
         self.iteration = 0
         self.rebuilt = False
         self._rebuild_due = False
@@ -327,14 +329,25 @@ class Reducer:
         self.shard_comm, self.zero_stage = comm, stage
         self._install(self.plan.assignment)
 
+    def _layout_in(self, order) -> list[list[int]]:
+        """Buckets filled in the order gradients arrive (``order``): the first one small (it launches
+        early), the others up to the cap."""
+        first_cap = min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes)
+        return self._assign(first_cap_bytes=first_cap, order=list(order), reverse=False)
+
     def _rebuild(self) -> None:
-        """Re-bucket once in the order gradients arrived on rank 0, so all ranks agree."""
+        """Re-bucket once in the order gradients arrived on rank 0, so all ranks agree.
+
+        The first layout assumed the reverse of registration order (what a model that runs its
+        modules in that order gives); where the gradients did arrive so, the layout stands as it is
+        (no new buffers, and a sharded optimizer's state is not re-split)."""
         seen = set(self._arrival_order)
         order = self._arrival_order + [i for i in range(len(self.params)) if i not in seen]
         order_t = torch.tensor(order, dtype=torch.int64, device=self.pg.device)
         self.pg.broadcast(order_t, 0).wait()
-        first_cap = min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes)
-        self._install(self._assign(first_cap_bytes=first_cap, order=order_t.cpu().tolist(), reverse=False))
+        assignment = self._layout_in(order_t.cpu().tolist())
+        if assignment != self.plan.assignment:
+            self._install(assignment)
         self.rebuilt = True
         self._rebuild_due = False
 

@@ -28,8 +28,14 @@ How one step goes:
    learning-rate schedulers attached to it keep working; the wrapped optimizer's own ``step()``
    then runs with every ``.grad`` ``None`` (nothing to update: its step hooks and a scheduler's
    bookkeeping see the step).
-3. **All-gather.** Bucket by bucket, the updated chunks travel to every rank and are copied into
-   the parameters.
+3. **All-gather.** Bucket by bucket, the updated chunks travel to every rank, in place: under
+   ZeRO each parameter is a view of a flat *parameter* buffer per bucket, laid out as the bucket's
+   gradients are (:attr:`ZeroOptimizer.param_buffers`), so the chunk a rank stepped is already in
+   the buffer it sends and what it receives lands in the parameters. Wrapping moves the
+   parameters there (``param.data`` is re-pointed; the ``Parameter`` objects stay, so references to
+   them, the wrapped optimizer's included, keep working). A parameter re-pointed elsewhere later
+   (``param.data = t``, as ``module._apply`` does) is copied back in and re-pointed at the next
+   step: the values a user set are stepped and gathered, never silently left out.
 
 **Bitwise.** With ``algorithm="ring"`` the reduce-scatter is the first half of the ring all-reduce
 that DDP's ``dist.algorithm=ring`` uses, on the same chunks, so every element gets the same
@@ -177,6 +183,7 @@ class ZeroOptimizer:
         self._layout_version = -1
         self._buckets: tuple = ()  # the reducer's buckets and shard layouts the shards were built for
         self._layouts: list = []
+        self.param_buffers: list[torch.Tensor] = []  # per bucket: the flat buffer its parameters are views of
         self._grads_of_iteration = -1  # the synchronised backward whose gradients the shard tensors hold
         self._consumed_iteration = -1  # the latest one a step (or zero_grad) used up
         self._build()
@@ -186,6 +193,12 @@ class ZeroOptimizer:
         """Shard tensors and their optimizer for the reducer's current bucket layout (no state)."""
         reducer = self.reducer
         self._buckets, self._layouts = reducer.plan.buckets, list(reducer.shard_layouts)
+        self.param_buffers = []
+        for bucket, layout in zip(self._buckets, self._layouts):
+            flat = torch.empty(layout.padded_numel, dtype=bucket.dtype, device=bucket.device)
+            flat[layout.numel :].zero_()  # padding: sent by the chunk it falls in, never read
+            self.param_buffers.append(flat)
+            self._adopt_params(len(self.param_buffers) - 1)  # bucket by bucket: old storage freed as it goes
         shards = []
         for b, (bucket, layout) in enumerate(zip(self._buckets, self._layouts)):
             by_group: dict[int, list[_Piece]] = {}
@@ -208,6 +221,26 @@ class ZeroOptimizer:
         self._shard_optimizer = _same_kind(self.optimizer, groups) if groups else None
         self._layout_version = reducer.layout_version
 
+    def _adopt_params(self, b: int, moved_only: bool = False) -> None:
+        """Make bucket ``b``'s parameters views of its parameter buffer, their values copied in
+        (``moved_only``: only those that are not views of it now)."""
+        flat = self.param_buffers[b]
+        for i, offset in zip(self._buckets[b].params, self._buckets[b].offsets):
+            param = self.reducer.params[i]
+            slot = flat[offset : offset + param.numel()].view_as(param)
+            if moved_only and param.data_ptr() == slot.data_ptr() and param.stride() == slot.stride():
+                continue
+            with torch.no_grad():
+                slot.copy_(param)
+            param.data = slot
+
+    def _readopt_moved_params(self) -> None:
+        """Bring back into the parameter buffers any parameter re-pointed since (module doc, 3.)."""
+        if self._layout_version != self.reducer.layout_version:
+            return  # the next _follow_layout builds new buffers and adopts every parameter
+        for b in range(len(self.param_buffers)):
+            self._adopt_params(b, moved_only=True)
+
     def _follow_layout(self) -> None:
         """Re-split the state when DDP laid its buckets out again (its rebuild after the first
         iteration, ``bucket_cap_mb=auto``): every rank does, so this is collective."""
@@ -227,6 +260,7 @@ class ZeroOptimizer:
             return False
         if self._grads_of_iteration == done:
             return True
+        self._readopt_moved_params()
         self._follow_layout()
         for shard in self._shards:  # views of this rank's chunk of the averaged gradients
             (piece,) = shard.pieces
@@ -285,19 +319,9 @@ class ZeroOptimizer:
     def all_gather_params(self) -> None:
         """Every rank's updated chunk of every bucket into the parameters, bucket by bucket
         (collective; :meth:`step` does it unless told not to)."""
-        reducer = self.reducer
-        for bucket, layout in zip(self._buckets, self._layouts):
-            # Only the owned chunk is read by the all-gather; padding past numel is never read back.
-            flat = torch.empty(layout.padded_numel, dtype=bucket.dtype, device=bucket.device)
-            for i, offset in zip(bucket.params, bucket.offsets):
-                param = reducer.params[i].detach().reshape(-1)
-                lo, hi = max(offset, layout.start), min(offset + param.numel(), layout.stop)
-                if lo < hi:
-                    flat[lo:hi].copy_(param[lo - offset : hi - offset])
-            reducer.shard_comm.all_gather(flat, layout)
-            for i, offset in zip(bucket.params, bucket.offsets):
-                param = reducer.params[i]
-                param.detach().copy_(flat[offset : offset + param.numel()].view_as(param))
+        self._readopt_moved_params()  # a parameter re-pointed since the step would miss the gather
+        for flat, layout in zip(self.param_buffers, self._layouts):
+            self.reducer.shard_comm.all_gather(flat, layout)  # the parameters are views of flat
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shard tensors' gradients (the parameters' ``.grad`` are already ``None``)."""

@@ -5,8 +5,8 @@ all-reduce (``dist.algorithm=ring``) and the optimizer stepping whole tensors, o
 ``ZeroOptimizer`` (ring reduce-scatter, shards, all-gather). After many steps the parameters must
 be equal bit for bit, at world sizes 2, 3 and 4, stages 1 and 2, SGD with momentum, Adam and
 AdamW with weight decay (each with two parameter groups). Small buckets and odd sizes make chunks
-of unequal length that cut through parameters, and the buckets are rebuilt after the first
-iteration (the shards' state is then re-split).
+of unequal length that cut through parameters, and the model's head is registered first, so the
+buckets are laid out again after the first iteration (the shards' state is then re-split).
 """
 
 from __future__ import annotations
@@ -31,9 +31,23 @@ STEPS = 300
 BUCKET_CAP_MB = 0.0004  # ~100 floats: several buckets, chunk bounds inside parameters
 
 
+class _HeadFirst(nn.Module):
+    """An MLP whose head is registered first and used last, so gradients do not arrive in the
+    reverse of registration order, which DDP's first bucket layout assumes: the buckets are laid
+    out again after the first iteration, and ZeRO re-splits its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(11, 3)
+        self.body = nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh())
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
 def _template() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 3))
+    return _HeadFirst()
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,6 +121,55 @@ def test_bitwise_equal_to_plain_ring_ddp(world_size, opt_name):
             assert all(torch.equal(a, b) for a, b in zip(zero, results[0][1][stage - 1])), "ranks diverged"
     initial = list(_template().parameters())
     assert not torch.equal(initial[0].detach(), results[0][0][0]), "nothing trained"
+
+
+# -- the parameters live in the all-gather's buffers ----------------------------------------------
+def _repointed(rank, world_size, stage):
+    """Plain ring DDP and ZeRO, each with its first weight re-pointed (``.data =``) to new values
+    after step 4 on every rank, as a user loading weights would; also whether, right after wrapping,
+    every parameter was a view of one of ZeRO's parameter buffers."""
+    template = _template()
+    new_weight = torch.linspace(-0.5, 0.5, template.body[0].weight.numel()).view_as(template.body[0].weight)
+    runs, views = [], None
+    for zero_stage in (0, stage):
+        model = copy.deepcopy(template)
+        ddp, opt = _in_ddp(model, _optimizer("adam", model), zero_stage)
+        if zero_stage:
+            storages = {b.untyped_storage().data_ptr() for b in opt.param_buffers}
+            views = all(p.untyped_storage().data_ptr() in storages for p in model.parameters())
+
+        def step(opt=opt, model=model, counter=[0]):  # noqa: B006 - the run's own step count
+            opt.step()
+            counter[0] += 1
+            if counter[0] == 4:
+                model.body[0].weight.data = new_weight.clone()
+
+        runs.append(_train(ddp, step, opt.zero_grad, rank, 12))
+    return runs, views
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_are_views_of_the_gather_buffers_and_a_repointed_one_is_read_back(stage):
+    for (plain, zero), views in run_threaded(_repointed, 3, stage, timeout_s=120):
+        assert views, "after wrapping, a parameter was not a view of ZeroOptimizer.param_buffers"
+        for i, (a, b) in enumerate(zip(plain, zero)):
+            assert torch.equal(a, b), f"parameter {i}: {(a - b).abs().max().item()}"
+
+
+def _relaid(rank, world_size, make):
+    model = make()
+    ddp, zero = _in_ddp(model, _optimizer("adam", model), 1)
+    first = [b.data_ptr() for b in zero.param_buffers]
+    _train(ddp, zero.step, zero.zero_grad, rank, 3)
+    return first != [b.data_ptr() for b in zero.param_buffers]
+
+
+def test_the_buckets_are_laid_out_again_only_where_gradients_arrive_out_of_registration_order():
+    """DDP's first layout assumes the reverse of registration order: a Sequential keeps it (no
+    second set of buffers, no re-split of ZeRO's state); a head registered first gets a new one."""
+    sequential = lambda: nn.Sequential(nn.Linear(7, 13), nn.Tanh(), nn.Linear(13, 11), nn.Tanh(), nn.Linear(11, 3))  # noqa: E731
+    assert run_threaded(_relaid, 2, sequential, timeout_s=60) == [False, False]
+    assert run_threaded(_relaid, 2, _template, timeout_s=60) == [True, True]
 
 
 # -- ZeRO-2 holds only its shard's gradient --------------------------------------------------------
