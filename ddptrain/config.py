@@ -199,7 +199,8 @@ class DistConfig:
     """Shard the optimizer over the ranks (ZeRO, ``docs/zero.md``): ``0`` plain DDP; ``1`` each
     rank keeps the optimizer state of one ``1/world_size`` shard of every gradient bucket (buckets
     are reduce-scattered, the shard stepped, the parameters all-gathered); ``2`` also keeps only
-    that shard's gradients after backward. With ``dist.algorithm=ring`` the parameters equal plain
+    that shard's gradients after backward (and two bucket-sized buffers it reuses). With
+    ``dist.algorithm=ring`` the parameters equal plain
     ring DDP's bit for bit. Needs an element-wise optimizer (SGD, Adam, AdamW, ...); checkpoints
     stay in the plain format, loadable at any world size."""
     sync: str = one_of("every_step", ("every_step", "local_sgd", "diloco"))

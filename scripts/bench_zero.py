@@ -3,7 +3,8 @@
 Four setups, each in a job of its own (so each rank's peak RSS is its own), at each world size:
 
 - ``ddptrain DDP``: our DDP, plain (``dist.zero_stage=0``): the anchor every ratio is against;
-- ``ZeRO-1`` / ``ZeRO-2``: our DDP with :class:`ddptrain.ddp.ZeroOptimizer` (native reduce-scatter);
+- ``ZeRO-1`` / ``ZeRO-2``: our DDP with :class:`ddptrain.ddp.ZeroOptimizer` (``--algorithm``:
+  ``native``, the default, or ``ring``);
 - ``torch DDP + ZeRO``: ``torch.nn.parallel.DistributedDataParallel`` with
   ``torch.distributed.optim.ZeroRedundancyOptimizer`` (whole parameters assigned to ranks).
 
@@ -11,15 +12,20 @@ Per rank (rank 0's figures; the ranks differ by at most one bucket's chunk):
 
 - ``optim MB``: bytes of optimizer state the rank holds after the first step;
 - ``grad MB``: bytes of gradient the rank holds after a backward — ``.grad`` tensors plus our
-  DDP's bucket buffers and shard gradients that are not views of them (torch DDP's own buckets are
-  not visible: its figure is a lower bound);
+  DDP's bucket buffers (ZeRO-2's two reused ones included) and shard gradients that are not views
+  of them (torch DDP's own buckets are not visible: its figure is a lower bound);
 - ``peak RSS MB``: the process's peak resident memory (``ru_maxrss``), start-up included;
 - ``step ms``: median wall time of one step (forward, backward, optimizer step, zero_grad) after
   ``--warmup`` steps; ``fwd``/``bwd``/``opt ms`` its parts (``bwd`` includes the gradients'
   all-reduce or reduce-scatter; ``opt``, ZeRO's parameter all-gather).
 
-    .venv/bin/python scripts/bench_zero.py                         # ~50M parameters, W=2 and 4
-    .venv/bin/python scripts/bench_zero.py --layers 4 --steps 20   # ~17M parameters: the speed run
+With ``--rounds N`` the four jobs run N times, interleaved (all four, then all four again), and
+each figure is the median over the rounds; each ratio is the median of the rounds' own ratios
+(each against the plain DDP job of its round), so a slow minute on this shared machine moves one
+round, not the anchor of all.
+
+    .venv/bin/python scripts/bench_zero.py                                   # ~50M parameters, W=2 and 4
+    .venv/bin/python scripts/bench_zero.py --layers 4 --steps 10 --rounds 5  # ~17M: the speed run
 
 Measured figures go to benchmarks/README.md with the command and the date.
 """
@@ -61,7 +67,9 @@ def _state_bytes(state) -> int:
     return sum(_tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in state.values())
 
 
-def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, steps: int, warmup: int) -> dict:
+def _measure(
+    rank: int, world_size: int, setup: str, width: int, layers: int, steps: int, warmup: int, algorithm: str
+) -> dict:
     import torch
 
     from ddptrain.ddp import DistributedDataParallel, ZeroOptimizer
@@ -86,7 +94,7 @@ def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, st
         if setup == "ddptrain DDP":
             opt, state_bytes = adamw, (lambda: _state_bytes(adamw.state))
         else:
-            opt = ZeroOptimizer(ddp, adamw, stage=1 if setup == "ZeRO-1" else 2)
+            opt = ZeroOptimizer(ddp, adamw, stage=1 if setup == "ZeRO-1" else 2, algorithm=algorithm)
             state_bytes = opt.state_bytes
         step, zero_grad = opt.step, lambda: opt.zero_grad(set_to_none=True)
 
@@ -104,6 +112,7 @@ def _measure(rank: int, world_size: int, setup: str, width: int, layers: int, st
             reducer = getattr(ddp, "reducer", None)
             if reducer is not None and hasattr(reducer, "shard_grads"):
                 buffers = [f.buffer for f in reducer.flat if f is not None]
+                buffers += [t for ts in reducer.spare_buffers.values() for t in ts]  # ZeRO-2's reused buckets
                 grad_bytes += _tensor_bytes(buffers)
                 held = {b.untyped_storage().data_ptr() for b in buffers}  # ZeRO-1: its shards are views of them
                 shards = [s for s in reducer.shard_grads if s.untyped_storage().data_ptr() not in held]
@@ -131,33 +140,50 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12, help="12 x 2048^2: ~50M parameters; 4: ~17M")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--algorithm", choices=("native", "ring"), default="native", help="ZeRO's collectives")
+    parser.add_argument("--rounds", type=int, default=1, help="run the four jobs this many times, interleaved")
     parser.add_argument("--timeout-s", type=float, default=900)
     args = parser.parse_args()
 
     from ddptrain.testing import run_distributed
 
+    keys = ("optim MB", "grad MB", "peak RSS MB", "step ms") + tuple(f"{name} ms" for name in PHASES)
     for world_size in args.world_sizes:
-        rows = {}
-        for setup in SETUPS:
-            results = run_distributed(
-                _measure,
-                world_size,
-                setup,
-                args.width,
-                args.layers,
-                args.steps,
-                args.warmup,
-                backend="gloo",
-                timeout_s=args.timeout_s,
-            )
-            rows[setup] = results[0]
-        anchor = rows["ddptrain DDP"]
-        print(f"\nW={world_size}, MLP {args.layers}x{args.width}^2 ({anchor['params M']:.1f}M parameters), AdamW, gloo")
-        keys = ("optim MB", "grad MB", "peak RSS MB", "step ms") + tuple(f"{name} ms" for name in PHASES)
+        rounds = []  # per round: {setup: rank 0's figures}
+        for _ in range(args.rounds):
+            rows = {}
+            for setup in SETUPS:
+                results = run_distributed(
+                    _measure,
+                    world_size,
+                    setup,
+                    args.width,
+                    args.layers,
+                    args.steps,
+                    args.warmup,
+                    args.algorithm,
+                    backend="gloo",
+                    timeout_s=args.timeout_s,
+                )
+                rows[setup] = results[0]
+            rounds.append(rows)
+        params_m = rounds[0]["ddptrain DDP"]["params M"]
+        print(
+            f"\nW={world_size}, MLP {args.layers}x{args.width}^2 ({params_m:.1f}M parameters), AdamW, gloo; "
+            f"median of {args.rounds} round(s), ratios the median of each round's own"
+        )
         print(f"{'setup':<18}" + "".join(f"{k:>22}" for k in keys))
-        for setup, row in rows.items():
-            cells = "".join(f"{row[k]:>12.1f} ({row[k] / anchor[k]:>5.2f}x)" for k in keys)
+        for setup in SETUPS:
+            cells = ""
+            for k in keys:
+                value = statistics.median(r[setup][k] for r in rounds)
+                ratio = statistics.median(r[setup][k] / r["ddptrain DDP"][k] for r in rounds)
+                cells += f"{value:>12.1f} ({ratio:>5.2f}x)"
             print(f"{setup:<18}{cells}")
+        if args.rounds > 1:
+            for setup in SETUPS[1:]:
+                ratios = ", ".join(f"{r[setup]['step ms'] / r['ddptrain DDP']['step ms']:.2f}" for r in rounds)
+                print(f"{setup}: step time against plain DDP's, round by round: {ratios}")
 
 
 if __name__ == "__main__":

@@ -251,7 +251,11 @@ def allocate(plan: BucketPlan, tail: dict[int, int] | None = None) -> list[FlatB
 
 def allocate_bucket(bucket: Bucket, tail: int = 0) -> FlatBuffer:
     """One zeroed flat buffer for ``bucket``, ``tail`` elements longer than its gradients."""
-    buffer = torch.zeros(bucket.numel + tail, dtype=bucket.dtype, device=bucket.device)
+    return bucket_in(bucket, torch.zeros(bucket.numel + tail, dtype=bucket.dtype, device=bucket.device))
+
+
+def bucket_in(bucket: Bucket, buffer: torch.Tensor) -> FlatBuffer:
+    """``bucket``'s flat buffer laid over ``buffer`` (at least ``bucket.numel`` elements of its dtype)."""
     views = tuple(buffer[off : off + _numel(shape)].view(shape) for off, shape in zip(bucket.offsets, bucket.shapes))
     return FlatBuffer(buffer, views)
 

@@ -14,6 +14,10 @@ bucket. Two ways to do it, chosen with ``algorithm``:
   and ``all_gather``. On CPU (gloo, mpi, the threaded test group): one ``reduce`` per chunk to its
   owner and one ``broadcast`` per chunk from its owner, in place: the same bytes, and measured
   faster than gloo's and Open MPI's own reduce-scatter and all-gather, which stage through copies.
+  At two ranks on CPU the reduce-scatter is one exchange instead (each rank sends the other the
+  chunk it owns while receiving its own, then adds): both directions at once, twice as fast as
+  two reduces, and the same bits. Being point-to-point, like the ring's steps, it is counted in
+  the group's traffic but not recorded in its collective ledger.
 
 ``reduce_dtype`` (``torch.bfloat16`` or ``torch.float16``) sends the gradients in half precision,
 as DDP's ``bf16_compress_hook``/``fp16_compress_hook`` do: half the bytes of the reduce-scatter.
@@ -34,6 +38,7 @@ from ..comm.ring import ring_all_gather, ring_chunk_owned, ring_reduce_scatter
 from ..comm.types import FutureWork, ReduceOp, Work
 
 ALGORITHMS = ("native", "ring")
+EXCHANGE_TAG, EXCHANGE_TAGS = 15000, 1000  # two ranks' point-to-point reduce-scatters: tags 15000-15999
 REDUCE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -90,6 +95,7 @@ class ShardComm:
         self.group = group
         self.algorithm = algorithm
         self.reduce_dtype = reduce_dtype
+        self._exchanges = 0  # two ranks' reduce-scatters so far: the tag of the next (same on both)
         # The ring runs its point-to-point steps on one thread of its own, in call order, so
         # backward goes on and every rank runs the same rings in the same order.
         self._ring_pool = (
@@ -114,6 +120,10 @@ class ShardComm:
 
             return self._in_ring_thread("ring_reduce_scatter", buffer, ring)
         chunks = list(wire.view(self.group.size(), -1))
+        if buffer.device.type != "cuda" and self.group.size() == 2:
+            return self._exchange_reduce(
+                chunks, layout, (lambda: buffer[owned].copy_(wire[owned])) if wire is not buffer else None
+            )
         if buffer.device.type != "cuda":
             # On CPU backends one reduce per chunk, each to its owner, in place, beats the backend's
             # reduce-scatter (16 MiB chunks at W=2: gloo 30 -> 26 ms, mpi 36 -> 19 ms); the chunks
@@ -126,6 +136,23 @@ class ShardComm:
         work = self.group.reduce_scatter(out, chunks, ReduceOp.SUM)
         work.add_post_processing(lambda: buffer[owned].copy_(out[: layout.size]))
         return work
+
+    def _exchange_reduce(self, chunks: list[torch.Tensor], layout: ShardLayout, then) -> list[Work]:
+        """Two ranks: send the peer the chunk it owns while receiving this rank's from it, then add.
+        Both directions at once, where a reduce per chunk runs one after the other: 2x faster on
+        gloo (8.4M floats a bucket: 27 -> 16 ms). One addition per element, so the same bits as
+        the backend's reduce (IEEE addition commutes). ``then``: run after the addition."""
+        peer = 1 - layout.chunk
+        own = chunks[layout.chunk]
+        incoming = torch.empty_like(own)
+        tag = EXCHANGE_TAG + self._exchanges % EXCHANGE_TAGS  # buckets in flight stay apart
+        self._exchanges += 1
+        sent = self.group.send(chunks[peer], peer, tag)
+        received = self.group.recv(incoming, peer, tag)
+        received.add_post_processing(lambda: own.add_(incoming))
+        if then is not None:
+            received.add_post_processing(then)
+        return [sent, received]
 
     def all_gather(self, buffer: torch.Tensor, layout: ShardLayout) -> None:
         """Give every rank every rank's chunk of ``buffer``, in place."""

@@ -17,8 +17,11 @@ How one step goes:
    rank ends with the averaged gradients of its own chunk only (``ddp.reducer.shard_grads``).
    Parameters' ``.grad`` is ``None`` afterwards, at both stages. Stage 1 keeps the buckets' flat
    gradient buffers allocated between steps (one full-size gradient, as plain DDP), and its shard
-   is a view of each buffer's owned chunk (no copy); stage 2 copies the chunk out and frees each
-   buffer, so after backward a rank holds only its shard's gradient elements.
+   is a view of each buffer's owned chunk (no copy); stage 2 copies the chunk out and gives each
+   bucket's buffer back to the two it reuses (double buffering, as DeepSpeed's reduce buckets), so
+   after backward a rank holds its shard's gradient elements and two buckets' worth of scratch:
+   less than one full gradient once the model spans more than a few buckets
+   (``bucket_cap_mb`` sets it).
 2. **Step.** The elements of a parameter that lie in this rank's chunk are one contiguous slice of
    it; a second instance of the optimizer's own class, with the same hyper-parameters
    (``foreach``/``fused`` included: the same implementation), steps those slices — views of the
