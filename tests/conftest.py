@@ -39,9 +39,10 @@ TIMED_MODULES = {
     "tests/e2e/test_signals.py",
     "tests/e2e/test_torchrun_forensics.py",
 }
-# Modules that measure speed (a diagnosis of slowness must name the injected cause): run last,
-# with the machine to themselves.
-ALONE_MODULES = {"tests/dist/test_doctor.py"}
+# Modules that measure speed (a diagnosis of slowness must name the injected cause) or the kernel's
+# own accounting of CPU time (a core shared by two ranks, which a neighbour's work disturbs): run
+# last, with the machine to themselves.
+ALONE_MODULES = {"tests/dist/test_doctor.py", "tests/dist/test_doctor_core_wait.py"}
 
 
 def pytest_collection_modifyitems(config, items):
