@@ -111,6 +111,10 @@ class ShardComm:
         """Start summing ``buffer`` (``layout.padded_numel`` elements) into its owned chunk."""
         wire = buffer if self.reduce_dtype in (None, buffer.dtype) else buffer.to(self.reduce_dtype)
         owned = slice(layout.start, layout.stop)
+        if self._ring_pool is not None or (buffer.device.type != "cuda" and self.group.size() == 2):
+            # Point-to-point, which the ledger does not record: a caller's label (DDP's bucket index)
+            # must not land on the next collective instead.
+            self.group.label_next_collective("")
         if self._ring_pool is not None:
 
             def ring():

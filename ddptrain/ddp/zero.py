@@ -71,6 +71,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 
 from ..comm.objects import all_gather_object
 from ..comm.types import ReduceOp
@@ -261,9 +262,9 @@ class ZeroOptimizer:
         done = self.reducer.iteration - 1  # the latest finished synchronised backward
         if done < 0 or done == self._consumed_iteration:
             return False
+        self._readopt_moved_params()  # also between clip_grad_norm_ and step: the shards step the buffers
         if self._grads_of_iteration == done:
             return True
-        self._readopt_moved_params()
         self._follow_layout()
         for shard in self._shards:  # views of this rank's chunk of the averaged gradients
             (piece,) = shard.pieces
@@ -325,6 +326,11 @@ class ZeroOptimizer:
         self._readopt_moved_params()  # a parameter re-pointed since the step would miss the gather
         for flat, layout in zip(self.param_buffers, self._layouts):
             self.reducer.shard_comm.all_gather(flat, layout)  # the parameters are views of flat
+        # Written through the buffers, the parameters' own version counters did not move: bump them,
+        # as an optimizer's in-place step does, so autograd refuses a graph saved before the step
+        # (on every rank alike, not only where this rank's chunk changed them).
+        for param in self.reducer.params:
+            increment_version(param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the shard tensors' gradients (the parameters' ``.grad`` are already ``None``)."""

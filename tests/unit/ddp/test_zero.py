@@ -126,7 +126,8 @@ def test_bitwise_equal_to_plain_ring_ddp(world_size, opt_name):
 # -- the parameters live in the all-gather's buffers ----------------------------------------------
 def _repointed(rank, world_size, stage):
     """Plain ring DDP and ZeRO, each with its first weight re-pointed (``.data =``) to new values
-    after step 4 on every rank, as a user loading weights would; also whether, right after wrapping,
+    after step 4 on every rank, as a user loading weights would, and another weight re-pointed to a
+    copy of itself between clipping and stepping at step 8; also whether, right after wrapping,
     every parameter was a view of one of ZeRO's parameter buffers."""
     template = _template()
     new_weight = torch.linspace(-0.5, 0.5, template.body[0].weight.numel()).view_as(template.body[0].weight)
@@ -139,8 +140,12 @@ def _repointed(rank, world_size, stage):
             views = all(p.untyped_storage().data_ptr() in storages for p in model.parameters())
 
         def step(opt=opt, model=model, counter=[0]):  # noqa: B006 - the run's own step count
-            opt.step()
             counter[0] += 1
+            clip = opt.clip_grad_norm_ if isinstance(opt, ZeroOptimizer) else torch.nn.utils.clip_grad_norm_
+            clip(*(() if isinstance(opt, ZeroOptimizer) else (model.parameters(),)), 1e9)  # scales by 1.0
+            if counter[0] == 8:
+                model.body[2].weight.data = model.body[2].weight.detach().clone()
+            opt.step()
             if counter[0] == 4:
                 model.body[0].weight.data = new_weight.clone()
 
@@ -154,6 +159,24 @@ def test_parameters_are_views_of_the_gather_buffers_and_a_repointed_one_is_read_
         assert views, "after wrapping, a parameter was not a view of ZeroOptimizer.param_buffers"
         for i, (a, b) in enumerate(zip(plain, zero)):
             assert torch.equal(a, b), f"parameter {i}: {(a - b).abs().max().item()}"
+
+
+def _versions_moved(rank, world_size, stage):
+    model = _template()
+    ddp, zero = _in_ddp(model, _optimizer("sgd", model), stage, algorithm="native")
+    x, y = _batch(rank, 0)
+    F.cross_entropy(ddp(x), y).backward()
+    before = [p._version for p in model.parameters()]
+    zero.step()
+    return [p._version > v for p, v in zip(model.parameters(), before)]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_every_parameter_is_marked_changed_by_a_step_on_every_rank(stage):
+    """As an optimizer's in-place step does: so autograd refuses a graph saved before the step on
+    every rank alike, not only where this rank's own chunk changed a parameter."""
+    for moved in run_threaded(_versions_moved, 2, stage, timeout_s=60):
+        assert all(moved), moved
 
 
 def _relaid(rank, world_size, make):
@@ -301,6 +324,7 @@ def _bf16_pair(rank, world_size, stage):
     plain = _train(ddp, opt.step, opt.zero_grad, rank, 100)
     pg = comm_api.get_process_group()
     runs, sent = [], []
+    plain_seq = max(r.seq for r in pg.ledger.records())  # the records before are plain DDP's
     for reduce_dtype in (torch.bfloat16, None):
         model = copy.deepcopy(template)
         ddp = DDP(model, bucket_cap_mb=BUCKET_CAP_MB)
@@ -313,8 +337,11 @@ def _bf16_pair(rank, world_size, stage):
     # Observed on the wire, from the group's own records. On CPU at two ranks the reduce-scatter is
     # a send of the peer's chunk (bytes counted, not recorded in the ledger); the all-gather is one
     # broadcast per chunk (in the ledger).
-    parameters = {r.dtype for r in pg.ledger.records() if r.op in ("all_gather", "broadcast")}
-    return plain, runs[0], {"bf16 sent": sent[0], "fp32 sent": sent[1], "parameters": parameters}
+    records = [r for r in pg.ledger.records() if r.seq > plain_seq]
+    parameters = {r.dtype for r in records if r.op in ("all_gather", "broadcast")}
+    # a bucket's label belongs to its reduction; the exchange leaves no record to carry it
+    labelled = {r.op for r in records if r.label.startswith("DDP bucket")}
+    return plain, runs[0], {"bf16 sent": sent[0], "fp32 sent": sent[1], "parameters": parameters, "labelled": labelled}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -325,6 +352,7 @@ def test_bf16_reduce_dtype_equals_plain_ddp_with_the_bf16_compress_hook_at_two_r
         assert all(torch.equal(a, b) for a, b in zip(plain, zeroed))
         assert wire["fp32 sent"] > 0 and 2 * wire["bf16 sent"] == wire["fp32 sent"], wire  # gradients in bf16
         assert "float32" in wire["parameters"] and "bfloat16" not in wire["parameters"], wire
+        assert not wire["labelled"], wire
 
 
 def _ring_bf16_and_fp32(rank, world_size):
