@@ -111,7 +111,8 @@ class ShardComm:
         """Start summing ``buffer`` (``layout.padded_numel`` elements) into its owned chunk."""
         wire = buffer if self.reduce_dtype in (None, buffer.dtype) else buffer.to(self.reduce_dtype)
         owned = slice(layout.start, layout.stop)
-        if self._ring_pool is not None or (buffer.device.type != "cuda" and self.group.size() == 2):
+        exchange = self._ring_pool is None and buffer.device.type != "cuda" and self.group.size() == 2
+        if self._ring_pool is not None or exchange:
             # Point-to-point, which the ledger does not record: a caller's label (DDP's bucket index)
             # must not land on the next collective instead.
             self.group.label_next_collective("")
@@ -124,7 +125,7 @@ class ShardComm:
 
             return self._in_ring_thread("ring_reduce_scatter", buffer, ring)
         chunks = list(wire.view(self.group.size(), -1))
-        if buffer.device.type != "cuda" and self.group.size() == 2:
+        if exchange:
             return self._exchange_reduce(
                 chunks, layout, (lambda: buffer[owned].copy_(wire[owned])) if wire is not buffer else None
             )

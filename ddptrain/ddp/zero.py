@@ -188,6 +188,7 @@ class ZeroOptimizer:
         self._buckets: tuple = ()  # the reducer's buckets and shard layouts the shards were built for
         self._layouts: list = []
         self.param_buffers: list[torch.Tensor] = []  # per bucket: the flat buffer its parameters are views of
+        self._slots: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its view of its buffer)
         self._grads_of_iteration = -1  # the synchronised backward whose gradients the shard tensors hold
         self._consumed_iteration = -1  # the latest one a step (or zero_grad) used up
         self._build()
@@ -197,12 +198,16 @@ class ZeroOptimizer:
         """Shard tensors and their optimizer for the reducer's current bucket layout (no state)."""
         reducer = self.reducer
         self._buckets, self._layouts = reducer.plan.buckets, list(reducer.shard_layouts)
-        self.param_buffers = []
+        self.param_buffers, self._slots = [], []
         for bucket, layout in zip(self._buckets, self._layouts):
             flat = torch.empty(layout.padded_numel, dtype=bucket.dtype, device=bucket.device)
             flat[layout.numel :].zero_()  # padding: sent by the chunk it falls in, never read
             self.param_buffers.append(flat)
-            self._adopt_params(len(self.param_buffers) - 1)  # bucket by bucket: old storage freed as it goes
+            for i, offset in zip(bucket.params, bucket.offsets):  # bucket by bucket: old storage freed as it goes
+                param = reducer.params[i]
+                slot = flat[offset : offset + param.numel()].view_as(param)
+                _adopt(param, slot)
+                self._slots.append((param, slot))
         shards = []
         for b, (bucket, layout) in enumerate(zip(self._buckets, self._layouts)):
             by_group: dict[int, list[_Piece]] = {}
@@ -225,25 +230,13 @@ class ZeroOptimizer:
         self._shard_optimizer = _same_kind(self.optimizer, groups) if groups else None
         self._layout_version = reducer.layout_version
 
-    def _adopt_params(self, b: int, moved_only: bool = False) -> None:
-        """Make bucket ``b``'s parameters views of its parameter buffer, their values copied in
-        (``moved_only``: only those that are not views of it now)."""
-        flat = self.param_buffers[b]
-        for i, offset in zip(self._buckets[b].params, self._buckets[b].offsets):
-            param = self.reducer.params[i]
-            slot = flat[offset : offset + param.numel()].view_as(param)
-            if moved_only and param.data_ptr() == slot.data_ptr() and param.stride() == slot.stride():
-                continue
-            with torch.no_grad():
-                slot.copy_(param)
-            param.data = slot
-
     def _readopt_moved_params(self) -> None:
         """Bring back into the parameter buffers any parameter re-pointed since (module doc, 3.)."""
         if self._layout_version != self.reducer.layout_version:
             return  # the next _follow_layout builds new buffers and adopts every parameter
-        for b in range(len(self.param_buffers)):
-            self._adopt_params(b, moved_only=True)
+        for param, slot in self._slots:  # every step: a pointer comparison per parameter
+            if param.data_ptr() != slot.data_ptr() or param.stride() != slot.stride():
+                _adopt(param, slot)
 
     def _follow_layout(self) -> None:
         """Re-split the state when DDP laid its buckets out again (its rebuild after the first
@@ -565,6 +558,13 @@ def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.op
     constructor does not take)."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+
+
+@torch.no_grad()
+def _adopt(param: torch.Tensor, slot: torch.Tensor) -> None:
+    """Make ``param`` the view ``slot`` of a parameter buffer, its values copied in."""
+    slot.copy_(param)
+    param.data = slot
 
 
 def _hyper(group: dict) -> dict:

@@ -68,7 +68,7 @@ class ZeroSteps(DataParallelSteps):
             norm = self.zero.clip_grad_norm_(math.inf if clip is None else clip)  # inf: scales by exactly 1
             if t.config.trainer.log_grad_norm:
                 log_grad_norm(t, norm)
-        if self.zero.step(all_gather=False):  # nothing stepped: the parameters are as every rank has them
+        if self.zero.step(all_gather=False):  # False: nothing stepped, so nothing to gather
             with t.phases.span("param_all_gather"):  # communication: the doctor counts it as such
                 self.zero.all_gather_params()
         step = t.state.step + 1  # the step being completed
