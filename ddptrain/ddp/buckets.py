@@ -156,7 +156,7 @@ class BucketPlan:
     """The whole layout: buckets in launch order, and each parameter's slot (by parameter index)."""
 
     buckets: tuple[Bucket, ...]
-    slots: tuple[Slot, ...]
+    slots: tuple[Slot | None, ...]  # None: a parameter outside the buckets (a sparse gradient's)
 
     @property
     def assignment(self) -> list[list[int]]:
@@ -164,7 +164,10 @@ class BucketPlan:
 
 
 def plan_buckets(
-    specs: Sequence[ParamSpec], assignment: Sequence[Sequence[int]], in_place_min_bytes: int | None
+    specs: Sequence[ParamSpec],
+    assignment: Sequence[Sequence[int]],
+    in_place_min_bytes: int | None,
+    unbucketed: frozenset[int] = frozenset(),
 ) -> BucketPlan:
     """Lay out buckets and decide how each gradient travels.
 
@@ -174,6 +177,8 @@ def plan_buckets(
         in_place_min_bytes: gradients at least this big are reduced in place; ``None`` sends
             every gradient through the flat buffer (what a comm hook or
             ``gradient_as_bucket_view`` needs).
+        unbucketed: parameters that belong in no bucket (their slot is ``None``): those with
+            sparse gradients, which the reducer all-reduces one by one.
 
     Consecutive gradients below the threshold form one :class:`FlatRun` each, so a bucket costs
     one all-reduce per run of small gradients plus one per large gradient.
@@ -201,10 +206,10 @@ def plan_buckets(
                 transfers=_transfers(offsets, offset, large),
             )
         )
-    missing = sorted(set(range(len(specs))) - set(slots))
+    missing = sorted(set(range(len(specs))) - set(slots) - unbucketed)
     if missing:
         raise ValueError(f"parameters {missing} are in no bucket of assignment {assignment}")
-    return BucketPlan(tuple(buckets), tuple(slots[i] for i in range(len(specs))))
+    return BucketPlan(tuple(buckets), tuple(slots.get(i) for i in range(len(specs))))
 
 
 def _transfers(offsets: Sequence[int], total: int, large: Sequence[bool]) -> tuple[Transfer, ...]:

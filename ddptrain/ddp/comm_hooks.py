@@ -12,6 +12,7 @@ with error feedback), and ddptrain's ring all-reduce over point-to-point message
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -20,6 +21,53 @@ from ..comm.process_group import ProcessGroup
 from ..comm.ring import RingAllReducer
 from ..comm.types import ReduceOp
 from .buckets import GradBucket
+
+
+def check_comm_hook(hook) -> None:
+    """Refuse what torch DDP's ``register_comm_hook`` refuses, with its exception types and words:
+    a hook that is not callable, whose ``bucket`` parameter is annotated as something other than a
+    GradBucket (torch's or ours), or whose return annotation is not a ``torch.futures.Future``.
+    Unannotated hooks pass (what they return is checked when they run)."""
+    if not callable(hook):
+        raise TypeError(f"Communication hook must be callable. Got {type(hook).__name__} {hook!r}.")
+    try:
+        sig = inspect.signature(hook, eval_str=True)
+    except (NameError, TypeError, ValueError, SyntaxError):  # unresolvable names, or no signature at all
+        try:
+            sig = inspect.signature(hook)
+        except (TypeError, ValueError):
+            return
+    params = list(sig.parameters.values())
+    bucket = sig.parameters.get("bucket") or (params[1] if len(params) > 1 else None)
+    if bucket is not None and not _is_grad_bucket_annotation(bucket.annotation):
+        raise ValueError(
+            "Communication hook: bucket annotation should be dist.GradBucket. "
+            f"Got {bucket.annotation!r}: a hook is called as hook(state, bucket) with a GradBucket."
+        )
+    if not _is_future_annotation(sig.return_annotation):
+        raise ValueError(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor]. "
+            f"Got {sig.return_annotation!r}."
+        )
+
+
+def _is_grad_bucket_annotation(annotation) -> bool:
+    import torch.distributed as tdist
+
+    if annotation is inspect.Parameter.empty or annotation is GradBucket:
+        return True
+    if tdist.is_available() and annotation is tdist.GradBucket:
+        return True
+    return isinstance(annotation, str) and annotation.split(".")[-1] == "GradBucket"
+
+
+def _is_future_annotation(annotation) -> bool:
+    if annotation is inspect.Signature.empty:
+        return True
+    if isinstance(annotation, str):
+        return annotation.replace(" ", "").split("[")[0].split(".")[-1] == "Future"
+    origin = getattr(annotation, "__origin__", annotation)
+    return isinstance(origin, type) and issubclass(origin, torch._C.Future)
 
 
 def _group(state, bucket: GradBucket) -> ProcessGroup:

@@ -31,6 +31,7 @@ from ..comm.process_group import ProcessGroup
 from ..comm.types import ReduceOp
 from ..config import DEFAULT_BUCKET_CAP_MB
 from .buckets import MB
+from .comm_hooks import check_comm_hook
 from .reducer import IterationStats, Reducer
 
 _IGNORED_TORCH_KWARGS = {"check_reduction"}  # deprecated in torch too; accepted for drop-in use
@@ -105,21 +106,50 @@ class DistributedDataParallel(nn.Module):
         self._join_depth = 0
         self._join_iterations = 0
 
+        self._picklable = process_group is None  # the default group: the one unpickling can find again
         named = _unique_named_parameters(module)
-        trainable = _trainable(named)
-        self._param_names = [n for n, _ in trainable]
-        self._buffers_to_sync = [b for b in module.buffers()]
+        _trainable(named)  # refuses a module with nothing to train, before any collective
         self._verify_same_model(named)
         if init_sync:
-            self._broadcast_coalesced([p.detach() for _, p in named] + self._buffers_to_sync)
+            self._broadcast_coalesced([p.detach() for _, p in named] + list(module.buffers()))
+        self._build_reducer()
+
+    def _build_reducer(self) -> None:
+        """The reducer of the module's trainable parameters, with this module's settings (at
+        construction, and again after unpickling: a reducer holds hooks, never pickled)."""
+        trainable = _trainable(_unique_named_parameters(self.module))
+        self._param_names = [n for n, _ in trainable]
+        self._buffers_to_sync = list(self.module.buffers())
         self.reducer = Reducer(
             [p for _, p in trainable],
             self._param_names,
             self.process_group,
             int(self.bucket_cap_mb * MB),
-            gradient_as_bucket_view,
-            find_unused_parameters,
+            self.gradient_as_bucket_view,
+            self.find_unused_parameters,
+            sparse=_sparse_gradient_params(self.module, [p for _, p in trainable]),
         )
+
+    # -- pickling (torch.save(ddp), copy.deepcopy(ddp)) ---------------------------------------
+    def __getstate__(self) -> dict:
+        """The module and settings; not the process group or the reducer (torch DDP's rule)."""
+        if not self._picklable:
+            raise RuntimeError(
+                "DDP Pickling/Unpickling are only supported when using DDP with the default process "
+                "group. That is, when you have called init_process_group and have not passed "
+                "process_group argument to DDP constructor. (ddptrain cannot find a group passed "
+                "explicitly again when the copy is loaded.) Save ddp.module, or its state_dict, instead."
+            )
+        state = dict(self.__dict__)
+        del state["process_group"], state["reducer"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Join the default process group and build a new reducer; a comm hook is not carried over
+        (register it again), as in torch. Parameters are not broadcast: the copy holds what was saved."""
+        super().__setstate__(state)
+        self.process_group = resolve_process_group(None)
+        self._build_reducer()
 
     # -- construction checks ----------------------------------------------------------------
     def _check_devices(self, device_ids, output_device) -> None:
@@ -240,15 +270,28 @@ class DistributedDataParallel(nn.Module):
         ``ddptrain.comm.ring.RingAllReducer(group)``). A hook sees each bucket's whole flat
         buffer, so large gradients are then copied into it rather than reduced in place.
         """
+        check_comm_hook(hook)
         if self.reducer.comm_hook is not None:
-            raise RuntimeError("register_comm_hook may be called only once per DDP module")
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once. This DDP "
+                f"module already sends its buckets through {getattr(self.reducer.comm_hook, '__name__', 'a hook')}."
+            )
         if self.reducer.iteration > 0:
             raise RuntimeError("register_comm_hook must be called before the first backward")
-        if not callable(hook):
-            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
         if state is not None and getattr(state, "process_group", "absent") is None:
             state.process_group = self.process_group
         self.reducer.set_comm_hook(hook, state)
+
+    def register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch's ``register_builtin_comm_hook``: ``torch.distributed.BuiltinCommHookType.ALLREDUCE``
+        or ``FP16_COMPRESS`` (the string names work too), as the built-in hooks of this package."""
+        from .comm_hooks import allreduce_hook, fp16_compress_hook
+
+        name = getattr(comm_hook_type, "name", str(comm_hook_type)).upper()
+        hooks = {"ALLREDUCE": allreduce_hook, "FP16_COMPRESS": fp16_compress_hook}
+        if name not in hooks:
+            raise ValueError(f"unknown built-in comm hook {comm_hook_type!r}; choose one of {sorted(hooks)}")
+        self.register_comm_hook(None, hooks[name])
 
     def check_parameters_in_sync(self) -> None:
         """Raise ``RuntimeError`` naming the ranks whose parameters or buffers differ from the rest.
@@ -365,12 +408,25 @@ def _trainable(named: list[tuple[str, torch.nn.Parameter]]) -> list[tuple[str, t
     """The parameters that require a gradient; refuses a module without any."""
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
-        raise ValueError(
-            f"DistributedDataParallel was given a module with no parameter that requires a gradient "
-            f"({len(named)} parameter(s), all frozen or none at all): there is nothing to train or "
-            "synchronise. Unfreeze some parameters, or don't wrap this module in DDP."
+        raise RuntimeError(  # RuntimeError and this first sentence: torch's, which code catches
+            "DistributedDataParallel is not needed when a module doesn't have any parameter that "
+            f"requires a gradient. This one has {len(named)} parameter(s), all frozen or none at all: "
+            "there is nothing to train or synchronise. Unfreeze some parameters, or don't wrap this "
+            "module in DDP."
         )
     return trainable
+
+
+def _sparse_gradient_params(module: nn.Module, params: list[torch.Tensor]) -> frozenset[int]:
+    """Indices (in ``params``) of the parameters whose gradient is sparse: those of an
+    ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``sparse=True`` (torch DDP's rule)."""
+    sparse_ids = {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+        for p in m.parameters(recurse=False)
+    }
+    return frozenset(i for i, p in enumerate(params) if id(p) in sparse_ids)
 
 
 def _unique_named_parameters(module: nn.Module) -> list[tuple[str, torch.nn.Parameter]]:

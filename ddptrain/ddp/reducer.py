@@ -156,6 +156,7 @@ class _Iteration:
         self.arrival_order: list[int] = []
         self.used = [False] * num_params  # got a gradient on this rank (find_unused_parameters)
         self.in_place: dict[int, torch.Tensor] = {}  # parameter -> its gradient, reduced where it lies
+        self.graph_grads: dict[int, torch.Tensor] = {}  # backward(create_graph=True): parameter -> its scaled gradient
         self.work: list[object] = [None] * n_buckets  # per launched bucket: list of Work, or the hook's Future
         self.kept = [False] * n_buckets  # ZeRO-2: its shard taken (its buffer given back) before backward ended
         self.sideband: torch.Tensor | None = None  # this iteration's sideband values, summed once waited for
@@ -180,8 +181,10 @@ class Reducer:
         bucket_cap_bytes: int,
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
+        sparse: frozenset[int] = frozenset(),
     ):
         self.params = list(params)
+        self.sparse = frozenset(sparse)  # parameters with sparse gradients: no bucket (module doc)
         self.names = list(names)
         self.pg = process_group
         self.world_size = process_group.size()
@@ -206,6 +209,7 @@ class Reducer:
         self._lent: dict[int, tuple[tuple, torch.Tensor]] = {}  # ZeRO-2: bucket -> its (key, buffer) this backward
         self.layout_version = 0  # counts installed layouts: a sharded optimizer re-splits when it changes
         self._install(self._layout_in(reversed(range(len(self.params)))))
+        self._sparse_order = sorted(self.sparse)
         self.iteration = 0
         self.rebuilt = False
         self._rebuild_due = False
@@ -231,7 +235,7 @@ class Reducer:
         # a sharded optimizer's gradient views) holds its own reference until it is moved.
         self.flat, self.shard_grads = [], []
         self._scale = 1.0 if (self.comm_hook is not None or self.shard_comm is not None) else 1.0 / self.world_size
-        self.plan = plan_buckets(self._specs, assignment, self._in_place_min())
+        self.plan = plan_buckets(self._specs, assignment, self._in_place_min(), self.sparse)
         self._sideband_bucket = self._sideband_carrier()
         if self.shard_comm is not None:
             self.shard_layouts = [self.shard_comm.layout(b.numel) for b in self.plan.buckets]
@@ -260,7 +264,7 @@ class Reducer:
         self.layout_version += 1
         if self.as_view:  # existing gradients move into the new buffers
             for i, p in enumerate(self.params):
-                if p.grad is not None:
+                if p.grad is not None and i not in self.sparse:
                     view = self._view(i)
                     view.copy_(p.grad)
                     p.grad = view
@@ -284,7 +288,7 @@ class Reducer:
 
     def plan_at(self, bucket_cap_bytes: int) -> BucketPlan:
         """The plan :meth:`rebucket` would install with this cap (``ddptrain doctor``'s what-ifs)."""
-        return plan_buckets(self._specs, self.layout_at(bucket_cap_bytes), self._in_place_min())
+        return plan_buckets(self._specs, self.layout_at(bucket_cap_bytes), self._in_place_min(), self.sparse)
 
     def _sideband_carrier(self) -> int | None:
         """The bucket the sideband rides in: the last whose last all-reduce is a flat run (None: none
@@ -341,6 +345,11 @@ class Reducer:
                 "shard, while plain DDP skips it",
                 self.find_unused,
             ),
+            (
+                "sparse gradients (nn.Embedding(sparse=True))",
+                "a sparse gradient has no fixed chunks to shard",
+                bool(self.sparse),
+            ),
         ):
             if on:
                 raise RuntimeError(_SHARDED_REFUSES.format(what=what, why=why))
@@ -351,7 +360,7 @@ class Reducer:
         """Buckets filled in the order gradients arrive (``order``): the first one small (it launches
         early), the others up to the cap."""
         first_cap = min(int(FIRST_BUCKET_CAP_MB * MB), self.bucket_cap_bytes)
-        return self._assign(first_cap_bytes=first_cap, order=list(order), reverse=False)
+        return self._assign(first_cap_bytes=first_cap, order=[i for i in order if i not in self.sparse], reverse=False)
 
     def _rebuild(self) -> None:
         """Re-bucket once in the order gradients arrived on rank 0, so all ranks agree.
@@ -419,8 +428,10 @@ class Reducer:
             f"parameter {self.names[i]!r} was marked ready twice in one backward pass: its "
             "gradient hook fired again after its bucket was already counted. This happens with "
             "reentrant activation checkpointing (torch.utils.checkpoint(..., use_reentrant=True)) "
-            "or when a parameter takes part in two backward passes of one forward. Use "
-            "use_reentrant=False, or run the extra backward inside no_sync()."
+            "or when a parameter takes part in two backward passes of one forward (a second "
+            "backward after backward(create_graph=True), say: torch DDP would leave that gradient "
+            "unsynchronised on each rank). Use use_reentrant=False; for a gradient penalty, compute "
+            "the inner gradient with torch.autograd.grad(..., create_graph=True) and call backward once."
         )
 
     def _mark_ready(self, i: int, used: bool) -> None:
@@ -434,10 +445,15 @@ class Reducer:
             it.stats.ready_times.append((i, time.perf_counter()))
         it.used[i] = used
         slot = self.plan.slots[i]
+        if slot is None:  # a sparse gradient: all-reduced on its own once backward is done
+            return
         view = self._flat_of(slot.bucket).views[slot.position]
         grad = self.params[i].grad
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True) (see _GraphedAverage)
+            it.graph_grads[i] = grad if self._scale == 1.0 else grad * self._scale
+            grad = grad.detach()
         known = self.shares_storage is not None and i not in self.shares_storage  # None: still learning
-        if slot.in_place and used and known and _may_change_in_place(grad, view):
+        if slot.in_place and used and known and i not in it.graph_grads and _may_change_in_place(grad, view):
             it.in_place[i] = grad if self._scale == 1.0 else grad.mul_(self._scale)
         else:  # the flat buffer; an in-place slot's view stands in for a gradient we may not change
             self._stage_in_buffer(i, grad, view)
@@ -480,6 +496,13 @@ class Reducer:
         """Copy ``grad`` into its slot, averaged in the same pass (without a comm hook)."""
         if grad is None:
             view.zero_()
+        elif grad.layout != torch.strided:
+            raise RuntimeError(
+                f"parameter {self.names[i]!r} got a {grad.layout} gradient, but DDP expected a dense "
+                "one: only the parameters of nn.Embedding / nn.EmbeddingBag modules built with "
+                "sparse=True are reduced as sparse gradients. Build that module with sparse=True, or "
+                "make the gradient dense."
+            )
         elif self.shard_comm is not None:  # divided, as the ring comm hook divides its buffer: the same bits
             torch.div(grad, self.world_size, out=view)
         elif grad.data_ptr() == view.data_ptr():  # gradient_as_bucket_view: it already lives there
@@ -504,7 +527,7 @@ class Reducer:
             if self.shard_comm is not None:
                 it.work[b] = self.shard_comm.reduce_scatter(self._flat_of(b).buffer, self.shard_layouts[b])
             elif self.comm_hook is not None:
-                it.work[b] = self.comm_hook(self.comm_hook_state, self._grad_bucket(b))
+                it.work[b] = self._call_hook(self._grad_bucket(b))
             else:  # already averaged while staging
                 it.work[b] = [
                     self.pg.all_reduce(self._tensor_of(t, b, it), ReduceOp.SUM) for t in self.plan.buckets[b].transfers
@@ -538,7 +561,57 @@ class Reducer:
 
     def _grad_bucket(self, b: int) -> GradBucket:
         params = [self.params[i] for i in self.plan.buckets[b].params]
-        return GradBucket(b, self.flat[b], params, b == len(self.plan.buckets) - 1, self.pg)
+        return GradBucket(b, self.flat[b], params, b == len(self.plan.buckets) - 1 and not self.sparse, self.pg)
+
+    def _call_hook(self, bucket: GradBucket) -> torch.futures.Future:
+        """The comm hook's future for ``bucket``, refusing anything else (torch's check and words)."""
+        fut = self.comm_hook(self.comm_hook_state, bucket)
+        if not isinstance(fut, torch._C.Future):
+            hook = getattr(self.comm_hook, "__name__", repr(self.comm_hook))
+            raise RuntimeError(
+                "DDP communication hook's callback must return a torch.futures.Future object, but got "
+                f"{type(fut).__module__}.{type(fut).__qualname__} from {hook} for bucket {bucket.index()}. "
+                "Return pg.all_reduce(...).get_future(), or a torch.futures.Future you complete."
+            )
+        return fut
+
+    # -- sparse gradients ---------------------------------------------------------------------
+    def _reduce_sparse(self, zeros: bool = False) -> list[tuple[int, torch.Tensor, object]]:
+        """Launch one all-reduce (or comm hook) per sparse gradient, in parameter order, once the
+        buckets have all launched: the same collectives in the same order on every rank. A rank
+        without that gradient (unused here, or ``zeros`` for join's shadow iterations) sends an
+        empty one. Without a hook the gradient is divided first, as torch DDP does."""
+        launched = []
+        for k, i in enumerate(self._sparse_order):
+            p = self.params[i]
+            grad = None if zeros else p.grad
+            if grad is None:
+                grad = torch.sparse_coo_tensor(
+                    torch.empty((1, 0), dtype=torch.int64, device=p.device),
+                    torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                    p.shape,
+                )
+            elif grad.layout != torch.sparse_coo:
+                raise RuntimeError(
+                    f"parameter {self.names[i]!r} belongs to a module built with sparse=True but got a "
+                    f"{grad.layout} gradient; DDP all-reduces it as a sparse COO tensor."
+                )
+            self.pg.label_next_collective(f"DDP sparse gradient {self.names[i]}")
+            if self.comm_hook is not None:
+                index, last = len(self.plan.buckets) + k, k == len(self._sparse_order) - 1
+                work = self._call_hook(GradBucket(index, FlatBuffer(grad, (grad,)), [p], last, self.pg))
+            else:
+                work = self.pg.all_reduce(grad.div_(self.world_size), ReduceOp.SUM)
+            launched.append((i, grad, work))
+        return launched
+
+    def _write_back_sparse(self, launched, unused: frozenset[int]) -> None:
+        """Wait for the sparse all-reduces; each parameter's ``.grad`` becomes its average (a
+        parameter no rank used keeps ``grad=None``)."""
+        for i, grad, work in launched:
+            result = _wait(work)
+            if i not in unused:
+                self.params[i].grad = result if isinstance(result, torch.Tensor) else grad
 
     # -- after backward: wait, write back ----------------------------------------------------
     def _finalize(self) -> None:
@@ -553,6 +626,7 @@ class Reducer:
             return
         self._check_storage_sharing(it)
         unused = self._unused_everywhere(it)
+        sparse = self._reduce_sparse() if self.sparse else ()
         if self.track_completion:
             it.stats.done_times = [it.stats.backward_end if _is_done(w) else None for w in it.work]
         for b in range(len(self.plan.buckets)):
@@ -565,6 +639,8 @@ class Reducer:
                 self._keep_shard(b)
             else:
                 self._write_back(b, it, unused)
+        if sparse:
+            self._write_back_sparse(sparse, unused)
         if it.sideband is not None:
             _wait(it.sideband_work)
             self.sideband = it.sideband.tolist()
@@ -641,7 +717,10 @@ class Reducer:
             if i in it.in_place or i in unused:
                 continue  # already averaged where it lies / unused on every rank: None stays None
             p = self.params[i]
-            if self.as_view:
+            if i in it.graph_grads:
+                with torch.enable_grad():
+                    p.grad = _GraphedAverage.apply(it.graph_grads[i], view)
+            elif self.as_view:
                 if p.grad is None or p.grad.data_ptr() != view.data_ptr():
                     p.grad = view
             elif p.grad is None:
@@ -662,6 +741,8 @@ class Reducer:
             flat.buffer.zero_()  # in-place slots send their (zero) view: the same collectives
         self._launch_ready_buckets(it)
         self._unused_everywhere(it)
+        for _, _, work in self._reduce_sparse(zeros=True):
+            _wait(work)
         for work in (*it.work, it.sideband_work):
             _wait(work)
         self._rebuild_due = not self.rebuilt
@@ -688,12 +769,28 @@ def _may_change_in_place(grad: torch.Tensor | None, like: torch.Tensor) -> bool:
     return (
         grad is not None
         and grad.layout == torch.strided
+        and not grad.requires_grad
         and grad.is_contiguous()
         and grad.dtype == like.dtype
         and grad.device == like.device
         and grad.storage_offset() == 0
         and grad.untyped_storage().nbytes() == grad.numel() * grad.element_size()
     )
+
+
+class _GraphedAverage(torch.autograd.Function):
+    """``backward(create_graph=True)``: the parameter's ``.grad`` holds the average over ranks,
+    bit for bit as without a graph, and differentiating it reaches this rank's own gradient
+    (scaled by ``1/world_size``) — what torch DDP's reducer leaves: the all-reduce itself is not
+    differentiated, so higher-order terms are not synchronised (pytorch/pytorch#63812)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, average: torch.Tensor) -> torch.Tensor:
+        return average.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def _is_done(work) -> bool:

@@ -255,8 +255,9 @@ class TorchProcessGroup(ProcessGroup):
 
     def _contiguous(self, tensor: torch.Tensor):
         """(tensor the backend may use, copy-back or None): backends read raw storage, so a
-        non-contiguous view goes through a contiguous copy instead of corrupting its neighbours."""
-        if tensor.is_contiguous():
+        non-contiguous view goes through a contiguous copy instead of corrupting its neighbours.
+        A sparse tensor goes as it is (gloo all-reduces sparse COO tensors)."""
+        if tensor.layout != torch.strided or tensor.is_contiguous():
             return tensor, None
         staged = tensor.contiguous()
         return staged, (lambda: tensor.copy_(staged))

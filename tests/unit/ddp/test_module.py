@@ -152,5 +152,5 @@ def test_errors_name_the_rule_and_the_fix():
         assert "did not: branch.weight, branch.bias, never.weight, never.bias" in r["unused"], r
         assert "find_unused_parameters=True" in r["unused"]
         assert "marked ready twice" in r["twice"] and "use_reentrant=False" in r["twice"], r
-        assert "only once" in r["hook twice"], r
+        assert "can only be called once" in r["hook twice"], r
         assert "ranks disagree" in r["differs"] and "rank 1" in r["differs"], r
