@@ -19,11 +19,11 @@ optimizer.step. Round 0 (``--warmup`` steps) is not timed. Each rank feeds its o
 timing, both DDPs' gradients are checked against the all-reduced average of the bare module's, and
 after it their parameters are checked bitwise equal across ranks (so the gradients were synchronised).
 
-Prints, per model and W, rank 0's median step time per round, the minimum over rounds, the ratio
+Prints, per model and W, rank 0's median step time per round, the median over rounds, the ratio
 ours/torch of the step and of the time added over ``no DDP`` ("added" = variant - no DDP), and the
 per-round ratios. Usage::
 
-    .venv/bin/python scripts/bench_host_overhead.py [--steps 200] [--rounds 2] [--warmup 30]
+    .venv/bin/python scripts/bench_host_overhead.py [--steps 200] [--rounds 5] [--warmup 30]
         [--models blocks,transformer] [--world-sizes 1,2] [--json PATH]
 """
 
@@ -196,10 +196,10 @@ def main() -> None:
     ap.add_argument("--models", default="blocks,transformer")
     ap.add_argument("--world-sizes", default="1,2")
     ap.add_argument("--steps", type=int, default=200, help="timed steps per variant per round")
-    ap.add_argument("--rounds", type=int, default=2, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (after one warm-up round)")
     ap.add_argument("--warmup", type=int, default=30, help="steps per variant in the untimed round 0")
     ap.add_argument("--bucket-cap-mb", type=float, default=25.0, help="for both DDPs (torch's default)")
-    ap.add_argument("--over-rounds", choices=["min", "median"], default="min", help="how rounds' medians combine")
+    ap.add_argument("--over-rounds", choices=["min", "median"], default="median", help="how rounds' medians combine")
     ap.add_argument("--json", metavar="PATH", help="write the raw numbers (every rank, round and step) here")
     args = ap.parse_args()
     models = args.models.split(",")
@@ -236,7 +236,10 @@ def main() -> None:
     for r in rows:
         steps_ = ", ".join(f"{v:.3f}" for v in r["round_step_ratios"])
         added = ", ".join(f"{v:.3f}" for v in r["round_added_ratios"])
-        print(f"  {r['model']} W={r['W']}: step {steps_}; added {added}")
+        print(
+            f"  {r['model']} W={r['W']}: step {steps_} (median {statistics.median(r['round_step_ratios']):.3f}); "
+            f"added {added} (median {statistics.median(r['round_added_ratios']):.3f})"
+        )
     if args.json:
         raw = {"args": vars(args), "rows": rows, "per_rank": {str(w): res for w, res in all_results.items()}}
         with open(args.json, "w") as f:

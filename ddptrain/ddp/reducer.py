@@ -157,6 +157,8 @@ class _Iteration:
         self.used = [False] * num_params  # got a gradient on this rank (find_unused_parameters)
         self.in_place: dict[int, torch.Tensor] = {}  # parameter -> its gradient, reduced where it lies
         self.graph_grads: dict[int, torch.Tensor] = {}  # backward(create_graph=True): parameter -> its scaled gradient
+        # per bucket: (position, gradient) of the gradients to copy into its buffer at launch
+        self.deferred: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_buckets)]
         self.work: list[object] = [None] * n_buckets  # per launched bucket: list of Work, or the hook's Future
         self.kept = [False] * n_buckets  # ZeRO-2: its shard taken (its buffer given back) before backward ended
         self.sideband: torch.Tensor | None = None  # this iteration's sideband values, summed once waited for
@@ -235,6 +237,10 @@ class Reducer:
         # a sharded optimizer's gradient views) holds its own reference until it is moved.
         self.flat, self.shard_grads = [], []
         self._scale = 1.0 if (self.comm_hook is not None or self.shard_comm is not None) else 1.0 / self.world_size
+        # Gradients bound for the flat buffer are copied in all at once (Reducer._stage_bucket),
+        # except where staging does more than copy and scale: a sharded launch divides, and
+        # gradient_as_bucket_view makes .grad the buffer's view.
+        self._defer_copy = self.shard_comm is None and not self.as_view
         self.plan = plan_buckets(self._specs, assignment, self._in_place_min(), self.sparse)
         self._sideband_bucket = self._sideband_carrier()
         if self.shard_comm is not None:
@@ -256,6 +262,7 @@ class Reducer:
             ]
         else:
             self.flat = allocate(self.plan, tail)
+        self._split_members()
         if self.zero_stage == 1:
             # The owned chunk of each bucket's buffer, which the buffers keep between steps: the
             # reduce-scatter leaves the average there, and only the next synchronised backward
@@ -268,6 +275,18 @@ class Reducer:
                     view = self._view(i)
                     view.copy_(p.grad)
                     p.grad = view
+
+    def _split_members(self) -> None:
+        """Per bucket, its members whose slot is only the flat buffer (``_flat_only[b]``: parameter
+        indices, positions, views; copied in and out in batches) and those that may be reduced in
+        place (``_in_place_slots[b]``: positions and indices, staged one by one)."""
+        self._flat_only, self._in_place_slots = [], []
+        for bucket, flat in zip(self.plan.buckets, self.flat):
+            members = list(enumerate(bucket.params))
+            flat_only = [(pos, i) for pos, i in members if not self.plan.slots[i].in_place]
+            views = [flat.views[pos] for pos, _ in flat_only] if flat is not None else []
+            self._flat_only.append(([i for _, i in flat_only], [pos for pos, _ in flat_only], views))
+            self._in_place_slots.append([(pos, i) for pos, i in members if self.plan.slots[i].in_place])
 
     def _view(self, i: int) -> torch.Tensor:
         slot = self.plan.slots[i]
@@ -435,33 +454,76 @@ class Reducer:
         )
 
     def _mark_ready(self, i: int, used: bool) -> None:
-        """Stage parameter ``i``'s gradient for its bucket; launch the buckets that are complete."""
+        """Count parameter ``i``'s gradient as ready; once a bucket's are all ready, stage and launch
+        it (under ZeRO each gradient is staged as it comes instead, so that it is freed at once)."""
         it = self._it
         if it.ready[i]:
             self._raise_ready_twice(i)
         it.ready[i] = True
-        it.arrival_order.append(i)
+        if not self.rebuilt:  # only the rebuild reads the order
+            it.arrival_order.append(i)
         if self.track_completion:
             it.stats.ready_times.append((i, time.perf_counter()))
         it.used[i] = used
         slot = self.plan.slots[i]
         if slot is None:  # a sparse gradient: all-reduced on its own once backward is done
             return
-        view = self._flat_of(slot.bucket).views[slot.position]
+        b = slot.bucket
+        if self.shard_comm is not None:
+            self._stage(it, i, slot.position)
+        it.pending[b] -= 1
+        if it.pending[b] == 0:
+            self._launch_ready_buckets(it)
+
+    def _stage_bucket(self, it: _Iteration, b: int) -> None:
+        """Stage every gradient of bucket ``b`` (all ready) for its launch (see :meth:`_stage`).
+
+        The common case — every flat-only gradient a plain dense tensor — takes no Python per
+        gradient: one ``torch._foreach_copy_`` into the views and one ``torch._foreach_mul_``."""
+        indices, positions, views = self._flat_only[b]
+        grads = [self.params[i].grad for i in indices]
+        if grads and self._defer_copy and all(map(_copies_plainly, grads)):
+            torch._foreach_copy_(views, grads)
+            if self._scale != 1.0:
+                torch._foreach_mul_(views, self._scale)
+        else:
+            for position, i in zip(positions, indices):
+                self._stage(it, i, position)
+        for position, i in self._in_place_slots[b]:
+            self._stage(it, i, position)
+        deferred = it.deferred[b]
+        if deferred:
+            views = self.flat[b].views
+            targets = [views[position] for position, _ in deferred]
+            torch._foreach_copy_(targets, [grad for _, grad in deferred])
+            if self._scale != 1.0:
+                torch._foreach_mul_(targets, self._scale)
+
+    def _stage(self, it: _Iteration, i: int, position: int) -> None:
+        """Stage parameter ``i``'s gradient: averaged in place, or bound for its slot of the flat
+        buffer. Plain gradients are collected in ``it.deferred`` and copied and averaged together
+        (:meth:`_stage_bucket`: two loops in C++ instead of a Python call per gradient; the same
+        bits as ``torch.mul(grad, scale, out=view)``, one multiplication each)."""
+        b = self.plan.slots[i].bucket
         grad = self.params[i].grad
         if grad is not None and grad.requires_grad:  # backward(create_graph=True) (see _GraphedAverage)
             it.graph_grads[i] = grad if self._scale == 1.0 else grad * self._scale
             grad = grad.detach()
-        known = self.shares_storage is not None and i not in self.shares_storage  # None: still learning
-        if slot.in_place and used and known and i not in it.graph_grads and _may_change_in_place(grad, view):
+        if (
+            self.plan.slots[i].in_place
+            and it.used[i]
+            and self.shares_storage is not None  # None: still learning (module doc)
+            and i not in self.shares_storage
+            and i not in it.graph_grads
+            and _may_change_in_place(grad, self._flat_of(b).views[position])
+        ):
             it.in_place[i] = grad if self._scale == 1.0 else grad.mul_(self._scale)
+        elif self._defer_copy and grad is not None and grad.layout == torch.strided:
+            it.deferred[b].append((position, grad))
         else:  # the flat buffer; an in-place slot's view stands in for a gradient we may not change
-            self._stage_in_buffer(i, grad, view)
+            self._stage_in_buffer(i, grad, self._flat_of(b).views[position])
             if self.shard_comm is not None:
                 self.params[i].grad = None  # its bucket's reduce-scatter owns it now (module doc)
-        it.pending[slot.bucket] -= 1
-        if it.pending[slot.bucket] == 0:
-            self._launch_ready_buckets(it)
 
     def _flat_of(self, b: int) -> FlatBuffer:
         """Bucket ``b``'s flat buffer (ZeRO-2: laid over a reused buffer as its first gradient comes)."""
@@ -521,6 +583,8 @@ class Reducer:
         while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
             b = it.next_bucket
             it.stats.launch_times[b] = time.perf_counter()
+            if it.sync and self.shard_comm is None:  # ZeRO staged each gradient as it came; join's
+                self._stage_bucket(it, b)  # shadow iterations send the zeroed buffers
             if b == self._sideband_bucket:
                 self._post_sideband(it, b)  # into the buffer's tail, before it travels
             self.pg.label_next_collective(f"DDP bucket {b}")
@@ -712,8 +776,18 @@ class Reducer:
             buffer.copy_(result.view_as(buffer))
 
     def _write_back(self, b: int, it: _Iteration, unused: frozenset[int]) -> None:
-        """Give bucket ``b``'s parameters their averaged gradients from the flat buffer."""
-        for i, view in zip(self.plan.buckets[b].params, self.flat[b].views):
+        """Give bucket ``b``'s parameters their averaged gradients from the flat buffer (existing
+        ``.grad`` tensors are overwritten in one ``torch._foreach_copy_``)."""
+        indices, positions, views = self._flat_only[b]
+        members = zip(self.plan.buckets[b].params, self.flat[b].views)
+        if self._defer_copy and not unused and not it.graph_grads:  # the common case: one batched copy
+            grads = [self.params[i].grad for i in indices]
+            if all(g is not None for g in grads):
+                if grads:
+                    torch._foreach_copy_(grads, views)
+                members = ((i, self.flat[b].views[pos]) for pos, i in self._in_place_slots[b])
+        overwritten, averages = [], []
+        for i, view in members:
             if i in it.in_place or i in unused:
                 continue  # already averaged where it lies / unused on every rank: None stays None
             p = self.params[i]
@@ -726,7 +800,10 @@ class Reducer:
             elif p.grad is None:
                 p.grad = view.clone()
             else:
-                p.grad.copy_(view)
+                overwritten.append(p.grad)
+                averages.append(view)
+        if overwritten:
+            torch._foreach_copy_(overwritten, averages)
 
     # -- join support ------------------------------------------------------------------------
     def shadow_iteration(self) -> None:
@@ -791,6 +868,11 @@ class _GraphedAverage(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad, None
+
+
+def _copies_plainly(grad: torch.Tensor | None) -> bool:
+    """Whether ``grad`` goes into the flat buffer by a plain copy: dense, and outside any graph."""
+    return grad is not None and grad.layout == torch.strided and not grad.requires_grad
 
 
 def _is_done(work) -> bool:
