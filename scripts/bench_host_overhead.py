@@ -15,9 +15,13 @@ size 1) three variants train from identical weights, SGD lr 1e-4, alternating ro
 order rotates each round) in the same processes: ``no DDP`` (the bare module, no communication),
 ``torch DDP`` (torch.nn.parallel.DistributedDataParallel) and ``ours`` (ddptrain's), both DDPs with
 the same ``bucket_cap_mb`` (torch's default, 25). A step is zero_grad, forward, loss, backward,
-optimizer.step. Round 0 (``--warmup`` steps) is not timed. Each rank feeds its own inputs; before
-timing, both DDPs' gradients are checked against the all-reduced average of the bare module's, and
-after it their parameters are checked bitwise equal across ranks (so the gradients were synchronised).
+optimizer.step. Both DDPs all-reduce over one gloo group, torch's default: on this VM a gloo
+connection's latency is bimodal (a 1 MB all-reduce between two local ranks takes 0.9 or 2.4 ms,
+and a connection keeps its mode for many seconds, whichever group it belongs to), so two groups
+would compare their connections' luck, not the DDPs. Round 0 (``--warmup`` steps) is not timed.
+Each rank feeds its own inputs; before timing, both DDPs' gradients are checked against the
+all-reduced average of the bare module's, and after it their parameters are checked bitwise equal
+across ranks (so the gradients were synchronised).
 
 Prints, per model and W, rank 0's median step time per round, the median over rounds, the ratio
 ours/torch of the step and of the time added over ``no DDP`` ("added" = variant - no DDP), and the
@@ -134,7 +138,8 @@ def _bench(rank, world_size, model_names, steps, rounds, warmup, bucket_cap_mb):
         variants = {
             "no DDP": copy.deepcopy(base),
             "torch DDP": TorchDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb),
-            "ours": OurDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb),
+            # the same gloo group as torch's (see the module doc): the same connections for both
+            "ours": OurDDP(copy.deepcopy(base), bucket_cap_mb=bucket_cap_mb, process_group=tdist.group.WORLD),
         }
         _check_grads_synced(variants, x, y, loss_fn, world_size, tdist)
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in variants.items()}

@@ -59,6 +59,12 @@ def resolve_process_group(process_group=None) -> ProcessGroup:
     )
 
 
+class ModelsDifferError(RuntimeError, ValueError):
+    """Ranks built different models (parameter names, shapes, dtypes or requires_grad differ).
+
+    A ``RuntimeError``, as torch DDP raises for it, and a ``ValueError``, as ddptrain raised before."""
+
+
 class DistributedDataParallel(nn.Module):
     """Data-parallel training: each rank runs its own batch, gradients are averaged in backward.
 
@@ -70,6 +76,12 @@ class DistributedDataParallel(nn.Module):
     ``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph`` (accepted: the
     graph is treated as dynamic, which is always correct), ``check_reduction`` (ignored, as in
     torch). Any other keyword raises ``TypeError`` naming it.
+
+    Behaves as torch's where torch's own tests look (docs/torch-ddp-conformance.md): sparse
+    gradients of ``nn.Embedding``/``nn.EmbeddingBag(sparse=True)`` stay sparse and are averaged;
+    ``backward(create_graph=True)`` works; ``torch.save(ddp)`` and ``copy.deepcopy(ddp)`` drop the
+    process group and reducer and rebuild them on load (default group only; a comm hook must be
+    registered again); errors have torch's exception types.
 
     After construction, ``last_iteration_stats`` describes the latest synchronised backward
     (buckets, launch times, time spent waiting for communication).
@@ -199,7 +211,7 @@ class DistributedDataParallel(nn.Module):
                     f"requires_grad={ref[i][3]}, rank {pg.global_ranks[rank]} has {other[i][0]} "
                     f"shape {other[i][1]} {other[i][2]} requires_grad={other[i][3]}"
                 )
-            raise ValueError(
+            raise ModelsDifferError(
                 "DistributedDataParallel needs the same model on every rank, and ranks disagree: "
                 f"{detail}. Build the model identically on every rank (same config, same code path)."
             )
@@ -268,7 +280,10 @@ class DistributedDataParallel(nn.Module):
         ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``, ``powerSGD_hook``
         (state: ``PowerSGDState``) and ``ring_allreduce_hook`` (state:
         ``ddptrain.comm.ring.RingAllReducer(group)``). A hook sees each bucket's whole flat
-        buffer, so large gradients are then copied into it rather than reduced in place.
+        buffer, so large gradients are then copied into it rather than reduced in place. Refused as
+        torch refuses it: not callable (``TypeError``), ``bucket`` or the return annotated as
+        something other than a GradBucket / ``torch.futures.Future`` (``ValueError``), a second
+        hook (``RuntimeError``); a hook that returns no Future fails its backward (``RuntimeError``).
         """
         check_comm_hook(hook)
         if self.reducer.comm_hook is not None:

@@ -10,13 +10,17 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
    (pending counts, in-flight work, arrival order, stats). With ``find_unused_parameters`` it
    walks the autograd graph from the outputs and marks the parameters it does not reach.
 3. **Hook** — autograd has accumulated ``p.grad`` and calls ``i``'s post-accumulate-grad hook.
-   The first hook of a backward queues :meth:`Reducer._finalize` on the autograd engine.
-4. **Stage** (:meth:`Reducer._mark_ready`) — a gradient in an in-place slot is averaged where it
-   lies (``grad *= 1/world_size``); any other is copied into its slot of the flat buffer, the
-   average taken in the same pass. (An in-place slot whose gradient may not be changed — it
-   may share storage with another gradient, is not a plain dense tensor, or is missing — is
+   The first hook of a backward queues :meth:`Reducer._finalize` on the autograd engine;
+   :meth:`Reducer._mark_ready` counts the gradient against its bucket (under ZeRO it is also
+   staged at once, so that it can be freed).
+4. **Stage** (:meth:`Reducer._stage_bucket`, when the bucket's last gradient arrived) — a gradient
+   in an in-place slot is averaged where it lies (``grad *= 1/world_size``); the others are copied
+   into their slots of the flat buffer and averaged there, the whole bucket in two
+   ``torch._foreach_*`` loops (no Python per gradient: on a model of many small tensors the host's
+   work per gradient is what a step costs). (An in-place slot whose gradient may not be changed —
+   it may share storage with another gradient, is not a plain dense tensor, or is missing — is
    staged in the buffer too, and that slot is sent instead: the collectives stay the same on
-   every rank.) Its bucket's pending count goes down.
+   every rank.)
 5. **Launch** (:meth:`Reducer._launch_ready_buckets`) — a bucket whose count reached zero
    starts its async all-reduces: one SUM per transfer of the plan, or the registered comm hook
    with the whole flat buffer (then the buffer holds raw sums and the hook divides). Buckets go
@@ -25,6 +29,17 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
    gradients reduced in place already hold the average, the others are copied back from the
    flat buffer (with ``gradient_as_bucket_view`` they *are* views of it); with
    ``find_unused_parameters``, a parameter no rank used keeps ``grad=None``.
+
+**Sparse gradients** (the parameters of ``nn.Embedding`` / ``nn.EmbeddingBag`` built with
+``sparse=True``, as torch DDP decides): they belong to no bucket. Once backward is done and every
+bucket has launched, :meth:`Reducer._reduce_sparse` all-reduces each one as a sparse COO tensor
+(divided by the world size first, as torch divides), one collective each, in parameter order — the
+same on every rank; a rank without that gradient sends an empty one. With a comm hook, each goes
+through the hook as a bucket of its own (``buffer()`` is the sparse gradient). ``.grad`` stays sparse.
+
+**backward(create_graph=True)**: a gradient that requires grad is staged detached (the same bits);
+its ``.grad`` becomes the average over ranks through :class:`_GraphedAverage`, whose derivative
+reaches this rank's own gradient — torch DDP's semantics: higher-order terms are not synchronised.
 
 **Sideband** (:meth:`Reducer.register_sideband`): a few small numbers a caller wants summed over
 ranks every synchronised step — the trainer's stop votes — ride at the end of a bucket's flat
@@ -187,6 +202,12 @@ class Reducer:
     ):
         self.params = list(params)
         self.sparse = frozenset(sparse)  # parameters with sparse gradients: no bucket (module doc)
+        if self.sparse and process_group.backend == "mpi":
+            raise RuntimeError(
+                f"sparse gradients ({', '.join(self.names[i] for i in sorted(self.sparse))}, of a module "
+                "built with sparse=True) need the gloo or nccl backend: the mpi backend all-reduces dense "
+                "buffers only. Use backend=gloo, or build the embedding with sparse=False."
+            )
         self.names = list(names)
         self.pg = process_group
         self.world_size = process_group.size()
@@ -483,27 +504,27 @@ class Reducer:
         indices, positions, views = self._flat_only[b]
         grads = [self.params[i].grad for i in indices]
         if grads and self._defer_copy and all(map(_copies_plainly, grads)):
-            torch._foreach_copy_(views, grads)
-            if self._scale != 1.0:
-                torch._foreach_mul_(views, self._scale)
+            self._copy_averaged(views, grads)
         else:
             for position, i in zip(positions, indices):
                 self._stage(it, i, position)
         for position, i in self._in_place_slots[b]:
             self._stage(it, i, position)
-        deferred = it.deferred[b]
-        if deferred:
+        if it.deferred[b]:
             views = self.flat[b].views
-            targets = [views[position] for position, _ in deferred]
-            torch._foreach_copy_(targets, [grad for _, grad in deferred])
-            if self._scale != 1.0:
-                torch._foreach_mul_(targets, self._scale)
+            self._copy_averaged([views[pos] for pos, _ in it.deferred[b]], [grad for _, grad in it.deferred[b]])
+
+    def _copy_averaged(self, views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """``views[k] = grads[k] * scale``, in two loops in C++; the same bits as
+        ``torch.mul(grad, scale, out=view)``: one multiplication each."""
+        torch._foreach_copy_(views, grads)
+        if self._scale != 1.0:
+            torch._foreach_mul_(views, self._scale)
 
     def _stage(self, it: _Iteration, i: int, position: int) -> None:
         """Stage parameter ``i``'s gradient: averaged in place, or bound for its slot of the flat
-        buffer. Plain gradients are collected in ``it.deferred`` and copied and averaged together
-        (:meth:`_stage_bucket`: two loops in C++ instead of a Python call per gradient; the same
-        bits as ``torch.mul(grad, scale, out=view)``, one multiplication each)."""
+        buffer. Plain gradients are collected in ``it.deferred``, for :meth:`_stage_bucket` to copy
+        and average together."""
         b = self.plan.slots[i].bucket
         grad = self.params[i].grad
         if grad is not None and grad.requires_grad:  # backward(create_graph=True) (see _GraphedAverage)
@@ -778,7 +799,7 @@ class Reducer:
     def _write_back(self, b: int, it: _Iteration, unused: frozenset[int]) -> None:
         """Give bucket ``b``'s parameters their averaged gradients from the flat buffer (existing
         ``.grad`` tensors are overwritten in one ``torch._foreach_copy_``)."""
-        indices, positions, views = self._flat_only[b]
+        indices, _, views = self._flat_only[b]
         members = zip(self.plan.buckets[b].params, self.flat[b].views)
         if self._defer_copy and not unused and not it.graph_grads:  # the common case: one batched copy
             grads = [self.params[i].grad for i in indices]

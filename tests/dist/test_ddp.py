@@ -414,11 +414,12 @@ def _errors_body(rank, ws):
         DDP(torch.nn.Linear(2, 2), mixed_precision=True)
     except TypeError as exc:
         out["kwarg"] = str(exc)
-    # a model that differs between ranks
+    # a model that differs between ranks: torch's RuntimeError, and the ValueError ddptrain raised first
     try:
         DDP(torch.nn.Linear(4, 4 + rank))
-    except ValueError as exc:
+    except RuntimeError as exc:
         out["differs"] = str(exc)
+        out["differs_is_value_error"] = isinstance(exc, ValueError)
     return out
 
 
@@ -433,6 +434,7 @@ def test_errors_users_meet_most(backend, request):
         assert "marked ready twice" in r["twice"] and "use_reentrant=False" in r["twice"], r.get("twice")
         assert "mixed_precision" in r["kwarg"]
         assert "ranks disagree" in r["differs"] and "rank 1" in r["differs"] and "weight" in r["differs"], r["differs"]
+        assert r["differs_is_value_error"]
 
 
 def _mpi_pair_body(rank, ws):
