@@ -11,13 +11,13 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
    walks the autograd graph from the outputs and marks the parameters it does not reach.
 3. **Hook** — autograd has accumulated ``p.grad`` and calls ``i``'s post-accumulate-grad hook.
    The first hook of a backward queues :meth:`Reducer._finalize` on the autograd engine;
-   :meth:`Reducer._mark_ready` counts the gradient against its bucket (under ZeRO it is also
-   staged at once, so that it can be freed).
-4. **Stage** (:meth:`Reducer._stage_bucket`, when the bucket's last gradient arrived) — a gradient
+   :meth:`Reducer._mark_ready` counts the gradient against its bucket.
+4. **Stage** (:meth:`Reducer._stage_batch`, every ``STAGE_BATCH`` gradients of a bucket and when
+   its last one arrives; under ZeRO each gradient at once, so that it can be freed) — a gradient
    in an in-place slot is averaged where it lies (``grad *= 1/world_size``); the others are copied
-   into their slots of the flat buffer and averaged there, the whole bucket in two
-   ``torch._foreach_*`` loops (no Python per gradient: on a model of many small tensors the host's
-   work per gradient is what a step costs). (An in-place slot whose gradient may not be changed —
+   into their slots of the flat buffer and averaged there, a batch in two ``torch._foreach_*``
+   loops (no Python per gradient: on a model of many small tensors the host's work per gradient is
+   what a step costs). (An in-place slot whose gradient may not be changed —
    it may share storage with another gradient, is not a plain dense tensor, or is missing — is
    staged in the buffer too, and that slot is sent instead: the collectives stay the same on
    every rank.)
@@ -118,6 +118,10 @@ DIRECT_MIN_BYTES = 1 << 20
 # launched one to finish; only when none is launched yet (gradients out of layout order) is
 # another allocated.
 ZERO2_BUFFERS = 2
+# Gradients are staged into their bucket in batches of this many as they arrive (a bucket's last
+# ones as it completes): few Python calls per gradient, and little left to copy when a bucket's last
+# gradient arrives — for the step's last bucket that copy delays the all-reduce everyone waits for.
+STAGE_BATCH = 32
 
 CommHook = Callable[[object, GradBucket], torch.futures.Future]
 
@@ -172,7 +176,8 @@ class _Iteration:
         self.used = [False] * num_params  # got a gradient on this rank (find_unused_parameters)
         self.in_place: dict[int, torch.Tensor] = {}  # parameter -> its gradient, reduced where it lies
         self.graph_grads: dict[int, torch.Tensor] = {}  # backward(create_graph=True): parameter -> its scaled gradient
-        # per bucket: (position, gradient) of the gradients to copy into its buffer at launch
+        self.arrived: list[list[int]] = [[] for _ in range(n_buckets)]  # per bucket: ready, not yet staged
+        # per bucket: (position, gradient) of gradients _stage left for its batch to copy in
         self.deferred: list[list[tuple[int, torch.Tensor]]] = [[] for _ in range(n_buckets)]
         self.work: list[object] = [None] * n_buckets  # per launched bucket: list of Work, or the hook's Future
         self.kept = [False] * n_buckets  # ZeRO-2: its shard taken (its buffer given back) before backward ended
@@ -258,7 +263,7 @@ class Reducer:
         # a sharded optimizer's gradient views) holds its own reference until it is moved.
         self.flat, self.shard_grads = [], []
         self._scale = 1.0 if (self.comm_hook is not None or self.shard_comm is not None) else 1.0 / self.world_size
-        # Gradients bound for the flat buffer are copied in all at once (Reducer._stage_bucket),
+        # Gradients bound for the flat buffer are copied in by batches (Reducer._stage_batch),
         # except where staging does more than copy and scale: a sharded launch divides, and
         # gradient_as_bucket_view makes .grad the buffer's view.
         self._defer_copy = self.shard_comm is None and not self.as_view
@@ -300,12 +305,21 @@ class Reducer:
     def _split_members(self) -> None:
         """Per bucket, its members whose slot is only the flat buffer (``_flat_only[b]``: parameter
         indices, positions, views; copied in and out in batches) and those that may be reduced in
-        place (``_in_place_slots[b]``: positions and indices, staged one by one)."""
-        self._flat_only, self._in_place_slots = [], []
+        place (``_in_place_slots[b]``: positions and indices, staged one by one); the views of its
+        flat runs (``_run_views[b]``); per parameter, whether its slot is flat-only and the view of
+        its slot (None: no bucket, or ZeRO-2's buffers, laid out as gradients come)."""
+        self._flat_only, self._in_place_slots, self._run_views = [], [], []
+        self._flat_only_param = [slot is not None and not slot.in_place for slot in self.plan.slots]
+        self._slot_views: list[torch.Tensor | None] = [None] * len(self.params)
         for bucket, flat in zip(self.plan.buckets, self.flat):
             members = list(enumerate(bucket.params))
             flat_only = [(pos, i) for pos, i in members if not self.plan.slots[i].in_place]
             views = [flat.views[pos] for pos, _ in flat_only] if flat is not None else []
+            if flat is not None:
+                for pos, i in members:
+                    self._slot_views[i] = flat.views[pos]
+            runs = [t for t in bucket.transfers if isinstance(t, FlatRun)]
+            self._run_views.append([flat.run(t) for t in runs] if flat is not None else [])
             self._flat_only.append(([i for _, i in flat_only], [pos for pos, _ in flat_only], views))
             self._in_place_slots.append([(pos, i) for pos, i in members if self.plan.slots[i].in_place])
 
@@ -490,41 +504,46 @@ class Reducer:
         if slot is None:  # a sparse gradient: all-reduced on its own once backward is done
             return
         b = slot.bucket
-        if self.shard_comm is not None:
-            self._stage(it, i, slot.position)
         it.pending[b] -= 1
+        if self.shard_comm is not None:  # ZeRO: each gradient at once, so that it is freed at once
+            self._stage(it, i, slot.position)
+        else:
+            it.arrived[b].append(i)
+            if len(it.arrived[b]) >= STAGE_BATCH or it.pending[b] == 0:
+                self._stage_batch(it, b)
         if it.pending[b] == 0:
+            self._average_runs(b)
             self._launch_ready_buckets(it)
 
-    def _stage_bucket(self, it: _Iteration, b: int) -> None:
-        """Stage every gradient of bucket ``b`` (all ready) for its launch (see :meth:`_stage`).
+    def _stage_batch(self, it: _Iteration, b: int) -> None:
+        """Stage the gradients of bucket ``b`` that arrived since its last batch (see :meth:`_stage`).
 
-        The common case — every flat-only gradient a plain dense tensor — takes no Python per
-        gradient: one ``torch._foreach_copy_`` into the views and one ``torch._foreach_mul_``."""
-        indices, positions, views = self._flat_only[b]
-        grads = [self.params[i].grad for i in indices]
-        if grads and self._defer_copy and all(map(_copies_plainly, grads)):
-            self._copy_averaged(views, grads)
-        else:
-            for position, i in zip(positions, indices):
-                self._stage(it, i, position)
-        for position, i in self._in_place_slots[b]:
-            self._stage(it, i, position)
+        The common case — flat-only slots, plain dense gradients — takes no Python per gradient:
+        one ``torch._foreach_copy_`` into their views. They are averaged when the bucket is
+        complete, by :meth:`_average_runs`."""
+        batch, it.arrived[b] = it.arrived[b], []
+        grads = [self.params[i].grad for i in batch]
+        if self._defer_copy and all(self._flat_only_param[i] for i in batch) and all(map(_copies_plainly, grads)):
+            torch._foreach_copy_([self._slot_views[i] for i in batch], grads)
+            return
+        for i in batch:
+            self._stage(it, i, self.plan.slots[i].position)
         if it.deferred[b]:
+            deferred, it.deferred[b] = it.deferred[b], []
             views = self.flat[b].views
-            self._copy_averaged([views[pos] for pos, _ in it.deferred[b]], [grad for _, grad in it.deferred[b]])
+            torch._foreach_copy_([views[pos] for pos, _ in deferred], [grad for _, grad in deferred])
 
-    def _copy_averaged(self, views: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """``views[k] = grads[k] * scale``, in two loops in C++; the same bits as
-        ``torch.mul(grad, scale, out=view)``: one multiplication each."""
-        torch._foreach_copy_(views, grads)
-        if self._scale != 1.0:
-            torch._foreach_mul_(views, self._scale)
+    def _average_runs(self, b: int) -> None:
+        """Divide bucket ``b``'s flat runs by the world size, one kernel per run: the gradients
+        :meth:`_stage_batch` copied in. The same bits as ``torch.mul(grad, 1/world_size, out=view)``
+        per gradient (one multiplication each), for a dispatch per run instead of per gradient."""
+        if self._defer_copy and self._scale != 1.0 and self._run_views[b]:
+            torch._foreach_mul_(self._run_views[b], self._scale)
 
     def _stage(self, it: _Iteration, i: int, position: int) -> None:
         """Stage parameter ``i``'s gradient: averaged in place, or bound for its slot of the flat
-        buffer. Plain gradients are collected in ``it.deferred``, for :meth:`_stage_bucket` to copy
-        and average together."""
+        buffer. A plain gradient of a flat-only slot is left in ``it.deferred`` for
+        :meth:`_stage_batch` to copy, and is averaged with its run."""
         b = self.plan.slots[i].bucket
         grad = self.params[i].grad
         if grad is not None and grad.requires_grad:  # backward(create_graph=True) (see _GraphedAverage)
@@ -539,7 +558,7 @@ class Reducer:
             and _may_change_in_place(grad, self._flat_of(b).views[position])
         ):
             it.in_place[i] = grad if self._scale == 1.0 else grad.mul_(self._scale)
-        elif self._defer_copy and grad is not None and grad.layout == torch.strided:
+        elif self._defer_copy and self._flat_only_param[i] and grad is not None and grad.layout == torch.strided:
             it.deferred[b].append((position, grad))
         else:  # the flat buffer; an in-place slot's view stands in for a gradient we may not change
             self._stage_in_buffer(i, grad, self._flat_of(b).views[position])
@@ -604,8 +623,6 @@ class Reducer:
         while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
             b = it.next_bucket
             it.stats.launch_times[b] = time.perf_counter()
-            if it.sync and self.shard_comm is None:  # ZeRO staged each gradient as it came; join's
-                self._stage_bucket(it, b)  # shadow iterations send the zeroed buffers
             if b == self._sideband_bucket:
                 self._post_sideband(it, b)  # into the buffer's tail, before it travels
             self.pg.label_next_collective(f"DDP bucket {b}")
