@@ -25,7 +25,9 @@ across ranks (so the gradients were synchronised).
 
 Prints, per model and W, rank 0's median step time per round, the median over rounds, the ratio
 ours/torch of the step and of the time added over ``no DDP`` ("added" = variant - no DDP), and the
-per-round ratios. Usage::
+per-round ratios; then the host's CPU: the main thread's CPU time per step (``time.thread_time``,
+which waiting for the all-reduce does not count), the same way — the host cost itself, less
+disturbed by the machine's noise than wall time. Usage::
 
     .venv/bin/python scripts/bench_host_overhead.py [--steps 200] [--rounds 5] [--warmup 30]
         [--models blocks,transformer] [--world-sizes 1,2] [--json PATH]
@@ -144,11 +146,13 @@ def _bench(rank, world_size, model_names, steps, rounds, warmup, bucket_cap_mb):
         _check_grads_synced(variants, x, y, loss_fn, world_size, tdist)
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in variants.items()}
         times = {k: [] for k in VARIANTS}  # per round, the list of step times (s)
+        cpu = {k: [] for k in VARIANTS}  # per round, the main thread's CPU seconds per step
         for rnd in range(rounds + 1):  # round 0 warms up (and lets both DDPs rebuild their buckets)
             order = VARIANTS[rnd % 3 :] + VARIANTS[: rnd % 3]
             for key in order:
                 model, opt, step_times = variants[key], opts[key], []
                 tdist.barrier()
+                cpu0 = time.thread_time()
                 for _ in range(steps if rnd else warmup):
                     t0 = time.perf_counter()
                     opt.zero_grad()
@@ -157,12 +161,14 @@ def _bench(rank, world_size, model_names, steps, rounds, warmup, bucket_cap_mb):
                     step_times.append(time.perf_counter() - t0)
                 if rnd:
                     times[key].append(step_times)
+                    cpu[key].append((time.thread_time() - cpu0) / steps)
         for key in ("torch DDP", "ours"):
             _check_params_equal_across_ranks(variants[key], key, tdist)
         results[name] = {
             "params": len(list(base.parameters())),
             "round_median_ms": {k: [statistics.median(r) * 1e3 for r in v] for k, v in times.items()},
             "steps_ms": {k: [[t * 1e3 for t in r] for r in v] for k, v in times.items()},
+            "round_cpu_ms": {k: [c * 1e3 for c in v] for k, v in cpu.items()},
         }
     tdist.destroy_process_group()
     return results
@@ -179,6 +185,9 @@ def _rows(all_results, models, world_sizes, reduce):
             med = all_results[w][0][name]["round_median_ms"]
             per_round = list(zip(*(med[k] for k in VARIANTS)))  # [(none, torch, ours) per round]
             none, tor, ours = (reduce(med[k]) for k in VARIANTS)
+            cpu = all_results[w][0][name]["round_cpu_ms"]
+            cpu_rounds = list(zip(*(cpu[k] for k in VARIANTS)))
+            cpu_none, cpu_torch, cpu_ours = (reduce(cpu[k]) for k in VARIANTS)
             rows.append(
                 {
                     "model": name,
@@ -189,6 +198,9 @@ def _rows(all_results, models, world_sizes, reduce):
                     "added_ratio": _ratio(ours - none, tor - none),
                     "round_step_ratios": [_ratio(o, t) for _, t, o in per_round],
                     "round_added_ratios": [_ratio(o - n, t - n) for n, t, o in per_round],
+                    "cpu_ms": dict(zip(VARIANTS, (cpu_none, cpu_torch, cpu_ours))),
+                    "cpu_added_ratio": _ratio(cpu_ours - cpu_none, cpu_torch - cpu_none),
+                    "round_cpu_added_ratios": [_ratio(o - n, t - n) for n, t, o in cpu_rounds],
                 }
             )
     return rows
@@ -244,6 +256,19 @@ def main() -> None:
         print(
             f"  {r['model']} W={r['W']}: step {steps_} (median {statistics.median(r['round_step_ratios']):.3f}); "
             f"added {added} (median {statistics.median(r['round_added_ratios']):.3f})"
+        )
+    print(
+        "\nHost CPU: the main thread's CPU time per step (time.thread_time; waiting for the wire costs "
+        "none), ms, median over rounds:\n"
+    )
+    print("| model | W | no DDP | torch DDP | ours | ours/torch added CPU | per round |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        c = r["cpu_ms"]
+        rounds_ = ", ".join(f"{v:.3f}" for v in r["round_cpu_added_ratios"])
+        print(
+            f"| {r['model']} | {r['W']} | {c['no DDP']:.2f} | {c['torch DDP']:.2f} | {c['ours']:.2f} | "
+            f"{r['cpu_added_ratio']:.3f} | {rounds_} |"
         )
     if args.json:
         raw = {"args": vars(args), "rows": rows, "per_rank": {str(w): res for w, res in all_results.items()}}

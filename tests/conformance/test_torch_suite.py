@@ -3,16 +3,16 @@
 The fast subset of ``scripts/torch_ddp_suite.py``: only the tests that run without GPUs, only
 against ours (torch's verdicts on them were all "pass" when this list was made; the script shows
 both side by side). The tests that read torch's private internals are left out, as the docs list.
+
+The suite runs in a subprocess: importing it swaps torch's DDP class for ours, process-wide.
 """
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.conformance.torch_distributed_suite import ddp_test_names
-from tests.conftest import REPO, cli_env
+from tests.conftest import PYTHON, REPO, cli_env
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -27,14 +27,10 @@ CPU_TESTS = [
 ]
 
 
-def test_the_listed_tests_are_in_the_installed_suite():
-    assert set(CPU_TESTS) <= set(ddp_test_names())
-
-
 def test_torch_cpu_ddp_tests_pass_on_ours(tmp_path):
     out = tmp_path / "verdicts.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.conformance.verdicts", str(out), *CPU_TESTS],
+        [PYTHON, "-m", "tests.conformance.verdicts", str(out), *CPU_TESTS],
         cwd=REPO,
         env=cli_env(DDPTRAIN_SUITE_DDP="ours", TEMP_DIR=str(tmp_path), PYTHONPATH=str(REPO)),
         capture_output=True,
@@ -45,4 +41,4 @@ def test_torch_cpu_ddp_tests_pass_on_ours(tmp_path):
     verdicts = json.loads(out.read_text())
     failed = {name: v["detail"][-1500:] for name, v in verdicts.items() if v["verdict"] != "pass"}
     assert not failed, failed
-    assert sorted(verdicts) == sorted(CPU_TESTS)
+    assert sorted(verdicts) == sorted(CPU_TESTS)  # each listed test is in the installed suite
