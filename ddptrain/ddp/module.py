@@ -297,8 +297,9 @@ class DistributedDataParallel(nn.Module):
             state.process_group = self.process_group
         self.reducer.set_comm_hook(hook, state)
 
-    def register_builtin_comm_hook(self, comm_hook_type) -> None:
-        """torch's ``register_builtin_comm_hook``: ``torch.distributed.BuiltinCommHookType.ALLREDUCE``
+    def _register_builtin_comm_hook(self, comm_hook_type) -> None:
+        """torch DDP's ``_register_builtin_comm_hook`` (its name, underscore included, for scripts that
+        call it): ``torch.distributed.BuiltinCommHookType.ALLREDUCE``
         or ``FP16_COMPRESS`` (the string names work too), as the built-in hooks of this package."""
         from .comm_hooks import allreduce_hook, fp16_compress_hook
 
