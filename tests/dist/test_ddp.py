@@ -420,6 +420,12 @@ def _errors_body(rank, ws):
     except RuntimeError as exc:
         out["differs"] = str(exc)
         out["differs_is_value_error"] = isinstance(exc, ValueError)
+    # only rank 1's copy is all frozen: every rank learns that the models differ, none is left waiting
+    lin = torch.nn.Linear(3, 3).requires_grad_(rank != 1)
+    try:
+        DDP(lin)
+    except RuntimeError as exc:
+        out["frozen_on_one"] = str(exc)
     return out
 
 
@@ -435,6 +441,7 @@ def test_errors_users_meet_most(backend, request):
         assert "mixed_precision" in r["kwarg"]
         assert "ranks disagree" in r["differs"] and "rank 1" in r["differs"] and "weight" in r["differs"], r["differs"]
         assert r["differs_is_value_error"]
+        assert "ranks disagree" in r["frozen_on_one"] and "requires_grad" in r["frozen_on_one"], r["frozen_on_one"]
 
 
 def _mpi_pair_body(rank, ws):

@@ -229,7 +229,10 @@ def test_a_stopped_rank_is_excluded_after_the_timeout_fenced_and_replaced(tmp_pa
         tmp_path / "run", mnist_root, [("1.0", 50)], "launcher.max_restarts=1", "dist.timeout_s=8", sig=signal.SIGSTOP
     )
     assert code == 0, output[-4000:]
-    assert "timed out after 8 s" in output, output[-4000:]
+    # Rank 0 names the timeout, or — when another survivor's timeout fired first and the stopped
+    # member was fenced (killed) before rank 0's own timeout — the connection that fencing closed
+    # (seen under a loaded CI run). Either way the regroup waited the timeout out: seconds_lost >= 8.
+    assert "timed out after 8 s" in output or "a peer closed its connection" in output, output[-4000:]
     assert re.search(r"member 1\.0 \(slot 1, pid \d+\) killed by signal SIGKILL.*slot 1 starts again", output)
     left, joined = metrics["membership_changes"][0], metrics["membership_changes"][-1]
     assert left["left"] == ["1.0"] and left["seconds_lost"] >= 8, left
