@@ -298,34 +298,29 @@ class Reducer:
         if self.as_view:  # existing gradients move into the new buffers
             for i, p in enumerate(self.params):
                 if p.grad is not None and i not in self.sparse:
-                    view = self._view(i)
+                    view = self._slot_views[i]
                     view.copy_(p.grad)
                     p.grad = view
 
     def _split_members(self) -> None:
-        """Per bucket, its members whose slot is only the flat buffer (``_flat_only[b]``: parameter
-        indices, positions, views; copied in and out in batches) and those that may be reduced in
-        place (``_in_place_slots[b]``: positions and indices, staged one by one); the views of its
-        flat runs (``_run_views[b]``); per parameter, whether its slot is flat-only and the view of
-        its slot (None: no bucket, or ZeRO-2's buffers, laid out as gradients come)."""
-        self._flat_only, self._in_place_slots, self._run_views = [], [], []
-        self._flat_only_param = [slot is not None and not slot.in_place for slot in self.plan.slots]
+        """Index the layout for the hot path. Per parameter: whether its slot is flat-only (not
+        in place) and its slot's view (None: no bucket, or ZeRO-2's buffers, laid out as gradients
+        come). Per bucket: its flat-only members (``_flat_only[b]``: indices and views, copied out
+        in one batch), its in-place members (``_in_place_slots[b]``: (position, index)) and the
+        views of its flat runs (``_run_views[b]``, averaged in one kernel each)."""
+        slots = self.plan.slots
+        self._flat_only_param = [slot is not None and not slot.in_place for slot in slots]
         self._slot_views: list[torch.Tensor | None] = [None] * len(self.params)
+        self._flat_only, self._in_place_slots, self._run_views = [], [], []
         for bucket, flat in zip(self.plan.buckets, self.flat):
-            members = list(enumerate(bucket.params))
-            flat_only = [(pos, i) for pos, i in members if not self.plan.slots[i].in_place]
-            views = [flat.views[pos] for pos, _ in flat_only] if flat is not None else []
             if flat is not None:
-                for pos, i in members:
-                    self._slot_views[i] = flat.views[pos]
+                for i, view in zip(bucket.params, flat.views):
+                    self._slot_views[i] = view
+            flat_only = [i for i in bucket.params if not slots[i].in_place]
+            self._flat_only.append((flat_only, [self._slot_views[i] for i in flat_only] if flat is not None else []))
+            self._in_place_slots.append([(pos, i) for pos, i in enumerate(bucket.params) if slots[i].in_place])
             runs = [t for t in bucket.transfers if isinstance(t, FlatRun)]
             self._run_views.append([flat.run(t) for t in runs] if flat is not None else [])
-            self._flat_only.append(([i for _, i in flat_only], [pos for pos, _ in flat_only], views))
-            self._in_place_slots.append([(pos, i) for pos, i in members if self.plan.slots[i].in_place])
-
-    def _view(self, i: int) -> torch.Tensor:
-        slot = self.plan.slots[i]
-        return self.flat[slot.bucket].views[slot.position]
 
     def rebucket(self, bucket_cap_bytes: int) -> None:
         """Lay the buckets out again with another cap, keeping the current launch order (between
@@ -816,7 +811,7 @@ class Reducer:
     def _write_back(self, b: int, it: _Iteration, unused: frozenset[int]) -> None:
         """Give bucket ``b``'s parameters their averaged gradients from the flat buffer (existing
         ``.grad`` tensors are overwritten in one ``torch._foreach_copy_``)."""
-        indices, _, views = self._flat_only[b]
+        indices, views = self._flat_only[b]
         members = zip(self.plan.buckets[b].params, self.flat[b].views)
         if self._defer_copy and not unused and not it.graph_grads:  # the common case: one batched copy
             grads = [self.params[i].grad for i in indices]
