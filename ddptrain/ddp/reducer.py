@@ -28,7 +28,9 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
 6. **Write back** (:meth:`Reducer._finalize`, once backward is done) — wait for each bucket;
    gradients reduced in place already hold the average, the others are copied back from the
    flat buffer (with ``gradient_as_bucket_view`` they *are* views of it); with
-   ``find_unused_parameters``, a parameter no rank used keeps ``grad=None``.
+   ``find_unused_parameters``, a parameter no rank used keeps ``grad=None`` (or the gradient it
+   had: it is left alone). A gradient accumulated under ``no_sync`` counts as used in the next
+   synchronised backward even if that backward does not reach it, as in torch, so it is averaged.
 
 **Sparse gradients** (the parameters of ``nn.Embedding`` / ``nn.EmbeddingBag`` built with
 ``sparse=True``, as torch DDP decides): they belong to no bucket. Once backward is done and every
@@ -219,6 +221,10 @@ class Reducer:
         self.bucket_cap_bytes = bucket_cap_bytes
         self.as_view = gradient_as_bucket_view
         self.find_unused = find_unused_parameters
+        # parameters whose gradient hook fired under no_sync since the last synchronised backward:
+        # they count as used there even if that backward does not reach them (torch's
+        # local_used_map), so that the gradient they accumulated is averaged, not left local
+        self._used_without_sync: set[int] = set()
         self.in_place_min_bytes = DIRECT_MIN_BYTES
         self.shares_storage: set[int] | None = None  # learnt in the first synchronised backward (module doc)
         self.track_completion = False  # ddptrain doctor: record when each bucket completed
@@ -452,16 +458,19 @@ class Reducer:
             started = time.perf_counter()
             reached = _reachable_params(outputs)
             self._it.stats.find_unused_s = time.perf_counter() - started
+            used_without_sync, self._used_without_sync = self._used_without_sync, set()
             for i, p in enumerate(self.params):
                 if id(p) not in reached:
-                    self._mark_ready(i, used=False)
+                    self._mark_ready(i, used=i in used_without_sync)
 
     # -- backward: hook, stage, launch -------------------------------------------------------
     def _make_hook(self, index: int):
         def hook(param: torch.Tensor) -> None:
             it = self._it
-            if not it.sync:
-                return  # inside no_sync(), or a forward whose backward is not synchronised
+            if not it.sync:  # inside no_sync(), or a forward whose backward is not synchronised
+                if self.find_unused:
+                    self._used_without_sync.add(index)
+                return
             if it.finalized:  # a gradient arrived after this iteration was already reduced
                 self._raise_ready_twice(index)
             if not it.finalize_queued:
@@ -687,6 +696,7 @@ class Reducer:
                     torch.empty((1, 0), dtype=torch.int64, device=p.device),
                     torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
                     p.shape,
+                    check_invariants=False,  # built valid here; saying so keeps torch from warning
                 )
             elif grad.layout != torch.sparse_coo:
                 raise RuntimeError(

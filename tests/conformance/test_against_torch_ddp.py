@@ -118,6 +118,53 @@ def _sparse_reference(ws):
     return grads
 
 
+class SometimesEmbedded(nn.Module):
+    """A sparse embedding that rank 1 skips on its first step: its gradient is missing there."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, sparse=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, use_embedding):
+        return self.head(self.emb(x).mean(1) if use_embedding else torch.ones(len(x), 4))
+
+
+def _sparse_batches(rank):
+    g = torch.Generator().manual_seed(50 + rank)
+    return [(torch.randint(0, 10, (4, 3), generator=g), torch.randint(0, 3, (4,), generator=g)) for _ in range(2)]
+
+
+def _sparse_unused_here_case(rank, ws):
+    """Ours only: torch's DDP hangs here (the rank without the sparse gradient fails its check
+    and its peer waits in backward). Ours sends an empty sparse gradient from that rank."""
+    torch.manual_seed(5)
+    ddp = OurDDP(SometimesEmbedded(), find_unused_parameters=True)
+    grads = []
+    for step, (x, y) in enumerate(_sparse_batches(rank)):
+        ddp.zero_grad(set_to_none=True)
+        F.cross_entropy(ddp(x, use_embedding=rank == 0 or step == 1), y).backward()
+        grads.append([(str(p.grad.layout), _bits(p.grad)) for p in ddp.module.parameters()])
+    return grads
+
+
+def _sparse_unused_here_reference(ws):
+    """Each step's gradients averaged over the ranks' batches, in one process."""
+    torch.manual_seed(5)
+    model = SometimesEmbedded()
+    batches = [_sparse_batches(rank) for rank in range(ws)]
+    steps = []
+    for step in range(2):
+        per_rank = []
+        for rank in range(ws):
+            model.zero_grad(set_to_none=True)
+            x, y = batches[rank][step]
+            F.cross_entropy(model(x, use_embedding=rank == 0 or step == 1), y).backward()
+            per_rank.append([torch.zeros_like(p) if p.grad is None else p.grad.to_dense() for p in model.parameters()])
+        steps.append([_bits(sum(gs) / ws) for gs in zip(*per_rank)])
+    return steps
+
+
 # -- double backward ---------------------------------------------------------------------------
 class Square(nn.Module):
     def __init__(self):
@@ -278,6 +325,34 @@ def _training_case(rank, ws, impl, as_view):
     return [_bits(p) for p in ddp.module.parameters()]
 
 
+class SkippableNet(NoBiasNet):
+    def forward(self, x, skip_fc3=False):
+        h = F.relu(self.fc2(F.relu(self.fc1(x))))
+        return h if skip_fc3 else self.fc3(h)
+
+
+def _no_sync_then_unused_case(rank, ws, impl, as_view):
+    """fc3 gets a gradient in a no_sync backward, then no rank uses it in the synchronised one:
+    its accumulated local gradient is left as it is, as torch leaves it."""
+    torch.manual_seed(4)
+    ddp = _ddp_class(impl)(SkippableNet(), find_unused_parameters=True, gradient_as_bucket_view=as_view)
+    x = torch.randn(3, 2, generator=torch.Generator().manual_seed(rank))
+    with ddp.no_sync():
+        ddp(x).pow(2).mean().backward()
+    ddp(x, skip_fc3=True).pow(2).mean().backward()
+    return [None if p.grad is None else _bits(p.grad) for p in ddp.module.parameters()]
+
+
+def _own_grad_unused_case(rank, ws, impl, as_view):
+    """fc3 holds a gradient this rank set itself, and no rank's backward reaches fc3: DDP leaves
+    that gradient alone (rank-local), as torch does."""
+    torch.manual_seed(4)
+    ddp = _ddp_class(impl)(SkippableNet(), find_unused_parameters=True, gradient_as_bucket_view=as_view)
+    ddp.module.fc3.weight.grad = torch.full_like(ddp.module.fc3.weight, float(rank + 1))
+    ddp(torch.randn(3, 2, generator=torch.Generator().manual_seed(rank)), skip_fc3=True).pow(2).mean().backward()
+    return [None if p.grad is None else _bits(p.grad) for p in ddp.module.parameters()]
+
+
 def _ignored_output_case(rank, ws, impl, unused):
     torch.manual_seed(3)
     model = UnusedNet() if unused else NoBiasNet()
@@ -307,7 +382,13 @@ def _body(rank, ws):
         r["training_view"] = _training_case(rank, ws, impl, as_view=True)
         r["ignored_output"] = _ignored_output_case(rank, ws, impl, unused=False)
         r["ignored_output_unused"] = _ignored_output_case(rank, ws, impl, unused=True)
+        r["no_sync_then_unused"] = _no_sync_then_unused_case(rank, ws, impl, as_view=False)
+        r["no_sync_then_unused_view"] = _no_sync_then_unused_case(rank, ws, impl, as_view=True)
+        r["own_grad_unused"] = _own_grad_unused_case(rank, ws, impl, as_view=False)
+        r["own_grad_unused_view"] = _own_grad_unused_case(rank, ws, impl, as_view=True)
     results["reference_sparse"] = _sparse_reference(ws)
+    results["sparse_unused_here"] = _sparse_unused_here_case(rank, ws)
+    results["reference_sparse_unused_here"] = _sparse_unused_here_reference(ws)
     return results
 
 
@@ -328,6 +409,14 @@ def test_sparse_gradients_equal_torch_ddp_and_stay_sparse(worlds, case):
         assert ours["params"] == torch_r["params"]
         assert _close(ours["grads"], r["reference_sparse"])  # and both are the whole batch's gradients
     assert worlds[0]["ours"][case]["params"] == worlds[1]["ours"][case]["params"]
+
+
+def test_a_rank_without_the_sparse_gradient_sends_an_empty_one(worlds):
+    for r in worlds:
+        got = r["sparse_unused_here"]
+        assert all(layout == "torch.sparse_coo" for step in got for layout, _ in step[:1]), got
+        assert _close([[bits for _, bits in step] for step in got], r["reference_sparse_unused_here"])
+    assert worlds[0]["sparse_unused_here"] == worlds[1]["sparse_unused_here"]
 
 
 def _close(a, b) -> bool:
@@ -392,8 +481,27 @@ def test_hook_registration_and_futures_as_torch_ddp(worlds):
             assert e["future_passing"] == [2.0] * 4, (impl, e)  # the hook's value, undivided
 
 
-@pytest.mark.parametrize("case", ["training", "training_view", "ignored_output", "ignored_output_unused"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "training",
+        "training_view",
+        "ignored_output",
+        "ignored_output_unused",
+        "no_sync_then_unused",
+        "no_sync_then_unused_view",
+    ],
+)
 def test_torch_c10d_training_cases_match_torch_ddp(worlds, case):
     for r in worlds:
         assert r["ours"][case] == r["torch"][case]
     assert worlds[0]["ours"][case] == worlds[1]["ours"][case]
+
+
+@pytest.mark.parametrize("case", ["own_grad_unused", "own_grad_unused_view"])
+def test_a_gradient_no_backward_reached_is_treated_as_torch_treats_it(worlds, case):
+    """Left as this rank set it, or (gradient_as_bucket_view) replaced by the bucket's average."""
+    for r in worlds:
+        assert r["ours"][case] == r["torch"][case]
+    fc3 = [w["ours"][case][2][0] for w in worlds]
+    assert fc3 == ([1.5, 1.5] if case.endswith("view") else [1.0, 2.0])
