@@ -22,6 +22,13 @@ are printed with their diff. Read each one (docs/contributing.md): a real gap (w
 kills it, from outside the code), an equivalent mutant (the same behaviour; say why), or dead code
 (delete it).
 
+**Tests chosen by coverage** (the default): ``--tests`` names candidates (files, directories or node
+ids). Before planting anything, each candidate file runs once under coverage.py, in every process it
+starts (``patch = subprocess, fork, _exit``: the ranks, the CLI, the fork server's children), and the
+tool records which lines of the module it executed. A mutant then runs only the candidates that
+executed its line; a mutant no candidate reaches is reported ``uncovered`` (a survivor: no test sees
+that line). ``--all-tests`` skips the coverage pass and runs every candidate for every mutant.
+
 Options: ``--since REV`` keeps the mutants on lines changed since REV (what a change touched);
 ``--functions a,b`` those inside these functions; ``--sample N`` (seed ``--seed``) draws N of them;
 ``--timeout`` bounds each test run. The tests run with ``-x`` so that a killed mutant costs seconds.
@@ -33,12 +40,14 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import os
 import random
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,6 +190,58 @@ def run_tests(tests: list[str], timeout: float) -> tuple[str, float, str]:
     return "killed", seconds, failure[:200]
 
 
+def test_units(tests: list[str]) -> list[str]:
+    """The candidates as units the coverage pass can run one by one: each test file under a
+    directory, a file or a node id as given."""
+    units: list[str] = []
+    for t in tests:
+        path = REPO / t.split("::")[0]
+        if path.is_dir():
+            units.extend(str(f.relative_to(REPO)) for f in sorted(path.rglob("test_*.py")))
+        else:
+            units.append(t)
+    return units
+
+
+_COVERAGE_RC = """[run]
+parallel = true
+data_file = {data}
+include = {module}
+patch = subprocess, fork, _exit
+"""
+
+
+def lines_run_by(unit: str, module: Path, workdir: Path, timeout: float) -> set[int]:
+    """The lines of ``module`` that the tests of ``unit`` execute, in every process they start."""
+    import coverage  # a dev dependency: only this mode needs it
+
+    workdir.mkdir(parents=True)
+    rc = workdir / "coveragerc"
+    rc.write_text(_COVERAGE_RC.format(data=workdir / ".coverage", module=module))
+    env = {**os.environ, "COVERAGE_RCFILE": str(rc)}
+    command = [PYTHON, "-m", "coverage", "run", "-m", "pytest", "-q", "-p", "no:cacheprovider", unit]
+    try:
+        subprocess.run(command, cwd=REPO, env=env, capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass  # what ran until then still counts
+    combiner = coverage.Coverage(data_file=str(workdir / ".coverage"), config_file=str(rc))
+    combiner.combine([str(workdir)], keep=False)
+    data = combiner.get_data()
+    return set(data.lines(str(module)) or ())
+
+
+def coverage_map(units: list[str], module: Path, timeout: float) -> dict[str, set[int]]:
+    """unit -> the lines of ``module`` it executes (one coverage run per unit)."""
+    covered = {}
+    with tempfile.TemporaryDirectory(prefix="mutate-coverage-") as tmp:
+        for k, unit in enumerate(units):
+            started = time.monotonic()
+            covered[unit] = lines_run_by(unit, module, Path(tmp) / str(k), timeout)
+            seconds = time.monotonic() - started
+            print(f"  coverage: {unit} runs {len(covered[unit])} lines ({seconds:.0f} s)", flush=True)
+    return covered
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("module", type=Path, help="the file to mutate, e.g. ddptrain/ddp/reducer.py")
@@ -191,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per test run (default 300)")
     ap.add_argument("--list", action="store_true", help="print the mutants and exit")
+    ap.add_argument("--all-tests", action="store_true", help="run every candidate for every mutant (no coverage pass)")
     args = ap.parse_args(argv)
 
     path = (REPO / args.module).resolve() if not args.module.is_absolute() else args.module
@@ -218,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"the tests fail without any mutant ({verdict}): fix them first", file=sys.stderr)
         return 2
     print(f"unmutated: the tests pass in {seconds:.0f} s")
+    units = test_units(args.tests)
+    covered = None if args.all_tests else coverage_map(units, path, args.timeout)
 
     backup = path.with_suffix(path.suffix + ".orig")
     shutil.copyfile(path, backup)
@@ -225,21 +289,33 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for n, m in enumerate(mutants, 1):
-            path.write_text(m.apply(source))
-            verdict, seconds, failure = run_tests(args.tests, args.timeout)
-            path.write_text(source)
+            chosen = args.tests if covered is None else [u for u in units if m.line in covered[u]]
+            if chosen:
+                path.write_text(m.apply(source))
+                verdict, seconds, failure = run_tests(chosen, args.timeout)
+                path.write_text(source)
+            else:
+                verdict, seconds, failure = "uncovered", 0.0, ""
             results.append((m, verdict, failure))
-            print(f"[{n}/{len(mutants)}] {verdict:8s} {seconds:5.0f} s  line {m.line} {m.what}", flush=True)
+            print(
+                f"[{n}/{len(mutants)}] {verdict:9s} {seconds:5.0f} s  line {m.line} {m.what}"
+                f"  ({len(chosen)} test file{'s' * (len(chosen) != 1)})",
+                flush=True,
+            )
     finally:
         path.write_text(source)
         backup.unlink(missing_ok=True)
         signal.signal(signal.SIGTERM, previous)
 
-    survivors = [m for m, v, _ in results if v == "survived"]
+    survivors = [(m, v) for m, v, _ in results if v in ("survived", "uncovered")]
     killed = len(results) - len(survivors)
-    print(f"\n{args.module}: {len(results)} mutants, {killed} killed, {len(survivors)} survived")
-    for m in survivors:
-        print("\nsurvived:\n" + m.diff(source))
+    uncovered = sum(v == "uncovered" for _, v in survivors)
+    print(
+        f"\n{args.module}: {len(results)} mutants, {killed} killed, {len(survivors)} survived"
+        f" ({uncovered} on lines no candidate test runs)"
+    )
+    for m, v in survivors:
+        print(f"\n{v}:\n" + m.diff(source))
     return 1 if survivors else 0
 
 

@@ -11,7 +11,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 # Reinstall when pyproject.toml changed since the last successful install.
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VENV/bin/python" -c "import torch, torchvision, hydra, tensorboard, tqdm, pytest, pytest_timeout, xdist, expecttest, mpi4py, torchmetrics, mlflow, wandb, safetensors, matplotlib, ddptrain" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || ! "$VENV/bin/python" -c "import torch, torchvision, hydra, tensorboard, tqdm, pytest, pytest_timeout, xdist, expecttest, coverage, mpi4py, torchmetrics, mlflow, wandb, safetensors, matplotlib, ddptrain" 2>/dev/null || [ ! -x "$VENV/bin/ruff" ]; then
   echo "[setup] installing ddptrain[dev,mpi,loggers,export,tune] and torch (first time takes a few minutes)"
   "$VENV/bin/python" -m pip install -q --upgrade pip
   # torch/torchvision pinned to the releases this project is tested with (a CUDA build that also runs on CPU).

@@ -176,8 +176,10 @@ def test_the_sanity_check_changes_no_bit_of_the_training_and_logs_nothing(tmp_pa
 
 # == max_time =======================================================================================
 class SlowTask(Task):
+    """20 steps take at least 2 s: a 1 s max_time stops the job well inside, however fast the host."""
+
     def training_step(self, model, batch):
-        time.sleep(0.05)
+        time.sleep(0.1)
         return super().training_step(model, batch)
 
 
