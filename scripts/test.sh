@@ -15,7 +15,7 @@ fi
 # Three phases. Most tests wait on processes, sockets and timeouts more than they compute, so they
 # run DDPTRAIN_TEST_WORKERS at a time (pytest-xdist). The tests that bound durations (marker
 # "timed") then run two at a time, and the tests that measure speed (marker "alone") one at a
-# time; tests/conftest.py lists both. DDPTRAIN_TEST_WORKERS=1: one plain run.
+# time; each such module says so in its pytestmark. DDPTRAIN_TEST_WORKERS=1: one plain run.
 # --dist loadgroup: tests that read one expensive launch or module fixture carry the same
 # xdist_group mark and go to one worker, so the launch runs once, not once per worker. The timed
 # phase has no such groups and mostly waits (signals, timeouts): --dist worksteal hands a worker

@@ -24,36 +24,6 @@ MPIEXEC = shutil.which("mpiexec", path=str(BIN)) or shutil.which("mpiexec")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 """In CI a test that needs something missing (the real MNIST) fails instead of skipping."""
 
-# Modules whose tests bound durations (a timeout must fire within N s, a job must stop within
-# 10 s of a signal): scripts/test.sh runs them after the parallel phase, two at a time, so a
-# process start is not slowed by three other tests' work. The bounds leave room for one neighbour.
-TIMED_MODULES = {
-    "tests/dist/test_comm_errors.py",
-    "tests/dist/test_elastic_membership.py",
-    "tests/dist/test_faults.py",
-    "tests/dist/test_hang_forensics.py",
-    "tests/dist/test_ledger_job.py",
-    "tests/dist/test_mpi.py",
-    "tests/e2e/test_faults_cli.py",
-    "tests/e2e/test_faults_oom.py",
-    "tests/e2e/test_signals.py",
-    "tests/e2e/test_torchrun_forensics.py",
-}
-# Modules that measure speed (a diagnosis of slowness must name the injected cause) or the kernel's
-# own accounting of CPU time (a core shared by two ranks, which a neighbour's work disturbs): run
-# last, with the machine to themselves.
-ALONE_MODULES = {"tests/dist/test_doctor.py", "tests/dist/test_doctor_core_wait.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        module = Path(item.fspath).resolve().relative_to(REPO).as_posix()
-        if module in TIMED_MODULES:
-            item.add_marker(pytest.mark.timed)
-        if module in ALONE_MODULES:
-            item.add_marker(pytest.mark.alone)
-
-
 # Variables of a launcher around the test run: a CLI started by a test must not take itself for a rank.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 

@@ -23,7 +23,8 @@ from ddptrain.launch import LaunchTimeoutError, WorkerFailedError, find_free_por
 from ddptrain.testing import run_distributed
 from tests.dist.shared_launch import launch_once
 
-pytestmark = pytest.mark.timeout(90)
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.timeout(90)]
 
 
 @pytest.fixture(autouse=True)

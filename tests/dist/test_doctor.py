@@ -23,7 +23,8 @@ from ddptrain.testing import run_distributed
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli
 from tests.doctor_tasks import run_doctored
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(400)]
+# alone: measures speed (scripts/test.sh: last, one at a time)
+pytestmark = [pytest.mark.alone, pytest.mark.dist, pytest.mark.timeout(400)]
 
 
 def scenarios(world_size: int, backend: str = "gloo") -> list[tuple[str, dict, str]]:

@@ -21,7 +21,8 @@ import pytest
 from ddptrain.testing.elastic_member import check_events
 from tests.conftest import PYTHON, REPO
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(180)]
 
 
 class Job:

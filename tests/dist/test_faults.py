@@ -15,7 +15,8 @@ from ddptrain.launch import WorkerFailedError
 from ddptrain.testing import run_distributed
 from tests.conftest import spawned_workers
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 
 def _killed_body(rank, ws, pid_dir):

@@ -17,7 +17,8 @@ from ddptrain.launch import WorkerFailedError
 from ddptrain.testing import run_distributed
 from tests.dist.hang_faults import FAULTS, line_of, run_fault
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 FULL = os.environ.get("FORENSICS_FULL_MATRIX") == "1"
 TIMEOUT_S = 10.0 if FULL else 3.0

@@ -17,7 +17,8 @@ from ddptrain.comm.ledger_check import CollectiveMismatchError
 from ddptrain.testing import run_distributed
 from tests.conftest import PYTHON, REPO
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 
 def _default_check_body(rank, ws):

@@ -12,7 +12,8 @@ import pytest
 
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(300)]
 
 ROOT = str(REPO)
 

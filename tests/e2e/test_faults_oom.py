@@ -24,7 +24,8 @@ from ddptrain.launch import WorkerFailedError
 from ddptrain.launch.spawn import describe_exitcode
 from ddptrain.testing import run_distributed
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(120)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 LIMIT_MIB = 64
 

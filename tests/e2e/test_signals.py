@@ -20,7 +20,8 @@ import pytest
 
 from tests.conftest import MPIEXEC, PYTHON, REPO, TORCHRUN, cli_env, descendants, run_cli, sigint_at_default
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 JOB = [
     "recipe=synthetic",

@@ -10,7 +10,8 @@ import pytest
 
 from tests.conftest import TORCHRUN, cli_env
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+pytestmark = [pytest.mark.timed, pytest.mark.e2e, pytest.mark.timeout(120)]
 
 SCRIPT = """\
 import time

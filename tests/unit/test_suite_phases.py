@@ -3,7 +3,7 @@
 - ``--dist loadgroup`` keeps the tests of one ``xdist_group`` on one worker, so a launch or module
   fixture they share is made once. pytest-xdist stops doing that without a word on some pytest
   versions (pytest-dev/pytest-xdist#1386); this test sees it from outside, in a real pytest run.
-- Every module the phases name exists, so a renamed module cannot drop out of its phase unseen.
+- A phase holds whole modules, each marked by its own ``pytestmark`` (no hand-kept list).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ALONE_MODULES, PYTHON, REPO, TIMED_MODULES
+from tests.conftest import PYTHON, REPO
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,10 +57,16 @@ def test_loadgroup_runs_a_group_on_one_worker_and_builds_its_module_fixture_once
     )
 
 
-def test_every_module_the_phases_name_exists():
-    missing = sorted(m for m in TIMED_MODULES | ALONE_MODULES if not (REPO / m).is_file())
-    assert not missing, f"tests/conftest.py names modules that do not exist: {missing}"
-    assert not TIMED_MODULES & ALONE_MODULES, TIMED_MODULES & ALONE_MODULES
+def test_no_test_is_in_two_phases():
+    """A module says which phase it needs with its own ``pytestmark``; no list elsewhere can go stale."""
+    done = subprocess.run(
+        [PYTHON, "-m", "pytest", "--collect-only", "-q", "-m", "timed and alone", "-p", "no:cacheprovider"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert done.returncode == 5, "some test is marked both timed and alone:\n" + done.stdout[-3000:]
 
 
 def test_the_scheduling_marks_are_declared():

@@ -349,11 +349,12 @@ def test_the_ema_parameters_are_the_same_on_every_rank(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(first.ema.averages, second.ema.averages))
 
 
-def test_the_ema_resumes_bitwise(tmp_path):
-    first = run_threaded(_fit_ema, 2, tmp_path / "r", 0.8, 1, 0, stop_after_steps=7, timeout_s=120)[0][0]
+@pytest.mark.parametrize("start,warmup", [(0, False), (10, True)])  # (10, True): stopped before the first update
+def test_the_ema_resumes_bitwise(tmp_path, start, warmup):
+    first = run_threaded(_fit_ema, 2, tmp_path / "r", 0.8, 1, start, warmup, stop_after_steps=7, timeout_s=120)[0][0]
     assert first.state.step == 7
-    resumed = run_threaded(_fit_ema, 2, tmp_path / "r", 0.8, 1, 0, resume="latest", timeout_s=120)[0][0]
-    whole = run_threaded(_fit_ema, 2, tmp_path / "w", 0.8, 1, 0, timeout_s=120)[0][0]
+    resumed = run_threaded(_fit_ema, 2, tmp_path / "r", 0.8, 1, start, warmup, resume="latest", timeout_s=120)[0][0]
+    whole = run_threaded(_fit_ema, 2, tmp_path / "w", 0.8, 1, start, warmup, timeout_s=120)[0][0]
     assert resumed.state.step == whole.state.step == 20
     assert all(torch.equal(a, b) for a, b in zip(resumed.ema.averages, whole.ema.averages))
 
