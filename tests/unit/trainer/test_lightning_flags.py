@@ -174,6 +174,37 @@ def test_the_sanity_check_changes_no_bit_of_the_training_and_logs_nothing(tmp_pa
     assert with_check[0][1]["val_calls"] == without[0][1]["val_calls"] == 10  # the evaluation's batches only
 
 
+# == fast_dev_run ===================================================================================
+class CountingTask(Task):
+    """Counts this rank's training and validation batches."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = {"train": 0, "val": 0}
+
+    def training_step(self, model, batch):
+        self.calls["train"] += 1
+        return super().training_step(model, batch)
+
+    def validation_step(self, model, batch):
+        self.calls["val"] += 1
+        return super().validation_step(model, batch)
+
+
+def test_a_fast_dev_run_runs_n_batches_once_whatever_the_schedule_says(tmp_path, caplog):
+    """The run's own epochs, sanity check, evaluation schedule and checkpoints all ask for more;
+    a fast dev run of 2 trains 2 batches, validates 2 and tests 2 (``test_step`` defaults to
+    ``validation_step``), once, and writes nothing."""
+    schedule = dict(epochs=3, num_sanity_val_steps=3, eval_every_steps=1, checkpoint={"every_steps": 1})
+    caplog.set_level("INFO", logger="ddptrain")
+    results = run_threaded(_fit, 2, tmp_path / "out", cls=CountingTask, fast_dev_run=2, **schedule, timeout_s=120)
+    for task, final in results:
+        assert task.calls == {"train": 2, "val": 2 + 2}, task.calls
+        assert final["step"] == 2 and final.get("checkpoint") is None, final
+    assert not (tmp_path / "out").exists()  # its files went to a temporary directory, removed
+    assert not [r.getMessage() for r in caplog.records if "checkpoint saved" in r.getMessage()]
+
+
 # == max_time =======================================================================================
 class SlowTask(Task):
     """20 steps take at least 2 s: a 1 s max_time stops the job well inside, however fast the host."""
