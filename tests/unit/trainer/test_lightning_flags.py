@@ -17,6 +17,7 @@ from ddptrain import Config, Trainer
 from ddptrain.config import ConfigError
 from ddptrain.export import export
 from ddptrain.testing import run_threaded
+from ddptrain.trainer.callbacks.loggers import MetricsLogger
 from ddptrain.trainer.summary import model_summary
 
 pytestmark = pytest.mark.timeout(300)
@@ -196,11 +197,14 @@ def test_a_fast_dev_run_runs_n_batches_once_whatever_the_schedule_says(tmp_path,
     a fast dev run of 2 trains 2 batches, validates 2 and tests 2 (``test_step`` defaults to
     ``validation_step``), once, and writes nothing."""
     schedule = dict(epochs=3, num_sanity_val_steps=3, eval_every_steps=1, checkpoint={"every_steps": 1})
+    schedule["loggers"] = {"tensorboard": True, "csv": True}
     caplog.set_level("INFO", logger="ddptrain")
     results = run_threaded(_fit, 2, tmp_path / "out", cls=CountingTask, fast_dev_run=2, **schedule, timeout_s=120)
     for task, final in results:
         assert task.calls == {"train": 2, "val": 2 + 2}, task.calls
         assert final["step"] == 2 and final.get("checkpoint") is None, final
+        loggers = [type(c).__name__ for c in task.callbacks if isinstance(c, MetricsLogger)]
+        assert loggers == [], loggers
     assert not (tmp_path / "out").exists()  # its files went to a temporary directory, removed
     assert not [r.getMessage() for r in caplog.records if "checkpoint saved" in r.getMessage()]
 
