@@ -197,7 +197,7 @@ def test_a_fast_dev_run_runs_n_batches_once_whatever_the_schedule_says(tmp_path,
     a fast dev run of 2 trains 2 batches, validates 2 and tests 2 (``test_step`` defaults to
     ``validation_step``), once, and writes nothing."""
     schedule = dict(epochs=3, num_sanity_val_steps=3, eval_every_steps=1, checkpoint={"every_steps": 1})
-    schedule["loggers"] = {"tensorboard": True, "csv": True}
+    schedule["loggers"] = {"tensorboard": True, "csv": True, "mlflow": True, "wandb": True}
     caplog.set_level("INFO", logger="ddptrain")
     results = run_threaded(_fit, 2, tmp_path / "out", cls=CountingTask, fast_dev_run=2, **schedule, timeout_s=120)
     for task, final in results:
