@@ -174,13 +174,33 @@ def test_the_diloco_outer_step_equals_a_reference_outside_the_trainer(tmp_path):
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
 
 
-class StopAtTheEnd(Task):
+class CountsValidations(Task):
+    def configure_callbacks(self):
+        class Count(Callback):
+            def on_validation_end(self, trainer, metrics):
+                trainer.validations = getattr(trainer, "validations", 0) + 1
+
+        return [*super().configure_callbacks(), Count()]
+
+
+class StopAtTheEnd(CountsValidations):
     """Sets ``should_stop`` at the end of the last epoch: after the last planned step's outer step."""
 
     def configure_callbacks(self):
         class Stop(Callback):
             def on_epoch_end(self, trainer, epoch, metrics):
                 trainer.should_stop = epoch == trainer.config.trainer.epochs - 1
+
+        return [*super().configure_callbacks(), Stop()]
+
+
+class StopAfterTheFirstEpoch(CountsValidations):
+    """Sets ``should_stop`` at the end of epoch 0: step 10, inside the round of steps 10-12."""
+
+    def configure_callbacks(self):
+        class Stop(Callback):
+            def on_epoch_end(self, trainer, epoch, metrics):
+                trainer.should_stop = True
 
         return [*super().configure_callbacks(), Stop()]
 
@@ -194,6 +214,21 @@ def test_an_early_stop_after_the_last_outer_step_takes_no_second_one(tmp_path):
     assert all(final["stopped_early"] and final["step"] == 20 for _, final, _ in results)
     expected = _reference(Task, [task.seen for task, _, _ in results], 20, 3, 0.2, 0.7, 0.9)
     for task, _, _ in results:
+        assert task.validations == 2  # each epoch's; the end adds none: the model did not move
+        for name, tensor in task.model.module.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
+
+
+def test_an_early_stop_inside_a_round_takes_an_outer_step_over_its_steps(tmp_path):
+    """Stopped after step 10 (outer steps at 3, 6 and 9): the fit ends with an outer step over
+    step 10, as the reference's last step has, and evaluates the model it moved to."""
+    sgd = {"name": "sgd", "lr": 0.2, "momentum": 0.0}
+    dist = {"sync": "diloco", "sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
+    results = run_threaded(_fit, 2, tmp_path, cls=StopAfterTheFirstEpoch, optimizer=sgd, dist=dist, timeout_s=120)
+    assert all(final["stopped_early"] and final["step"] == 10 for _, final, _ in results)
+    expected = _reference(Task, [task.seen for task, _, _ in results], 10, 3, 0.2, 0.7, 0.9)
+    for task, final, _ in results:
+        assert task.validations == 2 and final["params_agree"]  # the epoch's, then the moved model's
         for name, tensor in task.model.module.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
 
