@@ -174,6 +174,48 @@ def test_the_diloco_outer_step_equals_a_reference_outside_the_trainer(tmp_path):
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
 
 
+def _outer_step_labels(rank, world_size, out, **fit):
+    _fit(rank, world_size, out, **fit)
+    return [r.label for r in comm.get_process_group().ledger.records() if "outer step" in r.label]
+
+
+@pytest.mark.parametrize("sync", ["local_sgd", "diloco"])
+def test_each_outer_step_is_one_collective_named_in_the_ledger(tmp_path, sync):
+    """A hang report names the outer step: after steps 3, 6, ..., 18 and the last one, 20."""
+    dist = {"sync": sync, "sync_every": 3}
+    for labels in run_threaded(_outer_step_labels, 2, tmp_path, dist=dist, timeout_s=120):
+        assert labels == [f"{sync} outer step"] * 7, labels
+
+
+def _resume_outer_sync(rank, world_size):
+    from ddptrain.ddp.outer import OuterSync
+
+    model = torch.nn.Linear(3, 2)
+    sync = OuterSync(model, comm.get_process_group(), "local_sgd")
+    consensus = [t.clone() for t in sync.live]
+    local = [torch.full_like(t, 7.0) for t in sync.live]
+    sync.resume(local)  # the consensus from the module, then this rank's copy in
+    out = {"local": [torch.equal(t, torch.full_like(t, 7.0)) for t in sync.live]}
+    out["consensus"] = [torch.equal(a, b) for a, b in zip(sync.consensus, consensus)]
+    sync.resume(None)  # a new round: the copy starts at the consensus (now the module's 7s)
+    out["new_round"] = [torch.equal(a, b) for a, b in zip(sync.consensus, sync.live)]
+    for wrong in (local[:1], [torch.zeros(2, 4), local[1]]):
+        try:
+            sync.resume(wrong)
+        except ValueError as exc:
+            out.setdefault("refused", []).append(str(exc))
+    return out
+
+
+def test_resuming_the_outer_sync_takes_the_local_copy_and_refuses_one_that_does_not_fit():
+    [out] = run_threaded(_resume_outer_sync, 1, timeout_s=60)
+    assert all(out["local"]) and all(out["consensus"]) and all(out["new_round"]), out
+    assert (
+        out["refused"]
+        == ["the checkpoint's local weights do not fit this model: resume with the model that wrote it"] * 2
+    )
+
+
 class CountsValidations(Task):
     def configure_callbacks(self):
         class Count(Callback):
