@@ -10,6 +10,7 @@ import torch
 
 from ddptrain import ConfigError
 from ddptrain.testing import run_threaded
+from ddptrain.trainer.callbacks import Callback
 from ddptrain.trainer.global_batch_steps import SharedBatchSteps
 from tests.unit.trainer.test_invariant import ImagesTrainer, _config
 
@@ -59,4 +60,54 @@ def test_a_last_step_too_small_to_give_every_rank_a_sample_is_refused_with_the_f
     message = str(err.value)
     assert "the epoch's last step holds 2 sample(s) (200 % data.global_batch_size=66)" in message, message
     assert "fewer than trainer.grad_accum_steps x dist.world_size = 3" in message, message
-    assert "or set trainer.world_size_invariant=true" in message, message
+    assert "leaves a last step of 0 or at least 3 samples, or set trainer.world_size_invariant=true" in message, message
+
+
+class Indexed(torch.utils.data.Dataset):
+    """A plain map-style dataset (not a TensorDataset): each sample goes through collate."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __getitem__(self, i):
+        return self.inner[i]
+
+
+class SharedIndexedTrainer(SharedTrainer):
+    def train_dataloader(self):
+        return Indexed(super().train_dataloader())
+
+
+def test_a_dataset_of_any_kind_is_collated_into_the_same_shards(tmp_path):
+    """The TensorDataset fast path (one index_select per tensor) and the collate path load the same
+    samples: the runs end bitwise equal."""
+    config = _config(tmp_path, "tests.models.Net", invariant=False, epochs=1)
+    config.data.global_batch_size = 30
+    tensors = run_threaded(_fit, 3, SharedTrainer, config, timeout_s=60)
+    indexed = run_threaded(_fit, 3, SharedIndexedTrainer, config, timeout_s=60)
+    for (state, _, losses), (state_i, _, losses_i) in zip(tensors, indexed):
+        assert losses == losses_i
+        assert all(torch.equal(state[k], state_i[k]) for k in state)
+
+
+class StopOnRank1(SharedTrainer):
+    """Rank 1 alone asks to stop after step 2: its vote must reach every rank."""
+
+    def configure_callbacks(self):
+        class Stop(Callback):
+            def on_train_batch_end(self, trainer, loss):
+                if trainer.rank == 1 and trainer.state.step == 2:
+                    trainer.should_stop = True
+
+        return [*super().configure_callbacks(), Stop()]
+
+
+def test_a_stop_vote_of_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    config = _config(tmp_path, "tests.models.Net", invariant=False, epochs=1)
+    config.data.global_batch_size = 30
+    ranks = run_threaded(_fit, 3, StopOnRank1, config, timeout_s=60)
+    assert [final["step"] for _, final, _ in ranks] == [3, 3, 3]  # the vote rides in step 3's gradients
+    assert all(final["stopped_early"] for _, final, _ in ranks)
