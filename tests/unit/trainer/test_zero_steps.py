@@ -8,6 +8,7 @@ process starts, with the reason.
 """
 
 import copy
+import re
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from ddptrain import Config, Trainer
 from ddptrain.config import ConfigError
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
+from ddptrain.trainer.callbacks import Callback
 from ddptrain.trainer.checkpoint import CheckpointError, load_checkpoint
 from ddptrain.trainer.checkpoint.files import remove_checkpoint
 
@@ -69,6 +71,45 @@ def test_a_zero_fit_ends_with_plain_ring_ddps_parameters(tmp_path, stage):
     zero = run_threaded(_fit, 3, tmp_path / "zero", stage, grad_accum_steps=2, timeout_s=120)
     assert all(torch.equal(a, b) for a, b in zip(plain[0], zero[0]))
     assert all(torch.equal(a, b) for rank in zero for a, b in zip(rank, zero[0]))
+
+
+class EveryThirdStepSchedule(Task):
+    """A user's per-step schedule due every third optimizer step (Lightning's scheduler dict)."""
+
+    def configure_optimizers(self, model):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 3}}
+
+
+class LearningRates(Callback):
+    def __init__(self):
+        self.seen = []
+
+    def on_train_batch_end(self, trainer, loss):
+        self.seen.append(trainer.optimizer.param_groups[0]["lr"])
+
+
+def _fit_lrs(rank, world_size, out, zero_stage):
+    lrs = LearningRates()
+    EveryThirdStepSchedule(_config(out, zero_stage, epochs=1, max_steps=7), callbacks=[lrs]).fit()
+    return lrs.seen
+
+
+def test_a_per_step_schedule_is_due_at_the_same_steps_as_in_plain_ddp(tmp_path):
+    plain = run_threaded(_fit_lrs, 2, tmp_path / "plain", 0, timeout_s=120)
+    zero = run_threaded(_fit_lrs, 2, tmp_path / "zero", 2, timeout_s=120)
+    assert zero == plain
+    assert plain[0] == [0.1, 0.1, 0.05, 0.05, 0.05, 0.025, 0.025]  # halved after steps 3 and 6
+
+
+def test_each_rank_says_how_many_elements_it_steps_and_together_they_are_every_one(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ddptrain.trainer")
+    run_threaded(_fit, 3, tmp_path, 2, max_steps=1, timeout_s=120)
+    lines = [r.getMessage() for r in caplog.records if "this rank steps" in r.getMessage()]
+    counts = [re.search(r"this rank steps (\d+) of (\d+) parameter elements", line).groups() for line in lines]
+    assert len(counts) == 3 and {total for _, total in counts} == {str(8 * 17 + 17 + 17 * 3 + 3)}, lines
+    assert sum(int(held) for held, _ in counts) == 8 * 17 + 17 + 17 * 3 + 3, lines
 
 
 def test_clipping_stays_within_1e_6_relative_of_plain_ddp(tmp_path):
