@@ -247,30 +247,22 @@ class StopAfterTheFirstEpoch(CountsValidations):
         return [*super().configure_callbacks(), Stop()]
 
 
-def test_an_early_stop_after_the_last_outer_step_takes_no_second_one(tmp_path):
-    """A fit that stops for should_stop right after its last planned step already had that step's
-    outer step: another one (a zero pseudo-gradient, but Nesterov's momentum) would move the model."""
+@pytest.mark.parametrize(
+    ("cls", "stopped_at", "validations"),
+    # After the last planned step: that step had its outer step; another (a zero pseudo-gradient,
+    # but Nesterov's momentum) would move the model. Each epoch's evaluation, none at the end.
+    # After step 10 (outer steps at 3, 6, 9): an outer step over step 10, as the reference's last
+    # step has; the epoch's evaluation, then one of the model it moved to.
+    [(StopAtTheEnd, 20, 2), (StopAfterTheFirstEpoch, 10, 2)],
+)
+def test_an_early_stop_ends_with_an_outer_step_only_inside_a_round(tmp_path, cls, stopped_at, validations):
     sgd = {"name": "sgd", "lr": 0.2, "momentum": 0.0}
     dist = {"sync": "diloco", "sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
-    results = run_threaded(_fit, 2, tmp_path, cls=StopAtTheEnd, optimizer=sgd, dist=dist, timeout_s=120)
-    assert all(final["stopped_early"] and final["step"] == 20 for _, final, _ in results)
-    expected = _reference(Task, [task.seen for task, _, _ in results], 20, 3, 0.2, 0.7, 0.9)
-    for task, _, _ in results:
-        assert task.validations == 2  # each epoch's; the end adds none: the model did not move
-        for name, tensor in task.model.module.state_dict().items():
-            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
-
-
-def test_an_early_stop_inside_a_round_takes_an_outer_step_over_its_steps(tmp_path):
-    """Stopped after step 10 (outer steps at 3, 6 and 9): the fit ends with an outer step over
-    step 10, as the reference's last step has, and evaluates the model it moved to."""
-    sgd = {"name": "sgd", "lr": 0.2, "momentum": 0.0}
-    dist = {"sync": "diloco", "sync_every": 3, "outer_lr": 0.7, "outer_momentum": 0.9}
-    results = run_threaded(_fit, 2, tmp_path, cls=StopAfterTheFirstEpoch, optimizer=sgd, dist=dist, timeout_s=120)
-    assert all(final["stopped_early"] and final["step"] == 10 for _, final, _ in results)
-    expected = _reference(Task, [task.seen for task, _, _ in results], 10, 3, 0.2, 0.7, 0.9)
+    results = run_threaded(_fit, 2, tmp_path, cls=cls, optimizer=sgd, dist=dist, timeout_s=120)
+    assert all(final["stopped_early"] and final["step"] == stopped_at for _, final, _ in results)
+    expected = _reference(Task, [task.seen for task, _, _ in results], stopped_at, 3, 0.2, 0.7, 0.9)
     for task, final, _ in results:
-        assert task.validations == 2 and final["params_agree"]  # the epoch's, then the moved model's
+        assert task.validations == validations and final["params_agree"]
         for name, tensor in task.model.module.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6)
 
