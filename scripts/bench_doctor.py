@@ -15,7 +15,7 @@
 3. Advice: each injected cause is diagnosed, the advice of its first cause applied, and the step
    measured again, against the step the doctor predicted (medians of 5 runs each, before and after taking turns).
 
-Prints Markdown tables. The injected tasks are ``tests/doctor_tasks.py``'s.
+Prints Markdown tables. The injected tasks are ``tests/doctor/tasks.py``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import ddptrain  # noqa: E402
-from tests.doctor_tasks import DoctorTask, build_model, doctor_config  # noqa: E402
+from tests.doctor.tasks import DoctorTask, build_model, doctor_config  # noqa: E402
 
 SCALING_MODEL = {"kind": "mlp", "layers": 4, "width": 256}
 SCALING_BATCH_PER_RANK = 32

@@ -3,7 +3,7 @@
     .venv/bin/python scripts/doctor_false_alarms.py                       # gloo and mpi, 3 ranks, 2 launches each
     .venv/bin/python scripts/doctor_false_alarms.py --backends gloo --world-size 2 --launches 4
 
-Each launch fits the healthy scenario of ``tests/dist/test_doctor.py`` (batch 32 per rank, a 10-step
+Each launch fits the healthy scenario of ``tests/doctor/test_injected_causes.py`` (batch 32 per rank, a 10-step
 window) ``--runs`` times in one process group. One line per run: its first cause and share, the
 step, the wait for the batch and, of that wait, the time the rank had no core (medians, ms), and
 the rest's share of the step (what the data_loading rule weighs against its 10% on such a host).
@@ -21,7 +21,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from ddptrain.testing import run_distributed  # noqa: E402
-from tests.doctor_tasks import run_doctored  # noqa: E402
+from tests.doctor.tasks import run_doctored  # noqa: E402
 
 
 def main() -> int:

@@ -15,7 +15,7 @@ from ddptrain import Config
 from ddptrain.config import ConfigError
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
-from tests.unit.trainer.test_zero_steps import Task
+from tests.zero.test_trainer import Task
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,7 +9,7 @@ from ddptrain.ddp.buckets import MB
 from ddptrain.doctor.autotune import STEPS_PER_CAP, BucketAutotune, candidate_caps
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
-from tests.doctor_tasks import DoctorTask, doctor_config
+from tests.doctor.tasks import DoctorTask, doctor_config
 
 
 def test_the_sizes_tried_include_fractions_of_a_small_model():

@@ -21,7 +21,7 @@ import pytest
 from ddptrain.doctor.diagnose import ROOT_CAUSES_OF, _min_share
 from ddptrain.testing import run_distributed
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli
-from tests.doctor_tasks import run_doctored
+from tests.doctor.tasks import run_doctored
 
 # alone: measures speed (scripts/test.sh: last, one at a time)
 pytestmark = [pytest.mark.alone, pytest.mark.dist, pytest.mark.timeout(400)]
@@ -160,7 +160,7 @@ _SLOW_LINK = (
 _SLOW_RUN = """
 import json, sys
 from ddptrain.testing import run_distributed
-from tests.doctor_tasks import run_doctored
+from tests.doctor.tasks import run_doctored
 if __name__ == "__main__":
     ws = int(sys.argv[3])
     # samples a rank: the longer backward, the smaller the link's share of the step (what smaller

@@ -3,7 +3,7 @@ normal mode: the members present share each global batch by position, unevenly w
 size does not divide it, and each rank's gradient is weighted by its share.
 
 The strategy is reached through the Trainer's public hook ``configure_step_strategy`` on threaded
-ranks, so no elastic job is needed; the whole elastic job is tests/e2e/test_elastic_cli.py."""
+ranks, so no elastic job is needed; the whole elastic job is tests/elastic/test_cli.py."""
 
 import pytest
 import torch
@@ -12,7 +12,7 @@ from ddptrain import ConfigError
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.callbacks import Callback
 from ddptrain.trainer.global_batch_steps import SharedBatchSteps
-from tests.unit.trainer.test_invariant import ImagesTrainer, _config
+from tests.invariant.test_trainer import ImagesTrainer, _config
 
 
 class SharedTrainer(ImagesTrainer):

@@ -2,8 +2,8 @@
 own reduce-scatter and all-gather, 2 ranks on gloo) ends with the ``params_sha256`` of plain DDP
 over the ring (``dist.zero_stage=0 dist.algorithm=ring``), and its last checkpoint resumes in a
 plain DDP run (with ``dist.grad_compression=bf16``). World sizes 3 and 4 and the other
-optimizers run on the threaded group (tests/unit/ddp/test_zero.py,
-tests/unit/trainer/test_zero_steps.py) and on gloo (tests/dist/test_zero.py)."""
+optimizers run on the threaded group (tests/zero/test_optimizer.py,
+tests/zero/test_trainer.py) and on gloo (tests/zero/test_processes.py)."""
 
 import json
 from pathlib import Path

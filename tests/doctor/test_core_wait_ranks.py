@@ -9,7 +9,7 @@ import os
 import pytest
 
 from ddptrain.testing import run_distributed
-from tests.doctor_tasks import fit_on_one_core
+from tests.doctor.tasks import fit_on_one_core
 
 pytestmark = [
     pytest.mark.alone,  # measures speed (scripts/test.sh: last, one at a time)

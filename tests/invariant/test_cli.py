@@ -4,7 +4,7 @@ losses at dist.world_size 1 and 4 on gloo and at 2 on mpi, and a run stopped at 
 and resumed at 4 ends where the uninterrupted run ends. 20 steps each (the first 2560 samples).
 
 Five CLI jobs, because each costs seconds of torch imports per rank; the world sizes in between
-are covered on the threaded group at 1, 2, 4 and 8 ranks by tests/unit/trainer/test_invariant.py."""
+are covered on the threaded group at 1, 2, 4 and 8 ranks by tests/invariant/test_trainer.py."""
 
 import json
 import shutil

@@ -1,5 +1,5 @@
 """Elastic training's rules and its state hand-over (ddptrain/trainer/elastic.py). The whole
-job, with workers killed from outside, is tests/e2e/test_elastic_cli.py."""
+job, with workers killed from outside, is tests/elastic/test_cli.py."""
 
 import pytest
 
@@ -41,7 +41,7 @@ def test_what_elastic_training_cannot_be_combined_with_is_refused_with_the_reaso
 
 def test_normal_mode_takes_any_world_size_too():
     """Without invariant mode the members present share each global batch by position (weighted
-    by their shares: tests/unit/trainer/test_global_batch_steps.py), so 3 of 128 is accepted."""
+    by their shares: tests/elastic/test_shared_batches.py), so 3 of 128 is accepted."""
     validate(Config.from_dict({"trainer": {"elastic": True}}), 3)
 
 

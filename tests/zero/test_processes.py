@@ -7,7 +7,7 @@
   in bf16 (``reduce_dtype``), with plain DDP's under ``bf16_compress_hook``.
 - gloo at three ranks with SGD and momentum, at four with Adam: both stages bitwise to plain ring
   DDP after 300 steps. (The optimizer's arithmetic does not depend on the backend: every
-  optimizer at every world size runs on the threaded group, tests/unit/ddp/test_zero.py; here the
+  optimizer at every world size runs on the threaded group, tests/zero/test_optimizer.py; here the
   backend's messages are what is tested, and each optimizer meets gloo at one world size.)
 """
 
@@ -31,7 +31,7 @@ def _four_runs(rank, world_size):
     from ddptrain.comm.ring import RingAllReducer
     from ddptrain.ddp import DistributedDataParallel as DDP
     from ddptrain.ddp import ring_allreduce_hook
-    from tests.unit.ddp.test_zero import _bf16_pair, _optimizer, _template, _train, zero_run
+    from tests.zero.test_optimizer import _bf16_pair, _optimizer, _template, _train, zero_run
 
     template = _template()
     runs = {}
@@ -57,7 +57,7 @@ def _check(results):
 
 
 def _both_stages(rank, world_size, opt_name):
-    from tests.unit.ddp.test_zero import _template, plain_ring, zero_run
+    from tests.zero.test_optimizer import _template, plain_ring, zero_run
 
     template = _template()
     # One bucket: every chunk bound still falls inside a parameter, with a quarter of the messages.

@@ -186,14 +186,14 @@ def test_a_member_lost_during_a_change_ends_that_generation_too_and_the_rest_go_
     tmp_path, mnist_root, uninterrupted
 ):
     """4 -> 3 -> 2 ranks, no restarts. The first change is held after its group is formed and
-    before the state is handed over (tests/e2e/slow_hand_over.py); another member is killed in
+    before the state is handed over (tests/elastic/slow_hand_over.py); another member is killed in
     that window. The survivors' hand-over fails in the new group, and they agree on the next
     generation instead of failing the job."""
     code, output, metrics, pids, rank0 = _run_with_kills(
         tmp_path / "run",
         mnist_root,
         [("rank0", 40), ("another", 40, "hand-over held")],
-        "recipe.trainer_class=tests.e2e.slow_hand_over.SlowHandOverTrainer",
+        "recipe.trainer_class=tests.elastic.slow_hand_over.SlowHandOverTrainer",
     )
     assert code == 0, output[-4000:]
     assert "broke up during the change" in output, output[-4000:]

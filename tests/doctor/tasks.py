@@ -86,7 +86,7 @@ def doctor_config(
     warmup = doctor.pop("warmup_steps", 2)
     return Config.from_dict(
         {
-            "recipe": {"trainer_class": "tests.doctor_tasks.DoctorTask"},
+            "recipe": {"trainer_class": "tests.doctor.tasks.DoctorTask"},
             "model": model,
             "dist": dist or {},
             "data": {"name": "synthetic", "num_train_samples": samples, "global_batch_size": batch},

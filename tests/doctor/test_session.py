@@ -13,7 +13,7 @@ from ddptrain.doctor.link import LinkModel
 from ddptrain.doctor.measure import PHASES
 from ddptrain.doctor.session import _probe
 from ddptrain.testing import run_threaded
-from tests.doctor_tasks import DoctorTask, doctor_config
+from tests.doctor.tasks import DoctorTask, doctor_config
 
 MLP = {"kind": "mlp", "layers": 4, "width": 32}
 MLP_BYTES = (4 * (32 * 32 + 32) + 32 * 10 + 10) * 4  # float32 weights and biases: every gradient all-reduced

@@ -7,7 +7,7 @@ from ddptrain import Config
 from ddptrain.doctor.diagnose import JobFacts, summarize
 from ddptrain.doctor.report import doctor_json, format_report
 from ddptrain.doctor.session import doctor_window
-from tests.unit.doctor.test_diagnose import _records
+from tests.doctor.test_diagnose import _records
 
 FACTS = JobFacts(2, 2, 1, 2, 0, 25.0, False, ((1000,),))
 SCALING = [{"world_size": p, "predicted_step_s": 0.01 * p, "efficiency": 1 / p} for p in (2, 8)]

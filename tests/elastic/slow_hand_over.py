@@ -1,7 +1,7 @@
 """An MNIST trainer whose first membership change holds for a while before the state is handed
 over, so a test can lose another member in the middle of a change.
 
-``recipe.trainer_class=tests.e2e.slow_hand_over.SlowHandOverTrainer``: when a survivor rebinds to
+``recipe.trainer_class=tests.elastic.slow_hand_over.SlowHandOverTrainer``: when a survivor rebinds to
 generation 1 (after the new group is formed, before the state is agreed), it prints
 ``hand-over held`` and sleeps ``HOLD_S``. The numbers are those of ``recipe=mnist``.
 """
