@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append((m, verdict, failure))
             print(
                 f"[{n}/{len(mutants)}] {verdict:9s} {seconds:5.0f} s  line {m.line} {m.what}"
-                f"  ({len(chosen)} test file{'s' * (len(chosen) != 1)})",
+                f"  ({len(chosen)} test file{'s' * (len(chosen) != 1)})" + (f"\n      by {failure}" if failure else ""),
                 flush=True,
             )
     finally:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from ddptrain import Config
-from ddptrain.config import LrFindConfig
+from ddptrain.config import ConfigError, LrFindConfig
+from ddptrain.launch.failures import WorkerFailedError
 from ddptrain.testing import run_threaded
 from ddptrain.tune.lr_find import LRFinder, plot, rates, smoothed, suggest
 from tests.unit.trainer.test_lightning_flags import Task
@@ -101,3 +102,48 @@ def test_a_batch_size_trial_runs_the_per_rank_batch_it_names_as_a_fast_dev_run()
     trial = trial_config(config, 16, steps=3)
     assert per_rank_batch_size(trial, 3) == 16 and trial.data.eval_batch_size == 16
     assert trial.data.global_batch_size == 16 * 3 * 2 and trial.trainer.fast_dev_run == 3
+    assert trial.trainer.model_summary is False and trial.trainer.progress == "false"  # one line a trial
+
+
+class Trials:
+    """``search``'s ``run``: a trial's peak memory is ``mb_per_sample`` times its per-rank batch,
+    or it fails as a rank out of memory does from ``fails_from`` on. Records what each trial ran."""
+
+    def __init__(self, mb_per_sample, fails_from=None):
+        self.mb_per_sample, self.fails_from, self.ran = mb_per_sample, fails_from, []
+
+    def __call__(self, trial):
+        per_rank = trial.data.eval_batch_size
+        self.ran.append((per_rank, trial.trainer.fast_dev_run))
+        if self.fails_from is not None and per_rank >= self.fails_from:
+            raise WorkerFailedError(1, "rank 1 failed: CUDA out of memory\nTraceback (most recent call last): ...")
+        return {"memory/peak_rss_mb": self.mb_per_sample * per_rank}
+
+
+def _search(trials, max_memory_gb, device="cpu"):
+    from ddptrain.tune.batch_size import search
+
+    said = []
+    config = Config.from_dict({"dist": {"world_size": 2}, "trainer": {"device": device}})
+    return search(config, trials, max_memory_gb, max_trials=8, say=said.append), said
+
+
+def test_the_batch_size_search_doubles_while_the_peak_is_within_the_limit():
+    trials = Trials(mb_per_sample=128)  # per-rank 8 peaks at exactly 1 GiB: it fits
+    fits, said = _search(trials, max_memory_gb=1)
+    assert fits == 8 and trials.ran == [(1, 3), (2, 3), (4, 3), (8, 3), (16, 3)]  # three steps a trial
+    assert said[3].startswith("  per-rank batch     8: peak 1024 MB (")
+    assert said[4].startswith("  per-rank batch    16: peak 2048 MB > 1024 MB (")
+
+
+def test_a_trial_that_fails_ends_the_search_and_says_the_first_line_of_why():
+    fits, said = _search(Trials(mb_per_sample=1, fails_from=4), max_memory_gb=None, device="cuda")
+    assert fits == 2 and said[-1].startswith("  per-rank batch     4: failed: rank 1 failed: CUDA out of memory (")
+    assert _search(Trials(mb_per_sample=1, fails_from=1), max_memory_gb=None, device="cuda")[0] is None
+    unlimited, said = _search(Trials(mb_per_sample=1), max_memory_gb=None, device="cuda")
+    assert unlimited == 2**7 and len(said) == 8  # max_trials
+
+
+def test_the_batch_size_search_on_cpu_refuses_to_run_without_a_limit():
+    with pytest.raises(ConfigError, match="on CPU give a memory limit, --max-memory-gb G"):
+        _search(Trials(mb_per_sample=1), max_memory_gb=None)
