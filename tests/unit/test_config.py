@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from ddptrain.config import MOVED_KEYS, Config, ConfigError, TrainerConfig, leaf_keys
+from ddptrain.config import MOVED_KEYS, Config, ConfigError, TrainerConfig, check_fields, leaf_keys, max_time_seconds
 from ddptrain.preflight import per_rank_batch_size, resolve_backend, validate
 
 
@@ -197,3 +197,45 @@ def test_progress_takes_the_spellings_of_a_yes_no_value():
         assert Config.from_dict({"trainer": {"progress": spelling}}).trainer.progress == meant
     with pytest.raises(ConfigError, match=r"trainer.progress='maybe' is not one of auto, true, false"):
         validate(Config.from_dict({"trainer": {"progress": "maybe"}}), 2)
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [
+        ("00:00:00:01", 1.0),
+        ("00:00:02:00", 120.0),
+        ("00:03:00:00", 10800.0),
+        ("01:02:03:04", 93784.0),
+        ("00:23:59:59", 86399.0),
+    ],
+)
+def test_max_time_counts_every_field_in_seconds(value, seconds):
+    assert max_time_seconds(value) == seconds
+
+
+def _trainer_check(**trainer):
+    check_fields(Config.from_dict({"trainer": trainer}))
+
+
+@pytest.mark.parametrize("value", [True, False, 1, 5])
+def test_fast_dev_run_takes_true_false_or_a_number_of_batches_from_1(value):
+    _trainer_check(fast_dev_run=value)
+
+
+@pytest.mark.parametrize("value", [0, -2])
+def test_fast_dev_run_below_1_batch_is_refused(value):
+    rule = rf"trainer.fast_dev_run={value} must be true \(1 batch\), false, or a number"
+    with pytest.raises(ConfigError, match=rule):
+        _trainer_check(fast_dev_run=value)
+
+
+@pytest.mark.parametrize("value", [None, 1, 7, 0.25, 1.0])
+def test_a_batch_limit_is_a_count_from_1_or_a_fraction_up_to_the_whole_epoch(value):
+    _trainer_check(limit_train_batches=value, limit_val_batches=value)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 1.5, -0.5, True])
+def test_a_batch_limit_outside_its_range_is_refused_with_the_rule(value):
+    rule = r"must be a number of batches \(an integer >= 1\), a fraction of the epoch in \(0, 1\]"
+    with pytest.raises(ConfigError, match=rule):
+        _trainer_check(limit_train_batches=value)
