@@ -23,7 +23,9 @@ def test_the_lr_finder_writes_its_plot_and_data_and_prints_the_override(tmp_path
     assert losses == pytest.approx(smoothed(result["raw_loss"]))
     assert result["rule"] == "minimum" and result["suggestion"] == suggest(lrs, losses, "minimum")
     assert lrs[10] / 10 <= result["suggestion"] <= lrs[-2] / 10
-    assert f"ddptrain: lr_find suggests optimizer.lr={result['suggestion']:.3g}" in proc.stdout
+    said = f"ddptrain: lr_find suggests optimizer.lr={result['suggestion']:.3g} (lr_find.suggestion=minimum, over "
+    said += f"{len(lrs)} rates from {lrs[0]:.3g} to {lrs[-1]:.3g}; plot: {run / 'lr_find.png'})"
+    assert said in proc.stdout, proc.stdout
     assert proc.stdout.strip().splitlines()[-1] == f"optimizer.lr={result['suggestion']:.3g}"
     png = (run / "lr_find.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -38,6 +38,17 @@ def test_the_suggestion_is_the_steepest_descent_of_the_smoothed_loss_as_numpy_co
     assert suggest(lrs[:31], cliff, "minimum") == lrs[29] / 10  # the cliff's last point is left out here too
     with_nan = curve[:30] + [math.nan] + curve[31:]
     assert math.isfinite(suggest(lrs, with_nan))
+    for seed in range(40):  # random walks: the steepest point is sometimes an end of the range
+        walk = list(np.cumsum(np.random.default_rng(seed).normal(0, 1, 16)))
+        assert suggest(lrs[:16], walk) == lrs[int(np.argmin(np.gradient(np.array(walk[10:-1])))) + 10], seed
+
+
+def test_the_plot_closes_its_figure(tmp_path):
+    import matplotlib.pyplot as plt
+
+    before = set(plt.get_fignums())
+    plot([1e-3, 1e-2, 1e-1], [2.0, 1.0, 1.5], 1e-2, tmp_path / "lr.png")
+    assert set(plt.get_fignums()) == before  # a sweep of many runs does not pile up open figures
 
 
 class RateProbe(Task):
