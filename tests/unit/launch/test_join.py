@@ -43,9 +43,12 @@ def test_each_launcher_meets_where_it_says():
     assert rendezvous_for(detect_environment(SLURM), "gloo") == ("tcp://node07:16234", 4, 2)
 
 
-def test_mpirun_with_gloo_and_no_address_says_what_to_set():
+@pytest.mark.parametrize(
+    "address", [{}, {"MASTER_ADDR": "10.0.0.1"}, {"MASTER_PORT": "29500"}], ids=["neither", "no port", "no host"]
+)
+def test_mpirun_with_gloo_and_no_address_says_what_to_set(address):
     with pytest.raises(RendezvousError) as info:
-        rendezvous_for(detect_environment(OPEN_MPI), "gloo")
+        rendezvous_for(detect_environment({**OPEN_MPI, **address}), "gloo")
     message = str(info.value)
     assert isinstance(info.value, ValueError)
     for words in ("mpi launcher gave no rendezvous address", "MASTER_ADDR", "MASTER_PORT", "dist.backend=mpi"):
