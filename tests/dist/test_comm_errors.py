@@ -23,7 +23,7 @@ from ddptrain.launch import LaunchTimeoutError, WorkerFailedError, find_free_por
 from ddptrain.testing import run_distributed
 from tests.dist.shared_launch import launch_once
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.timeout(90)]
 
 

@@ -15,7 +15,7 @@ from ddptrain.launch import WorkerFailedError
 from ddptrain.testing import run_distributed
 from tests.conftest import spawned_workers
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 

@@ -17,7 +17,7 @@ from ddptrain.launch import WorkerFailedError
 from ddptrain.testing import run_distributed
 from tests.dist.hang_faults import FAULTS, line_of, run_fault
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 FULL = os.environ.get("FORENSICS_FULL_MATRIX") == "1"

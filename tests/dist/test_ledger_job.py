@@ -17,7 +17,7 @@ from ddptrain.comm.ledger_check import CollectiveMismatchError
 from ddptrain.testing import run_distributed
 from tests.conftest import PYTHON, REPO
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(300)]
 
 ROOT = str(REPO)

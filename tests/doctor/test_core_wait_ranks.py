@@ -12,7 +12,7 @@ from ddptrain.testing import run_distributed
 from tests.doctor.tasks import fit_on_one_core
 
 pytestmark = [
-    pytest.mark.alone,  # measures speed (scripts/test.sh: last, one at a time)
+    pytest.mark.alone,  # its tests measure speed (scripts/test.sh runs them last, one at a time)
     pytest.mark.dist,
     pytest.mark.timeout(180),
     pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="needs Linux schedstat"),

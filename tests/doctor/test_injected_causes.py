@@ -23,7 +23,7 @@ from ddptrain.testing import run_distributed
 from tests.conftest import MPIEXEC, PYTHON, REPO, cli_env, run_cli
 from tests.doctor.tasks import run_doctored
 
-# alone: measures speed (scripts/test.sh: last, one at a time)
+# alone: its tests measure speed (scripts/test.sh runs them last, one at a time)
 pytestmark = [pytest.mark.alone, pytest.mark.dist, pytest.mark.timeout(400)]
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import PYTHON, REPO, TORCHRUN, children, cli_env, spawned_workers
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 # 3 epochs of 47 steps: the kill after step 10's checkpoint comes long before the end.

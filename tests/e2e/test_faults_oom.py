@@ -24,7 +24,7 @@ from ddptrain.launch import WorkerFailedError
 from ddptrain.launch.spawn import describe_exitcode
 from ddptrain.testing import run_distributed
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(120)]
 
 LIMIT_MIB = 64

@@ -20,7 +20,7 @@ import pytest
 
 from tests.conftest import MPIEXEC, PYTHON, REPO, TORCHRUN, cli_env, descendants, run_cli, sigint_at_default
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 JOB = [

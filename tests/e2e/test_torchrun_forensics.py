@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import TORCHRUN, cli_env
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.e2e, pytest.mark.timeout(120)]
 
 SCRIPT = """\

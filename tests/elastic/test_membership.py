@@ -21,7 +21,7 @@ import pytest
 from ddptrain.testing.elastic_member import check_events
 from tests.conftest import PYTHON, REPO
 
-# timed: bounds durations (scripts/test.sh: two at a time, after the parallel phase)
+# timed: its tests bound durations (scripts/test.sh runs this phase after the parallel one)
 pytestmark = [pytest.mark.timed, pytest.mark.dist, pytest.mark.timeout(180)]
 
 
