@@ -42,3 +42,39 @@ def test_default_dataset_is_the_configured_one():
     assert (len(train), len(val)) == (24, 8) and isinstance(train, torch.utils.data.TensorDataset)
     config.preload = False
     assert isinstance(default_dataset(config, train=True), SyntheticClassification)
+
+
+def test_first_samples_keeps_a_tensor_dataset_one_and_cuts_any_other_to_a_subset():
+    from torch.utils.data import Subset, TensorDataset
+
+    from ddptrain.trainer.data import first_samples
+
+    tensors = TensorDataset(torch.arange(10.0), torch.arange(10))
+    cut = first_samples(tensors, 4)
+    assert isinstance(cut, TensorDataset) and cut.tensors[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert cut.tensors[0].data_ptr() == tensors.tensors[0].data_ptr()  # a view, no copy
+    assert first_samples(tensors, 10) is tensors and first_samples(tensors, 12) is tensors
+    synthetic = SyntheticClassification(10, input_shape=(2,), seed=0)
+    subset = first_samples(synthetic, 3)
+    assert isinstance(subset, Subset) and list(subset.indices) == [0, 1, 2]
+
+
+def test_the_limits_cut_the_datasets_to_whole_global_batches_or_a_fraction_of_the_validation():
+    from torch.utils.data import TensorDataset
+
+    from ddptrain import Config
+    from ddptrain.trainer.data import limit_datasets
+
+    train = TensorDataset(torch.arange(100.0))
+    val = TensorDataset(torch.arange(60.0))
+
+    def sizes(**trainer):
+        config = Config.from_dict({"data": {"global_batch_size": 8}, "trainer": trainer})
+        cut_train, cut_val = limit_datasets(config, train, val, world_size=2, val_batch_size=5)
+        return len(cut_train), len(cut_val)
+
+    assert sizes() == (100, 60)
+    assert sizes(limit_val_batches=0.5) == (100, 30)  # a fraction of the validation set
+    assert sizes(limit_val_batches=0.001) == (100, 1)  # at least one sample
+    assert sizes(limit_val_batches=3) == (100, 3 * 2 * 5)  # batches per rank x ranks x batch
+    assert sizes(overfit_batches=2) == (2 * 8, 2 * 2 * 5)  # N global batches; validation N batches too
