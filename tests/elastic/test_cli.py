@@ -218,6 +218,9 @@ def test_a_hot_spare_takes_the_lost_ranks_place_in_the_same_change(tmp_path, mni
     assert change["left"] == [rank0] and spare.endswith(".0") and spare != rank0, (change, rank0)  # a first attempt
     assert change["world_size_before"] == change["world_size"] == 4
     assert f"member {rank0[0]}.1 started" in output  # restarted: the new spare, never admitted
+    # A full job does not ask for newcomers: waiting spares cause no regroup that admits nobody.
+    empty = [c for c in metrics["membership_changes"] if c["reason"] == "newcomers waiting" and not c["joined"]]
+    assert not empty, empty
     assert metrics["params_sha256"] == uninterrupted
     _assert_nothing_left(pids)
 
