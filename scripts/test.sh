@@ -14,9 +14,10 @@ fi
 .venv/bin/ruff format --check .
 # Three phases. Most tests wait on processes, sockets and timeouts more than they compute, so they
 # run DDPTRAIN_TEST_WORKERS at a time (pytest-xdist). The tests that bound durations (marker
-# "timed") then run three at a time (they mostly wait on signals and timeouts: 181 s at two, 154 s
-# at three, 140 s at four on this 2-core VM, 2026-12-07), and the tests that measure speed (marker "alone") one at a
-# time; each such module says so in its pytestmark. DDPTRAIN_TEST_WORKERS=1: one plain run.
+# "timed") then run three at a time (they mostly wait on signals and timeouts: 181 s at two,
+# 154 s at three, 140 s at four on this 2-core VM, 2026-12-07), and the tests that measure speed
+# (marker "alone") one at a time; each such module says so in its pytestmark.
+# DDPTRAIN_TEST_WORKERS=1: one plain run.
 # --dist loadgroup: tests that read one expensive launch or module fixture carry the same
 # xdist_group mark and go to one worker, so the launch runs once, not once per worker. The timed
 # phase has no such groups and mostly waits (signals, timeouts): --dist worksteal hands a worker

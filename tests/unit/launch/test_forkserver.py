@@ -192,21 +192,6 @@ def test_after_a_job_the_launcher_adopts_no_other_childs_orphans():
             os.waitpid(orphan, 0)
 
 
-def _killed_or_waiting(rank: int, world_size: int) -> None:
-    if rank == 1:
-        os.kill(os.getpid(), 9)  # no report: only its pipe's end of file says it is gone
-    time.sleep(30)
-
-
-@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
-def test_a_worker_killed_without_a_word_is_reported_at_once():
-    """A worker that dies without a report (SIGKILL) is reported when it dies, not when the others end."""
-    started = time.monotonic()
-    with pytest.raises(WorkerFailedError, match="rank 1"):
-        spawn_workers(_killed_or_waiting, 2, threads=1)
-    assert time.monotonic() - started < 15  # not the 30 s rank 0 would otherwise run
-
-
 @pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
 def test_the_server_lives_in_its_own_process_group():
     """A Ctrl-C at the terminal goes to the launcher's process group: the launcher passes it on to
