@@ -121,9 +121,8 @@ class DistributedDataParallel(nn.Module):
         self._picklable = process_group is None  # the default group: the one unpickling can find again
         named = _unique_named_parameters(module)
         # Compare the models first: a rank whose copy alone is all frozen must not leave the others
-        # waiting in that comparison; then refuse a module with nothing to train, before the broadcast.
+        # waiting in that comparison. A module with nothing to train is refused by _build_reducer.
         self._verify_same_model(named)
-        _trainable(named)
         if init_sync:
             self._broadcast_coalesced([p.detach() for _, p in named] + list(module.buffers()))
         self._build_reducer()
