@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -40,14 +41,25 @@ class Job:
         self.port = int(line.rsplit(":", 1)[1])
         self.members: dict[str, subprocess.Popen] = {}
 
-    def start(self, member: str, world_size: int = 3, extra: tuple[str, ...] = ()) -> None:
+    def start(self, member: str, world_size: int = 3, extra: tuple[str, ...] = (), other_host: bool = False) -> None:
+        """``other_host``: run the member in its own pid namespace, where the others cannot read its
+        ``/proc`` (the membership's test for "on this host"): they judge it by its heartbeat alone,
+        as members on another machine are judged."""
         args = ["--store", f"127.0.0.1:{self.port}", "--id", member, "--world-size", str(world_size)]
         args += ["--steps", str(self.steps), "--log", str(self.log), *extra]
+        namespace = ["unshare", "--pid", "--fork", "--kill-child"] if other_host else []
         self.members[member] = subprocess.Popen(
-            [PYTHON, "-m", "ddptrain.testing.elastic_member", *args],
+            [*namespace, PYTHON, "-m", "ddptrain.testing.elastic_member", *args],
             env=self.env,
             stderr=open(self.tmp_path / f"{member}.stderr", "w"),  # noqa: SIM115 - closed with the process
         )
+
+    def python_pid(self, member: str) -> int:
+        """The pid of ``member``'s Python process, as this process sees it (for an ``other_host``
+        member, the child of ``unshare``)."""
+        pid = self.members[member].pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        return int(children[0]) if children else pid
 
     def events(self) -> list[dict]:
         return [json.loads(line) for line in self.log.read_text().splitlines()] if self.log.exists() else []
@@ -190,6 +202,69 @@ def test_a_coordinator_that_dies_before_deciding_is_replaced_and_can_rejoin(job)
     assert codes == {coordinator: -signal.SIGKILL, survivor: 0, "c": 0, "d": 0}, codes
     assert check_events(j.events()) == []
     assert max(e["step"] for e in j.events() if e["event"] == "step") == 200
+
+
+def _needs_pid_namespaces():
+    if not shutil.which("unshare") or subprocess.run(["unshare", "--pid", "--fork", "true"]).returncode:
+        pytest.skip("needs root with unshare --pid (a member whose /proc the others cannot read)")
+
+
+def test_a_member_on_another_host_that_leaves_is_known_gone_at_once(job):
+    """A member that closes says so in the store (``left/<id>``): the others regroup at once,
+    without waiting out its heartbeat (10 s here) or the regroup's deadline (7 s)."""
+    _needs_pid_namespaces()
+    j = job(steps=300)
+    wait_long = ("--timeout-s", "5", "--dead-after-s", "10")
+    j.start("a", extra=wait_long)
+    j.start("b", extra=wait_long)
+    j.start("c", extra=(*wait_long, "--steps", "30"), other_host=True)
+    done = j.wait_for(lambda ev: [e for e in ev if e["event"] == "done" and e["member"] == "c"])[0]
+    assert done["step"] == 30
+    regrouped = j.wait_for(_generation(1, 2))
+    assert {e["member"] for e in regrouped} == {"a", "b"}
+    first_step = min(e["t"] for e in j.wait_for(_steps_after(done["t"], 2)))
+    assert first_step - done["t"] < 3, f"{first_step - done['t']:.1f} s from c's close to the next step of two"
+    assert j.finish() == {"a": 0, "b": 0, "c": 0}
+    assert check_events(j.events()) == []
+
+
+def test_a_member_on_another_host_late_to_regroup_but_beating_is_waited_for(job):
+    """Its heartbeat changes while it computes, so the coordinator waits for it (up to the regroup's
+    deadline, 4 s here) instead of declaring it dead: the job goes on with all three."""
+    _needs_pid_namespaces()
+    j = job(steps=100)
+    j.start("a", extra=("--timeout-s", "2"))
+    j.start("b", extra=("--timeout-s", "2"))
+    # c computes 3 s before step 30: the others' collective times out after 2 s and they regroup
+    j.start("c", extra=("--timeout-s", "2", "--stall-at-step", "30", "--stall-s", "3"), other_host=True)
+    regrouped = j.wait_for(_generation(1, 3))
+    assert {e["member"] for e in regrouped} == {"a", "b", "c"}
+    assert j.finish() == {"a": 0, "b": 0, "c": 0}
+    assert check_events(j.events()) == []
+
+
+def test_a_stopped_member_on_another_host_is_declared_dead_by_its_heartbeat_and_exits_when_woken(job):
+    """Nobody can kill it from here (another host): it is fenced once its heartbeat has been still
+    for ``dead_after_s``, and the first heartbeat after it wakes ends it, before it acts on stale state."""
+    _needs_pid_namespaces()
+    j = job(steps=200)
+    quick = ("--timeout-s", "2", "--dead-after-s", "1")
+    j.start("a", extra=quick)
+    j.start("b", extra=quick)
+    j.start("c", extra=quick, other_host=True)
+    j.wait_for(lambda ev: len({e["member"] for e in ev if e["event"] == "step" and e["step"] >= 20}) == 3)
+    c = j.python_pid("c")
+    os.kill(c, signal.SIGSTOP)
+    regrouped = j.wait_for(_generation(1, 2))
+    assert {e["member"] for e in regrouped} == {"a", "b"}
+    assert j.members["c"].poll() is None  # alive, stopped: no /proc of it here, so not killed
+    woken_at = time.time()
+    os.kill(c, signal.SIGCONT)
+    assert j.members["c"].wait(timeout=30) == 1
+    assert not [e for e in j.events() if e["member"] == "c" and e["t"] > woken_at and e["event"] == "step"]
+    codes = j.finish()
+    assert codes["a"] == codes["b"] == 0, codes
+    assert check_events(j.events()) == []
 
 
 def test_the_store_process_serves_until_stopped_and_names_a_busy_port():
