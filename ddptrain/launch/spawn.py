@@ -178,6 +178,7 @@ def _fork(server, jobs: Sequence[tuple], needs: Sequence[str] | None) -> tuple[l
             os.close(r)
             os.close(w)
         if isinstance(exc, OSError):
+            _log.warning("%s; starting the workers with spawn instead (slower: each imports torch)", exc)
             return [], {}
         raise
     for _, w in pipes:

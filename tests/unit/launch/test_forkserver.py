@@ -5,6 +5,7 @@ server outlives a job."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -170,26 +171,31 @@ def test_an_idle_server_is_stopped_by_discard():
     assert sys.modules["ddptrain.launch.forkserver"]._server is None
 
 
-@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
-def test_after_a_job_the_launcher_adopts_no_other_childs_orphans():
-    """Between jobs the launcher is an ordinary process again: the orphan of a child it started
-    for something else (a killed ``mpiexec``'s ranks, a shell's background job) goes to init, which
-    reaps it, instead of staying this process's zombie forever."""
+def _adopts_orphans() -> bool:
+    """Whether this process adopts the orphan of a grandchild (it is a child subreaper), seen from
+    outside: a shell's background job outlives the shell, and its parent is then read from /proc."""
     import subprocess
 
-    spawn_workers(_pid_and_late, 2, threads=1)
-    assert _idle_server_pid() is not None  # the server idles for the next job
     shell = subprocess.run(
         ["bash", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True, timeout=10
     )
     orphan = int(shell.stdout)
     try:
-        parent = int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        assert parent != os.getpid(), "the launcher adopted another child's orphan after its job had ended"
+        return int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1]) == os.getpid()
     finally:
         os.kill(orphan, 9)
         if orphan in children(os.getpid()):
             os.waitpid(orphan, 0)
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_after_a_job_the_launcher_adopts_no_other_childs_orphans():
+    """Between jobs the launcher is an ordinary process again: the orphan of a child it started
+    for something else (a killed ``mpiexec``'s ranks, a shell's background job) goes to init, which
+    reaps it, instead of staying this process's zombie forever."""
+    spawn_workers(_pid_and_late, 2, threads=1)
+    assert _idle_server_pid() is not None  # the server idles for the next job
+    assert not _adopts_orphans(), "the launcher adopted another child's orphan after its job had ended"
 
 
 @pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
@@ -199,3 +205,63 @@ def test_the_server_lives_in_its_own_process_group():
     spawn_workers(_pid_and_late, 2, threads=1)
     server = _idle_server_pid()
     assert os.getpgid(server) == server != os.getpgid(0)
+
+
+@pytest.fixture
+def pids_cgroup():
+    """A pids cgroup (v1) whose ``pids.max`` the test sets: forks beyond it fail with EAGAIN, as on a
+    host out of processes. Its processes go back to the root cgroup at the end."""
+    root = Path("/sys/fs/cgroup/pids")
+    if os.geteuid() != 0 or not (root / "cgroup.procs").exists():
+        pytest.skip("needs root and a cgroup v1 pids controller at /sys/fs/cgroup/pids (to make fork fail)")
+    group = root / f"ddptrain-test-{os.getpid()}"
+    group.mkdir()
+    yield group
+    for pid in (group / "cgroup.procs").read_text().split():
+        with contextlib.suppress(OSError):
+            (root / "cgroup.procs").write_text(pid)
+    group.rmdir()
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_a_fork_that_fails_in_the_server_is_reported_and_the_job_runs_with_spawn(pids_cgroup, caplog):
+    """The host is out of processes for the server: its job leader forks the first worker, not the
+    second. It kills the first, says why at once (not after the launcher's 60 s wait for an answer),
+    and the job runs with spawn, leaving nothing behind."""
+    import logging
+
+    spawn_workers(_pid_and_late, 2, threads=1)  # the server, preloaded, idles for the next job
+    server = _idle_server_pid()
+    (pids_cgroup / "cgroup.procs").write_text(str(server))
+    tasks = int((pids_cgroup / "pids.current").read_text())
+    (pids_cgroup / "pids.max").write_text(str(tasks + 2))  # the leader and one worker
+    caplog.set_level(logging.WARNING, logger="ddptrain.launch")
+    started = time.monotonic()
+    results = spawn_workers(_pid_and_late, 2, threads=1)
+    assert time.monotonic() - started < 30
+    assert {parent for _, parent, _ in results} == {os.getpid()}
+    warned = [r.getMessage() for r in caplog.records]
+    assert any(
+        "the fork server could not fork the workers: BlockingIOError" in m and "with spawn instead" in m for m in warned
+    ), warned
+    assert _live_children() == [], "a worker of the failed fork outlived the job"
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_a_server_that_dies_during_a_request_leaves_the_launcher_an_ordinary_process(caplog):
+    """While a job waits for its workers the launcher adopts orphans (so that the forked workers
+    become its children). A server killed mid-request must not leave it adopting them for good."""
+    import logging
+    import signal
+    import threading
+
+    spawn_workers(_pid_and_late, 2, threads=1)
+    server = _idle_server_pid()
+    os.kill(server, signal.SIGSTOP)  # it takes the request but cannot answer ...
+    threading.Timer(1.0, os.kill, args=(server, signal.SIGKILL)).start()  # ... and dies
+    caplog.set_level(logging.WARNING, logger="ddptrain.launch")
+    results = spawn_workers(_pid_and_late, 2, threads=1)
+    assert {parent for _, parent, _ in results} == {os.getpid()}
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("the fork server is gone" in m for m in warned), warned
+    assert not _adopts_orphans(), "the launcher still adopts orphans after the server died mid-request"
