@@ -477,7 +477,8 @@ class TrainerConfig:
     seed: int = 1234
     """Base seed: rank ``r`` seeds with ``seed + r``; the sampler shuffles with ``seed + epoch``."""
     device: str = "cpu"
-    """``cpu`` or ``cuda``: each rank then uses ``cuda:{local_rank}`` (and nccl)."""
+    """``cpu`` or ``cuda``: each rank then uses ``cuda:{local_rank % device_count}`` (and nccl,
+    which needs a GPU per rank; with ``dist.backend=gloo`` ranks may share a GPU)."""
     eval_every_epochs: int = bounded(1, at_least=0)
     """Evaluate every this many epochs (0: only at the end)."""
     eval_every_steps: int = bounded(0, at_least=0)

@@ -325,7 +325,7 @@ def check_device(config: Config, local_world_size: int = 1) -> None:
     if device != "cuda":
         raise ConfigError(
             f"trainer.device={device!r}: use 'cpu' or 'cuda' (each rank then takes "
-            "cuda:{local_rank}; pick GPUs with CUDA_VISIBLE_DEVICES)"
+            "cuda:{local_rank % device_count}; pick GPUs with CUDA_VISIBLE_DEVICES)"
         )
     import torch
 
@@ -337,10 +337,11 @@ def check_device(config: Config, local_world_size: int = 1) -> None:
             "trainer.device=cpu, or run on a machine with a GPU and a CUDA build of torch."
         )
     count = torch.cuda.device_count()
-    if local_world_size > count:
+    if local_world_size > count and resolve_backend(config) == "nccl":
         raise ConfigError(
-            f"{local_world_size} ranks on this machine but only {count} CUDA device(s): each "
-            f"rank needs its own GPU. Use dist.world_size<={count}."
+            f"{local_world_size} ranks on this machine but only {count} CUDA device(s), and NCCL refuses "
+            f"two ranks on one GPU. Use dist.world_size<={count}, or dist.backend=gloo to let ranks "
+            "share the GPUs (slower: gloo copies through host memory)."
         )
 
 

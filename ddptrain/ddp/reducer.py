@@ -32,6 +32,18 @@ Follow the gradient of one parameter ``i`` through a synchronised iteration:
    had: it is left alone). A gradient accumulated under ``no_sync`` counts as used in the next
    synchronised backward even if that backward does not reach it, as in torch, so it is averaged.
 
+**CUDA streams** (torch's reducer's rules; no ``synchronize()`` anywhere on this path). A hook
+runs on the stream autograd produced its gradient on (the leaf's stream), so staging there reads a
+finished gradient; a launch makes the process group's stream wait for the current one (NCCL and
+gloo's CUDA path do that themselves; the mpi backend records an event, :mod:`ddptrain.comm.backends.mpi`).
+Staging is batched, so a gradient may be copied, and its bucket launched, from a later gradient's
+hook: when one backward's gradients come from more than one stream, the current stream first waits
+for all of them (:meth:`Reducer._join_streams`; one stream, the common case, costs a set insert per
+gradient). :meth:`Reducer._finalize` runs as the engine's final callback, on the stream that called
+``backward()``, which the engine made wait for every leaf stream; waiting for a bucket's work makes
+that stream wait for the collective (a stream wait, not a host one), and the write back is queued
+after it.
+
 **Sparse gradients** (the parameters of ``nn.Embedding`` / ``nn.EmbeddingBag`` built with
 ``sparse=True``, as torch DDP decides): they belong to no bucket. Once backward is done and every
 bucket has launched, :meth:`Reducer._reduce_sparse` all-reduces each one as a sparse COO tensor
@@ -186,6 +198,7 @@ class _Iteration:
         self.sideband: torch.Tensor | None = None  # this iteration's sideband values, summed once waited for
         self.sideband_work: object = None  # its own all-reduce, when it does not ride in a bucket
         self.next_bucket = 0
+        self.streams: set = set()  # CUDA: the streams this backward's gradients came on (module doc)
         self.stats = IterationStats(
             index,
             [b.nbytes for b in plan.buckets],
@@ -235,6 +248,7 @@ class Reducer:
         self._sideband_bucket: int | None = None  # the bucket it rides in (None: its own all-reduce)
         self.sideband: list[float] | None = None  # the sums of the latest synchronised backward
         self._specs = [ParamSpec.of(p) for p in self.params]
+        self._on_cuda = any(p.is_cuda for p in self.params)  # then hooks note their stream (module doc)
         self.shard_comm: ShardComm | None = None  # set by shard_gradients (ZeRO)
         self.zero_stage = 0
         self.shard_layouts: list[ShardLayout] = []  # per bucket, while sharded
@@ -477,6 +491,8 @@ class Reducer:
                 it.finalize_queued = True
                 it.stats.backward_start = time.perf_counter()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            if self._on_cuda and param.is_cuda:
+                it.streams.add(torch.cuda.current_stream(param.device))
             self._mark_ready(index, used=True)
 
         return hook
@@ -526,6 +542,7 @@ class Reducer:
         one ``torch._foreach_copy_`` into their views. They are averaged when the bucket is
         complete, by :meth:`_average_runs`."""
         batch, it.arrived[b] = it.arrived[b], []
+        self._join_streams(it)
         grads = [self.params[i].grad for i in batch]
         if self._defer_copy and all(self._flat_only_param[i] for i in batch) and all(map(_copies_plainly, grads)):
             torch._foreach_copy_([self._slot_views[i] for i in batch], grads)
@@ -622,8 +639,20 @@ class Reducer:
             if self.as_view:
                 self.params[i].grad = view
 
+    def _join_streams(self, it: _Iteration) -> None:
+        """CUDA: make the current stream wait for every stream this backward's gradients came on, so
+        that a gradient produced on another stream is finished before it is copied or sent (module
+        doc). Nothing to do with one stream: the hooks, and so the copies and launches, run on it."""
+        if len(it.streams) > 1:
+            current = torch.cuda.current_stream()
+            for stream in it.streams:
+                if stream != current:
+                    current.wait_stream(stream)
+
     def _launch_ready_buckets(self, it: _Iteration) -> None:
         # Strictly in bucket order: every rank must issue the same collectives in the same order.
+        if it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
+            self._join_streams(it)  # ZeRO and in-place slots stage or send gradients of other hooks
         while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
             b = it.next_bucket
             it.stats.launch_times[b] = time.perf_counter()

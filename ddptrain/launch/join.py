@@ -99,9 +99,13 @@ def rendezvous_for(environment: ClusterEnvironment, backend: str) -> tuple[str |
 
 
 def claim_device(env: ClusterEnvironment, device_type: str, threads_per_worker: int | None) -> torch.device:
-    """This rank's device (the CPU, or ``cuda:{local_rank}``, made current: one GPU per rank, set
-    before NCCL starts) and its torch thread count (see :func:`join_process_group`)."""
-    device = torch.device("cuda", env.local_rank) if device_type == "cuda" else torch.device("cpu")
+    """This rank's device (the CPU, or ``cuda:{local_rank % device_count}``, made current before
+    NCCL starts: one GPU per rank, unless there are more local ranks than GPUs, which gloo and mpi
+    allow and preflight refuses for nccl) and its torch thread count (see :func:`join_process_group`)."""
+    if device_type == "cuda":
+        device = torch.device("cuda", env.local_rank % torch.cuda.device_count())
+    else:
+        device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     torch.set_num_threads(threads_per_rank(env.local_world_size, threads_per_worker))

@@ -10,6 +10,11 @@ wedging the thread: later operations on other groups still run.
 
 CPU tensors are handed to MPI as zero-copy NumPy views. CUDA tensors, and half-precision tensors
 for reductions (MPI has no float16/bfloat16 arithmetic), are staged through a float32/host copy.
+CUDA tensors go through *pinned* host buffers, with the stream rules of torch's own backends
+(:class:`_Staging`): the caller's thread never blocks on the GPU; the copies run on the stream that
+was current when the operation was called (its *launch stream*); the operation's future is
+CUDA-aware, so ``wait()`` makes the waiting stream wait for the copy back, and a ``then()`` callback
+(a DDP comm hook) runs after it.
 Ranks and size come from the MPI launcher (``mpirun``/``mpiexec``); a configured world size that
 differs is refused.
 """
@@ -17,6 +22,7 @@ differs is refused.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import queue
 import sys
@@ -100,6 +106,9 @@ class _Job(NamedTuple):
     """Completed with ``outputs`` (or the failure) when the job is done."""
     outputs: object
     """The future's result: the tensors the operation writes."""
+    stream: Any = None
+    """CUDA: the operation's launch stream (:class:`_Staging`), current on the thread while the job
+    completes (its copies back, its future's result), so that they are ordered after its launch."""
 
 
 class _Posted(NamedTuple):
@@ -125,6 +134,8 @@ class _Pending(NamedTuple):
     job_fn: Callable[[], object]
     """The job's ``fn``, kept so that the buffers its closure holds outlive the request (an input
     the caller did not keep, e.g. ``all_gather(out, make_tensor(), async_op=True)``)."""
+    stream: Any = None
+    """The job's :attr:`_Job.stream`."""
 
 
 class _Reply(NamedTuple):
@@ -174,9 +185,13 @@ class _CommThread:
         self._thread = threading.Thread(target=self._loop, name="ddptrain-mpi", daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object], outputs) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put(_Job(fn, fut, outputs))
+    def submit(self, fn: Callable[[], object], outputs, stream=None) -> torch.futures.Future:
+        """Queue ``fn``; the future completes with ``outputs``. ``stream``: the CUDA launch stream of
+        an operation on CUDA tensors (then the future is CUDA-aware: see :class:`_Staging`)."""
+        fut: torch.futures.Future = (
+            torch.futures.Future() if stream is None else torch.futures.Future(devices=[stream.device])
+        )
+        self._queue.put(_Job(fn, fut, outputs, stream))
         return fut
 
     def waiting(self, delta: int) -> None:
@@ -215,7 +230,7 @@ class _CommThread:
             sleep = poll_min_s if progressed else min(2 * sleep, poll_max_s)
             self._answer_probes()
 
-    def _start(self, fn, fut, outputs) -> None:
+    def _start(self, fn, fut, outputs, stream) -> None:
         """Run one queued job: post its request(s), or complete it at once.
 
         A method of its own so that nothing of the job outlives it in the loop's locals: a stale
@@ -223,9 +238,10 @@ class _CommThread:
         try:
             result = fn()
             if isinstance(result, _Posted):
-                self._pending.append(_Pending(result.request, fut, result.on_done, outputs, fn))
+                self._pending.append(_Pending(result.request, fut, result.on_done, outputs, fn, stream))
             else:
-                fut.set_result(outputs)
+                with _on_stream(stream):
+                    fut.set_result(outputs)
         except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
             fut.set_exception(exc)
 
@@ -264,25 +280,27 @@ class _CommThread:
             else:
                 finished.append(outcome)
         self._pending, entry = still, None
-        for fut, outputs, error in finished:
+        for fut, outputs, error, stream in finished:
             if error is None:
-                fut.set_result(outputs)
+                with _on_stream(stream):  # a CUDA-aware future records its event on the launch stream
+                    fut.set_result(outputs)
             else:
                 fut.set_exception(error)
         return bool(finished)
 
     @staticmethod
-    def _test(req, fut, on_done, outputs, _job_fn):
-        """``(future, outputs, error)`` for a finished request, None while it runs (its locals,
-        the job's buffers among them, die with this call; see _start)."""
+    def _test(req, fut, on_done, outputs, _job_fn, stream):
+        """``(future, outputs, error, stream)`` for a finished request, None while it runs (its
+        locals, the job's buffers among them, die with this call; see _start)."""
         try:
             if not req.Test():
                 return None
             if on_done is not None:
-                on_done()
-            return fut, outputs, None
+                with _on_stream(stream):  # copies back: on the launch stream (_Staging)
+                    on_done()
+            return fut, outputs, None, stream
         except BaseException as exc:  # noqa: BLE001 - hand every failure to the waiter
-            return fut, outputs, exc
+            return fut, outputs, exc, stream
 
 
 _thread: _CommThread | None = None
@@ -298,13 +316,58 @@ def _comm_thread() -> _CommThread:
     return _thread
 
 
-def _staged(t: torch.Tensor, for_reduce: bool):
-    """(buffer MPI can use, function copying the result back into ``t``)."""
-    needs_float = for_reduce and t.dtype in (torch.float16, torch.bfloat16)
-    if not t.is_cuda and t.is_contiguous() and not needs_float and t.dtype != torch.bfloat16:
-        return t.detach().numpy(), None
-    host = t.detach().to("cpu", torch.float32 if (needs_float or t.dtype == torch.bfloat16) else t.dtype).contiguous()
-    return host.numpy(), (lambda: t.copy_(host))
+def _on_stream(stream):
+    """``torch.cuda.stream(stream)`` for a CUDA launch stream; nothing for None (CPU tensors)."""
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+
+
+class _Staging:
+    """The host side of one operation: the host copies MPI reads and writes, and how they reach
+    the operation's CUDA tensors without blocking the caller (module doc).
+
+    Made on the caller's thread. CUDA inputs are copied into pinned host buffers with non-blocking
+    copies on the launch stream (the caller's current stream), and an event is recorded after them;
+    the communication thread waits for those events (:meth:`ready`) before MPI reads the buffers.
+    Results are copied back (by the job's ``on_done``, which the thread runs on the launch stream)
+    with non-blocking copies too. torch's pinned-memory allocator keeps a buffer from being reused
+    until the copies queued on it have run, so a buffer the job drops is safe to free."""
+
+    def __init__(self, *tensors: torch.Tensor):
+        cuda = next((t.device for t in tensors if t is not None and t.is_cuda), None)
+        self.stream = None if cuda is None else torch.cuda.current_stream(cuda)
+        self._events: list[Any] = []
+
+    def host(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A contiguous host tensor with ``t``'s values (in ``dtype``): a copy, queued on the launch
+        stream for a CUDA tensor (:meth:`ready` waits for it), or made now for a CPU one."""
+        dtype = dtype or t.dtype
+        if not t.is_cuda:
+            return t.detach().to("cpu", dtype).contiguous()
+        host = torch.empty(t.shape, dtype=dtype, pin_memory=True)
+        host.copy_(t.detach(), non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        self._events.append(event)
+        return host
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor MPI writes (pinned when the operation's tensors are on CUDA)."""
+        return torch.empty(shape, dtype=dtype, pin_memory=self.stream is not None)
+
+    def ready(self) -> None:
+        """On the communication thread, before MPI reads: wait for the copies to the host."""
+        for event in self._events:
+            event.synchronize()
+
+    def staged(self, t: torch.Tensor, for_reduce: bool):
+        """(buffer MPI can use, function copying the result back into ``t``, or None): ``t``'s own
+        memory when MPI can use it (a contiguous CPU tensor, not bfloat16, not float16 in a
+        reduction: MPI has no arithmetic for them), else a host copy in float32 or ``t``'s dtype."""
+        needs_float = for_reduce and t.dtype in (torch.float16, torch.bfloat16)
+        if not t.is_cuda and t.is_contiguous() and not needs_float and t.dtype != torch.bfloat16:
+            return t.detach().numpy(), None
+        host = self.host(t, torch.float32 if (needs_float or t.dtype == torch.bfloat16) else t.dtype)
+        return host.numpy(), (lambda: t.copy_(host, non_blocking=t.is_cuda))
 
 
 class _MPIWork(FutureWork):
@@ -345,14 +408,24 @@ class MPIProcessGroup(ProcessGroup):
 
         self._thread.submit(make_control, [])
 
-    def _run(self, op_name: str, outputs, fn) -> Work:
+    def _run(self, op_name: str, outputs, fn, staging: _Staging | None = None) -> Work:
+        """Queue ``fn`` on the communication thread; ``staging``: the operation's host copies, whose
+        CUDA ones it waits for before ``fn`` posts anything."""
         self.check_alive(op_name)
         explain = None
         if op_name not in ("send", "recv"):
             self.collectives_called += 1
             seq = self.collectives_called
             explain = lambda: self._missing_ranks(op_name, seq) + explain_group(self)  # noqa: E731
-        fut = self._thread.submit(fn, outputs)
+        stream = None if staging is None else staging.stream
+        if stream is not None:
+            post = fn
+
+            def fn():
+                staging.ready()
+                return post()
+
+        fut = self._thread.submit(fn, outputs, stream)
         return _MPIWork(
             self._thread,
             op_name,
@@ -411,20 +484,22 @@ class MPIProcessGroup(ProcessGroup):
     # -- point to point ---------------------------------------------------------------------
     def _send(self, tensor, dst, tag=0):
         self._check_peer(dst, "send", "dst")
-        buf, _ = _staged(tensor, False)
-        return self._run("send", [tensor], lambda: _Posted(self.comm.Isend(buf, dest=dst, tag=tag), None))
+        staging = _Staging(tensor)
+        buf, _ = staging.staged(tensor, False)
+        return self._run("send", [tensor], lambda: _Posted(self.comm.Isend(buf, dest=dst, tag=tag), None), staging)
 
     def _recv(self, tensor, src, tag=0):
         self._check_peer(src, "recv", "src")
-        buf, back = _staged(tensor, False)
-        return self._run("recv", [tensor], lambda: _Posted(self.comm.Irecv(buf, source=src, tag=tag), back))
+        staging = _Staging(tensor)
+        buf, back = staging.staged(tensor, False)
+        return self._run("recv", [tensor], lambda: _Posted(self.comm.Irecv(buf, source=src, tag=tag), back), staging)
 
     # -- collectives ------------------------------------------------------------------------
     def _broadcast(self, tensor, src):
         self._check_peer(src, "broadcast", "src")
-        buf, back = _staged(tensor, False)
-
-        return self._run("broadcast", [tensor], lambda: _Posted(self.comm.Ibcast(buf, root=src), back))
+        staging = _Staging(tensor)
+        buf, back = staging.staged(tensor, False)
+        return self._run("broadcast", [tensor], lambda: _Posted(self.comm.Ibcast(buf, root=src), back), staging)
 
     def _reduce_op(self, op, tensor, name):
         op = to_reduce_op(op)
@@ -446,55 +521,61 @@ class MPIProcessGroup(ProcessGroup):
 
     def _all_reduce(self, tensor, op=ReduceOp.SUM):
         op = self._reduce_op(op, tensor, "all_reduce")
-        buf, back = _staged(tensor, True)
-
+        staging = _Staging(tensor)
+        buf, back = staging.staged(tensor, True)
         done = self._after_reduce(op, buf, back)
         return self._run(
-            "all_reduce", [tensor], lambda: _Posted(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_mpi_op(op)), done)
+            "all_reduce",
+            [tensor],
+            lambda: _Posted(self.comm.Iallreduce(MPI.IN_PLACE, buf, op=_mpi_op(op)), done),
+            staging,
         )
 
     def _reduce(self, tensor, dst, op=ReduceOp.SUM):
         self._check_peer(dst, "reduce", "dst")
         op = self._reduce_op(op, tensor, "reduce")
-        buf, back = _staged(tensor, True)
-
+        staging = _Staging(tensor)
+        buf, back = staging.staged(tensor, True)
         if self._rank == dst:
             done = self._after_reduce(op, buf, back)
             return self._run(
                 "reduce",
                 [tensor],
                 lambda: _Posted(self.comm.Ireduce(MPI.IN_PLACE, buf, op=_mpi_op(op), root=dst), done),
+                staging,
             )
         return self._run(
-            "reduce", [tensor], lambda: _Posted(self.comm.Ireduce(buf, None, op=_mpi_op(op), root=dst), None)
+            "reduce", [tensor], lambda: _Posted(self.comm.Ireduce(buf, None, op=_mpi_op(op), root=dst), None), staging
         )
 
     def _all_gather(self, tensor_list, tensor):
         check_list_len("all_gather", "tensor_list", tensor_list, self._size)
         check_same_shape("all_gather", "tensor_list", tensor, tensor_list)
-        send, _ = _staged(tensor, False)
-        flat = torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype)
+        staging = _Staging(tensor, *tensor_list)
+        send, _ = staging.staged(tensor, False)
+        flat = staging.empty((self._size,) + tuple(send.shape), torch.from_numpy(send[:0]).dtype)
 
         def unpack():
             for out, row in zip(tensor_list, flat):
-                out.copy_(row.view_as(out))
+                out.copy_(row.view_as(out), non_blocking=out.is_cuda)
 
-        return self._run("all_gather", tensor_list, lambda: _Posted(self.comm.Iallgather(send, flat.numpy()), unpack))
+        return self._run(
+            "all_gather", tensor_list, lambda: _Posted(self.comm.Iallgather(send, flat.numpy()), unpack), staging
+        )
 
     def _gather(self, tensor, gather_list, dst):
         self._check_peer(dst, "gather", "dst")
-        send, _ = _staged(tensor, False)
+        staging = _Staging(tensor, *(gather_list or []))
+        send, _ = staging.staged(tensor, False)
         is_root = self._rank == dst
         if is_root:
             check_list_len("gather", "gather_list", gather_list, self._size)
             check_same_shape("gather", "gather_list", tensor, gather_list)
-        flat = (
-            torch.empty((self._size,) + tuple(send.shape), dtype=torch.from_numpy(send[:0]).dtype) if is_root else None
-        )
+        flat = staging.empty((self._size,) + tuple(send.shape), torch.from_numpy(send[:0]).dtype) if is_root else None
 
         def unpack():
             for out, row in zip(gather_list, flat):
-                out.copy_(row.view_as(out))
+                out.copy_(row.view_as(out), non_blocking=out.is_cuda)
 
         return self._run(
             "gather",
@@ -502,44 +583,48 @@ class MPIProcessGroup(ProcessGroup):
             lambda: _Posted(
                 self.comm.Igather(send, flat.numpy() if is_root else None, root=dst), unpack if is_root else None
             ),
+            staging,
         )
 
     def _scatter(self, tensor, scatter_list, src):
         self._check_peer(src, "scatter", "src")
-        recv, back = _staged(tensor, False)
+        staging = _Staging(tensor)
+        recv, back = staging.staged(tensor, False)
         is_root = self._rank == src
         if is_root:
             check_list_len("scatter", "scatter_list", scatter_list, self._size)
             check_same_shape("scatter", "scatter_list", tensor, scatter_list)
-            flat = torch.stack([t.detach().cpu().reshape(recv.shape) for t in scatter_list]).contiguous()
-            if tensor.dtype == torch.bfloat16:
-                flat = flat.float()
+            dtype = torch.float32 if tensor.dtype == torch.bfloat16 else tensor.dtype
+            flat = staging.host(torch.stack([t.detach().reshape(recv.shape) for t in scatter_list]), dtype)
 
         return self._run(
             "scatter",
             [tensor],
             lambda: _Posted(self.comm.Iscatter(flat.numpy() if is_root else None, recv, root=src), back),
+            staging,
         )
 
     def _reduce_scatter(self, output, input_list, op=ReduceOp.SUM):
         check_list_len("reduce_scatter", "input_list", input_list, self._size)
         check_same_shape("reduce_scatter", "input_list", output, input_list)
         op = self._reduce_op(op, output, "reduce_scatter")
-        recv, back = _staged(output, True)
-        send = torch.stack([t.detach().cpu() for t in input_list]).to(torch.from_numpy(recv[:0]).dtype).contiguous()
-
+        staging = _Staging(output, *input_list)
+        recv, back = staging.staged(output, True)
+        send = staging.host(torch.stack([t.detach() for t in input_list]), torch.from_numpy(recv[:0]).dtype)
         done = self._after_reduce(op, recv, back)
         return self._run(
             "reduce_scatter",
             [output],
             lambda: _Posted(self.comm.Ireduce_scatter_block(send.numpy(), recv, op=_mpi_op(op)), done),
+            staging,
         )
 
     def _all_to_all(self, output_list, input_list):
         check_list_len("all_to_all", "output_list", output_list, self._size)
         check_list_len("all_to_all", "input_list", input_list, self._size)
-        send = torch.cat([t.detach().cpu().reshape(-1) for t in input_list])
-        recv = torch.empty(sum(t.numel() for t in output_list), dtype=send.dtype)
+        staging = _Staging(*input_list, *output_list)
+        send = staging.host(torch.cat([t.detach().reshape(-1) for t in input_list]))
+        recv = staging.empty(sum(t.numel() for t in output_list), send.dtype)
         if send.dtype == torch.bfloat16:
             send, recv = send.view(torch.int16), recv.view(torch.int16)  # bytes move unchanged
         s_counts = [t.numel() for t in input_list]
@@ -547,12 +632,13 @@ class MPIProcessGroup(ProcessGroup):
 
         def unpack():
             for out, chunk in zip(output_list, torch.split(recv.view(output_list[0].dtype), r_counts)):
-                out.copy_(chunk.view_as(out))
+                out.copy_(chunk.view_as(out), non_blocking=out.is_cuda)
 
         return self._run(
             "all_to_all",
             output_list,
             lambda: _Posted(self.comm.Ialltoallv([send.numpy(), s_counts], [recv.numpy(), r_counts]), unpack),
+            staging,
         )
 
     def _barrier(self):
