@@ -391,3 +391,50 @@ def test_the_elastic_launcher_restarts_a_dead_worker_and_it_rejoins_then_goes_on
         f"is also what the kernel's out-of-memory killer sends: check `dmesg` for 'Killed process {now[0][1]}' and "
         "the memory limit); the others go on without it (no restart left)",
     ], warnings
+
+
+_WAITING_NEWCOMER = """
+import sys
+from ddptrain.comm.elastic import ElasticMembership
+from ddptrain.comm.store import connect
+m = ElasticMembership(connect(sys.argv[1]), "late")
+print("registered", flush=True)
+m.join(2, timeout_s=60)
+"""
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_a_newcomer_waiting_to_be_admitted_costs_little_cpu(job):
+    """A hot spare or a restarted member may wait long for the next regroup, on a host whose cores
+    train: it polls the store every few milliseconds, it does not spin."""
+    import threading
+
+    from ddptrain.comm.elastic import ElasticMembership
+    from ddptrain.comm.store import connect
+
+    j = job(steps=1)
+    address = f"127.0.0.1:{j.port}"
+    members = [ElasticMembership(connect(address), name) for name in ("a", "b")]
+    joins = [threading.Thread(target=m.join, args=(2, 60)) for m in members]
+    for t in joins:
+        t.start()
+    for t in joins:
+        t.join(60)
+    late = subprocess.Popen([PYTHON, "-c", _WAITING_NEWCOMER, address], env=j.env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert late.stdout.readline().strip() == "registered"
+        time.sleep(0.5)  # into its wait
+        before, started = _cpu_s(late.pid), time.monotonic()
+        time.sleep(3.0)
+        share = (_cpu_s(late.pid) - before) / (time.monotonic() - started)
+        assert late.poll() is None, "the newcomer stopped waiting"
+        assert share < 0.1, f"a waiting newcomer used {share:.0%} of a core (0.3% measured when it polls)"
+    finally:
+        late.kill()
+        late.wait(10)
+        for m in members:
+            m.close()
