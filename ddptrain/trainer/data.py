@@ -66,12 +66,15 @@ class TensorBatches:
 
     Iterating calls ``iter(sampler)`` once, so a resumed ``DistributedSampler`` yields only what
     is left of its epoch. The last batch may be short, as a ``DataLoader`` without ``drop_last``.
+    ``pin_memory`` (training on CUDA): each batch is gathered into pinned memory, so that its copy to
+    the GPU (``non_blocking``) does not make the host wait.
     """
 
-    def __init__(self, dataset: TensorDataset, sampler: Sampler, batch_size: int):
+    def __init__(self, dataset: TensorDataset, sampler: Sampler, batch_size: int, pin_memory: bool = False):
         self.dataset = dataset
         self.sampler = sampler
         self.batch_size = batch_size
+        self.pin_memory = pin_memory
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         indices = iter(self.sampler)
@@ -80,7 +83,10 @@ class TensorBatches:
             if not chunk:
                 return
             index = torch.tensor(chunk, dtype=torch.long)
-            yield tuple(t[index] for t in self.dataset.tensors)
+            if self.pin_memory:
+                yield tuple(t[index].pin_memory() for t in self.dataset.tensors)
+            else:
+                yield tuple(t[index] for t in self.dataset.tensors)
 
 
 def make_batches(
@@ -103,7 +109,7 @@ def make_batches(
     uninterrupted run, changing every later dropout mask.
     """
     if isinstance(dataset, TensorDataset) and loader_options is None:
-        return TensorBatches(dataset, sampler, batch_size)
+        return TensorBatches(dataset, sampler, batch_size, pin_memory)
     options = {"num_workers": num_workers, "pin_memory": pin_memory, **(loader_options or {})}
     options.setdefault("persistent_workers", options["num_workers"] > 0)
     return DataLoader(
