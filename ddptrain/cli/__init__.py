@@ -1,6 +1,7 @@
 """Command line: ``python -m ddptrain recipe=mnist [group=option ...] [key=value ...]``.
 
-The same as the ``ddptrain`` console script. The only package that imports Hydra: it checks
+The same as the ``ddptrain`` console script. ``ddptrain doctor ...`` and ``ddptrain tune ...`` are
+``python -m ddptrain.doctor ...`` and ``python -m ddptrain.tune ...``. The only package that imports Hydra: it checks
 the overrides against ddptrain's schema (a typo gets "did you mean ...?"), composes ``conf/``
 into a :class:`ddptrain.Config` and hands it to :func:`ddptrain.trainer.run`.
 
@@ -40,7 +41,9 @@ on stderr; a failed rank's full traceback goes to ``<run dir>/error.log``
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shlex
 import signal
 import sys
@@ -74,9 +77,18 @@ _HYDRA_FLAGS = (
 _INFO_FLAGS = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
 
 
+SUBCOMMANDS = {"doctor": "ddptrain.doctor.__main__", "tune": "ddptrain.tune.__main__"}
+"""``ddptrain doctor ...`` is ``python -m ddptrain.doctor ...``; ``ddptrain tune ...`` likewise."""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of ``python -m ddptrain`` and of the ``ddptrain`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in SUBCOMMANDS:
+        import importlib
+
+        importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        return
     code = EXIT_FAILED
     # SIGTERM while starting ends like Ctrl-C does (one line, 143), not as a silent kill. Python
     # raises KeyboardInterrupt for SIGINT by itself; the job's own handlers take over both later.
@@ -357,7 +369,8 @@ def _remove_empty_run_dir(run_dir: Path, fresh: list[Path]) -> None:
 
 def _hydra_message(exc: BaseException) -> str:
     """Hydra's composition error in one or two lines: what failed and why. A moved key in a YAML file
-    (which Hydra reads, so it cannot be renamed there as on the command line) gets its new name."""
+    (which Hydra reads, so it cannot be renamed there as on the command line) gets its new name; a
+    recipe file without its ``# @package _global_`` header gets that hint."""
     text = str(exc)
     lines = text.splitlines() or [type(exc).__name__]
     head = lines[0]
@@ -367,11 +380,20 @@ def _hydra_message(exc: BaseException) -> str:
     if exc.__cause__ is not None and str(exc.__cause__):
         parts.append(str(exc.__cause__).splitlines()[0])
     message = ": ".join(parts)
-    from ..config import MOVED_KEYS
+    from ..config import MOVED_KEYS, Config
 
     key = next((line.split(":", 1)[1].strip() for line in lines if line.strip().startswith("full_key:")), None)
     if key in MOVED_KEYS:
         message += f". {key} is now {MOVED_KEYS[key]}: write that in the YAML file (the command line takes both)"
+    recipe = re.match(r"In 'recipe/([^']+)'", head)
+    section = re.search(r"Key '(\w+)' not in 'RecipeConfig'", message)
+    sections = {f.name for f in dataclasses.fields(Config)} - {"recipe"}
+    if recipe and section and section.group(1) in sections:
+        message += (
+            f". recipe/{recipe.group(1)}.yaml sets the top-level section {section.group(1)}: make its first line "
+            "'# @package _global_' (a recipe configures the whole run; without that header Hydra reads the "
+            "file as the recipe section)"
+        )
     return message
 
 

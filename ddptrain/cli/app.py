@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from ..config import Config
-from .overrides import config_dirs_of, override_tokens
+from .overrides import config_dirs_of, flags_first, override_tokens
 
 CONFIG_MODULE = "ddptrain.conf"
 SCHEMA_NAME = "ddptrain_schema"
@@ -103,5 +103,5 @@ def run_hydra_main(argv: Sequence[str], task: Callable[[DictConfig, str, bool], 
         task(cfg, hydra_cfg.runtime.output_dir, hydra_cfg.mode == RunMode.MULTIRUN)
 
     register_schema()
-    sys.argv = [sys.argv[0], *argv]
+    sys.argv = [sys.argv[0], *flags_first(argv)]  # a flag anywhere, as a user writes it
     hydra.main(version_base="1.3", config_path=f"pkg://{CONFIG_MODULE}", config_name="config")(hydra_task)()

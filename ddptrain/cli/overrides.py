@@ -28,6 +28,7 @@ __all__ = [
     "override_tokens",
     "rename_moved_keys_in",
     "config_dirs_of",
+    "flags_first",
     "group_options",
     "first_problem",
     "describe_topic",
@@ -61,6 +62,23 @@ def override_tokens(argv: Sequence[str]) -> list[str]:
         elif not arg.startswith("-"):
             tokens.append(arg)
     return tokens
+
+
+def flags_first(argv: Sequence[str]) -> list[str]:
+    """``argv`` with every flag (and a flag's value) before the overrides, each kind in its order:
+    Hydra's argparse takes its overrides as one run of positionals, so ``a=1 --config-dir D b=2``
+    would leave ``b=2`` unrecognised, where a user expects a flag to go anywhere."""
+    flags, overrides, skip = [], [], False
+    for arg in argv:
+        if skip:
+            flags.append(arg)
+            skip = False
+        elif arg.startswith("-"):
+            flags.append(arg)
+            skip = arg in FLAGS_WITH_VALUE
+        else:
+            overrides.append(arg)
+    return [*flags, *overrides]
 
 
 def rename_moved_keys_in(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -226,7 +226,7 @@ def doctor_cli(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("doctor_cli")
     run_dir = tmp / "run"
     args = ["recipe=synthetic", "data.num_train_samples=4096", "data.num_val_samples=200", f"hydra.run.dir={run_dir}"]
-    proc = run_cli(*args, cwd=tmp, timeout=200, prefix=[PYTHON, "-m", "ddptrain.doctor"])
+    proc = run_cli("doctor", *args, cwd=tmp, timeout=200)  # ddptrain doctor, as the README names it
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout + proc.stderr, run_dir
 

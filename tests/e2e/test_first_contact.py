@@ -1,0 +1,43 @@
+"""The traps a trial as a new user met (issue 50), each as the user met it: the CLI run in a
+directory of one's own, observed through its output, its files and its exit status."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import run_cli
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def _recipe(tmp_path, name: str, text: str):
+    (tmp_path / "my_conf" / "recipe").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "my_conf" / "recipe" / f"{name}.yaml").write_text(text)
+
+
+def test_config_dir_goes_anywhere_on_the_command_line(tmp_path):
+    """argparse took Hydra's overrides as one run: ``--config-dir`` between two of them left the
+    second 'unrecognized'."""
+    _recipe(tmp_path, "mine", "# @package _global_\ndefaults:\n  - synthetic\nrecipe:\n  name: mine\n")
+    proc = run_cli("recipe=mine", "--config-dir", "my_conf", "trainer.max_steps=3", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "unrecognized arguments" not in proc.stderr
+    assert "  name: mine\n" in proc.stdout and "  max_steps: 3\n" in proc.stdout, proc.stdout
+
+
+def test_a_recipe_file_without_its_package_header_is_told_to_add_it(tmp_path):
+    _recipe(tmp_path, "nohead", "defaults:\n  - synthetic\ntrainer:\n  max_steps: 3\n")
+    proc = run_cli("--config-dir", "my_conf", "recipe=nohead", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Key 'trainer' not in 'RecipeConfig'" in proc.stderr
+    assert "recipe/nohead.yaml sets the top-level section trainer: make its first line '# @package _global_'" in (
+        proc.stderr
+    )
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_ddptrain_doctor_is_the_doctor(tmp_path):
+    """The README calls the tool ``ddptrain doctor``: it was an unknown override."""
+    proc = run_cli("doctor", "recipe=synthetic", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "  doctor: true\n" in proc.stdout, proc.stdout  # the doctor's own window settings were added
