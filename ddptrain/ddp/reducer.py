@@ -144,8 +144,11 @@ CommHook = Callable[[object, GradBucket], torch.futures.Future]
 class IterationStats:
     """What one synchronised backward did, for the trainer's logs and for benchmarks.
 
-    Times are ``time.perf_counter()`` seconds; ``launch_offsets_s`` are relative to the first
-    gradient hook, ``None`` for a bucket that was never launched. ``done_times`` (only while
+    Moments are read with ``Reducer.clock``: ``time.perf_counter()`` seconds, unless a measuring
+    tool set a :class:`~.timing.DeviceClock` on a GPU (then they are CUDA events until it resolves
+    them, and ``finalize_wait_s`` is left at 0: it is ``finalize_end - backward_end``, resolved);
+    ``launch_offsets_s`` are relative to the first gradient hook, ``None`` for a bucket that was
+    never launched. ``done_times`` (only while
     ``Reducer.track_completion`` is set, for ``ddptrain doctor``): when each bucket's result was
     in — ``backward_end`` for one already complete when backward ended, else when its wait
     returned; ``ready_times``: (parameter index, when its gradient hook fired), in arrival order.
@@ -159,6 +162,7 @@ class IterationStats:
     backward_start: float = 0.0
     backward_end: float = 0.0
     launch_times: list[float | None] = field(default_factory=list)
+    finalize_end: float = 0.0
     finalize_wait_s: float = 0.0
     rebuilt_buckets: bool = False
     done_times: list[float | None] = field(default_factory=list)
@@ -241,6 +245,8 @@ class Reducer:
         self.in_place_min_bytes = DIRECT_MIN_BYTES
         self.shares_storage: set[int] | None = None  # learnt in the first synchronised backward (module doc)
         self.track_completion = False  # ddptrain doctor: record when each bucket completed
+        # What IterationStats' moments are read with: the doctor sets a DeviceClock's now on a GPU
+        self.clock: Callable[[], object] = time.perf_counter
         self.comm_hook: CommHook | None = None
         self.comm_hook_state: object = None
         self._sideband_size = 0
@@ -489,7 +495,7 @@ class Reducer:
                 self._raise_ready_twice(index)
             if not it.finalize_queued:
                 it.finalize_queued = True
-                it.stats.backward_start = time.perf_counter()
+                it.stats.backward_start = self.clock()
                 torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
             if self._on_cuda and param.is_cuda:
                 it.streams.add(torch.cuda.current_stream(param.device))
@@ -518,7 +524,7 @@ class Reducer:
         if not self.rebuilt:  # only the rebuild reads the order
             it.arrival_order.append(i)
         if self.track_completion:
-            it.stats.ready_times.append((i, time.perf_counter()))
+            it.stats.ready_times.append((i, self.clock()))
         it.used[i] = used
         slot = self.plan.slots[i]
         if slot is None:  # a sparse gradient: all-reduced on its own once backward is done
@@ -655,7 +661,7 @@ class Reducer:
             self._join_streams(it)  # ZeRO and in-place slots stage or send gradients of other hooks
         while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
             b = it.next_bucket
-            it.stats.launch_times[b] = time.perf_counter()
+            it.stats.launch_times[b] = self.clock()
             if b == self._sideband_bucket:
                 self._post_sideband(it, b)  # into the buffer's tail, before it travels
             self.pg.label_next_collective(f"DDP bucket {b}")
@@ -753,7 +759,7 @@ class Reducer:
     def _finalize(self) -> None:
         """Runs once the autograd engine finished backward: wait, then write gradients back."""
         it = self._it
-        it.stats.backward_end = time.perf_counter()
+        it.stats.backward_end = self.clock()
         it.finalized = True
         if it.next_bucket < len(self.plan.buckets):  # some gradient never came: fail at the next forward
             for work in it.work[: it.next_bucket]:
@@ -770,7 +776,7 @@ class Reducer:
                 continue  # ZeRO-2 took its shard already, to reuse its buffer
             self._collect(b, it.work[b])
             if self.track_completion and it.stats.done_times[b] is None:
-                it.stats.done_times[b] = time.perf_counter()
+                it.stats.done_times[b] = self.clock()  # after the (stream) wait: when its result is in
             if self.shard_comm is not None:
                 self._keep_shard(b)
             else:
@@ -780,7 +786,9 @@ class Reducer:
         if it.sideband is not None:
             _wait(it.sideband_work)
             self.sideband = it.sideband.tolist()
-        it.stats.finalize_wait_s = time.perf_counter() - it.stats.backward_end
+        it.stats.finalize_end = end = self.clock()
+        if isinstance(end, float):  # else a DeviceClock's event: its owner resolves it
+            it.stats.finalize_wait_s = end - it.stats.backward_end
         it.stats.rebuilt_buckets = self.rebuilt
         self.last_stats = it.stats
         self.iteration += 1

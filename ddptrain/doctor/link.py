@@ -70,10 +70,14 @@ def sweep(process_group, sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = 5)
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         process_group.all_reduce(x, ReduceOp.SUM).wait()  # warm-up: connections, buffers
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             process_group.all_reduce(x, ReduceOp.SUM).wait()
+            if x.is_cuda:  # NCCL's wait makes the stream wait, not the host
+                torch.cuda.synchronize(x.device)
             times.append(time.perf_counter() - started)
         agreed = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         process_group.all_reduce(agreed, ReduceOp.MAX).wait()

@@ -25,6 +25,12 @@ next one:
 - ``find_unused_s``: finding unused parameters (graph walk and its all-reduce);
 - ``optimizer_s``: ``optimizer_step``, without ZeRO's all-gather;
 - ``other_s``: the rest (callbacks, logging, the sampler).
+
+On a GPU the moments inside a step (forward, backward, each bucket's launch and completion, the
+optimizer) are CUDA events on the current stream (:class:`~ddptrain.ddp.timing.DeviceClock`): the
+GPU's timeline, not the moments the host queued the work. They are resolved to ``perf_counter``
+seconds when the step closes (one device synchronisation per measured step, in the window only);
+the wait for the batch stays a host time, which it is.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..ddp.buckets import FlatRun
+from ..ddp.timing import DeviceClock
 
 PHASES = ("data_s", "forward_s", "backward_s", "comm_s", "find_unused_s", "optimizer_s", "other_s")
 
@@ -59,6 +66,8 @@ class StepRecord:
     data_core_wait_s: float = 0.0  # ... and during data_s
     unused_params: int = 0  # parameters without a gradient on this rank (find_unused_parameters)
     marks: dict[str, float] = field(default_factory=dict)  # phase boundaries, for the timeline
+    # the model's forwards of this step, (start, end) moments (resolved when the step closes)
+    forwards: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
     buckets: list[dict[str, Any]] = field(default_factory=list)  # bytes, launch, done
     # [share of backward elapsed, share of gradient bytes ready], one point per gradient, in order
     ready_curve: list[tuple[float, float]] = field(default_factory=list)
@@ -156,7 +165,9 @@ class StepRecorder:
         self._core_wait0 = 0.0
         self._core_wait: CoreWait | None = None  # opened by the training thread, at the window's start
         self._asked: tuple[int, float, float] | None = None  # (step, asked at, core wait then): a measured batch
-        self._forward_started = 0.0
+        self._forward_started: Any = 0.0
+        self._stats: Any = None  # the reducer's stats of the open step's backward (at forward_backward_end)
+        self._clock = DeviceClock(trainer.device)
         self._hooks: list[Any] = []  # the forward hooks' handles while attached
         self._listening = False
         self.last_step: Any = None  # a step of the window (the compute probe reruns one of its micro-batches)
@@ -172,6 +183,7 @@ class StepRecorder:
             model.register_forward_hook(self._after_forward),
         ]
         model.reducer.track_completion = True
+        model.reducer.clock = self._clock.now
 
     def detach(self) -> None:
         """Stop listening (no cost after the window); safe to call twice."""
@@ -182,6 +194,7 @@ class StepRecorder:
             handle.remove()
         self._hooks = []
         self.trainer.model.reducer.track_completion = False
+        self.trainer.model.reducer.clock = time.perf_counter
         if self._core_wait is not None:
             self._core_wait.close()
             self._core_wait = None
@@ -193,6 +206,8 @@ class StepRecorder:
     def _on_phase(self, phase: str, now: float, payload: Any) -> None:
         handler = self._handlers.get(phase)
         if handler is not None:
+            if self._clock.cuda and phase not in ("data", "data_end"):  # the GPU's moment (module doc)
+                now = self._clock.now()
             handler(self, now, payload)
 
     def _on_data(self, now: float, _payload) -> None:
@@ -222,7 +237,7 @@ class StepRecorder:
         rec = self._open
         if rec is not None and "train_start" in rec.marks:
             rec.marks["train_end"] = now
-            self._take_reducer_stats(rec, rec.marks["train_start"], now)
+            self._stats = self.trainer.model.last_iteration_stats  # read when the step closes
 
     def _on_optimizer_step(self, now: float, _payload) -> None:
         if self._open is not None:
@@ -232,9 +247,6 @@ class StepRecorder:
         rec = self._open
         if rec is not None and "optimizer_start" in rec.marks:
             rec.marks["optimizer_end"] = now
-            gathered = rec.marks.get("all_gather_end", now) - rec.marks.get("all_gather_start", now)
-            rec.optimizer_s = now - rec.marks["optimizer_start"] - gathered
-            rec.comm_s += gathered
 
     def _on_param_all_gather(self, now: float, _payload) -> None:
         if self._open is not None:
@@ -259,37 +271,55 @@ class StepRecorder:
         rec = self._open
         if rec is None:
             return
-        self._forward_started = started = time.perf_counter()
+        self._forward_started = started = self._clock.now()
         if "forward_start" not in rec.marks:  # user code before the model call counts as forward
             rec.marks["forward_start"] = started
-            rec.forward_s += started - rec.marks.get("train_start", started)
 
     def _after_forward(self, _module, _args, _output) -> None:
         rec = self._open
         if rec is None:
             return
-        rec.marks["forward_end"] = ended = time.perf_counter()
-        rec.forward_s += ended - self._forward_started
+        rec.marks["forward_end"] = ended = self._clock.now()
+        rec.forwards.append((self._forward_started, ended))
 
-    def _take_reducer_stats(self, rec: StepRecord, started: float, ended: float) -> None:
-        stats = self.trainer.model.last_iteration_stats
-        fresh = stats is not None and stats.backward_end >= started
+    def _settle(self, rec: StepRecord) -> None:
+        """Resolve the step's moments (module doc) and work out its phases from them."""
+        resolve = self._clock.resolver()
+        rec.marks = {name: resolve(moment) for name, moment in rec.marks.items()}
+        forwards, rec.forwards = [(resolve(a), resolve(b)) for a, b in rec.forwards], []
+        marks = rec.marks
+        if "forward_start" in marks:  # user code before the model call counts as forward
+            rec.forward_s = marks["forward_start"] - marks.get("train_start", marks["forward_start"])
+        for start, end in forwards:
+            rec.forward_s += end - start
+        stats, self._stats = self._stats, None
+        if "train_end" in marks:  # first: backward_s is what is left of forward_backward after comm_s
+            self._take_reducer_stats(rec, stats, resolve, marks["train_start"], marks["train_end"])
+        if "optimizer_end" in marks:
+            end = marks["optimizer_end"]
+            gathered = marks.get("all_gather_end", end) - marks.get("all_gather_start", end)
+            rec.optimizer_s = end - marks["optimizer_start"] - gathered
+            rec.comm_s += gathered
+
+    def _take_reducer_stats(self, rec: StepRecord, stats, resolve, started: float, ended: float) -> None:
+        backward_end = resolve(stats.backward_end) if stats is not None else None
+        fresh = backward_end is not None and backward_end >= started
         if fresh:
             rec.find_unused_s = stats.find_unused_s
             rec.find_unused_comm_s = stats.find_unused_comm_s
             rec.unused_params = stats.unused_on_rank
-            rec.comm_s = max(0.0, stats.finalize_wait_s - stats.find_unused_comm_s)
-            rec.marks["backward_end"] = stats.backward_end
+            finalize_wait_s = resolve(stats.finalize_end) - backward_end
+            rec.comm_s = max(0.0, finalize_wait_s - stats.find_unused_comm_s)
+            rec.marks["backward_end"] = backward_end
             reducer = self.trainer.model.reducer
             sizes = collective_bytes(reducer.plan, reducer.comm_hook is not None)
             done = stats.done_times or [None] * len(sizes)
             rec.buckets = [
-                {"bytes": sum(s), "collectives": len(s), "launch": launch, "done": d}
+                {"bytes": sum(s), "collectives": len(s), "launch": resolve(launch), "done": resolve(d)}
                 for s, launch, d in zip(sizes, stats.launch_times, done)
             ]
-            rec.ready_curve = ready_curve(
-                stats.ready_times, reducer.params, rec.marks.get("forward_end"), stats.backward_end
-            )
+            ready = [(i, resolve(t)) for i, t in stats.ready_times]
+            rec.ready_curve = ready_curve(ready, reducer.params, rec.marks.get("forward_end"), backward_end)
         walk = rec.find_unused_s - (stats.find_unused_comm_s if fresh else 0.0)
         rec.forward_s = max(0.0, rec.forward_s - walk)
         rec.backward_s = max(0.0, (ended - started) - rec.forward_s - rec.comm_s - rec.find_unused_s)
@@ -299,6 +329,7 @@ class StepRecorder:
         rec = self._open
         if rec is None:
             return
+        self._settle(rec)
         rec.end = now
         rec.cpu_s = time.process_time() - self._cpu0
         rec.core_wait_s = (self._core_wait.seconds() if self._core_wait else self._core_wait0) - self._core_wait0

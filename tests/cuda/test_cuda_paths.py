@@ -303,3 +303,25 @@ def _two_streams(rank, ws):
 def test_gradients_made_on_two_streams_are_averaged_after_they_are_made():
     for rank, diffs in enumerate(run_distributed(_two_streams, 2, timeout_s=240, env=ENV)):
         assert max(diffs) < 1e-5, f"rank {rank}: the averaged gradients differ from the reference by {diffs}"
+
+
+# -- the doctor's clock --------------------------------------------------------------------------
+def test_the_doctors_clock_reads_the_gpus_timeline_not_the_hosts():
+    """A kernel of about 0.1 s between two moments: the resolved moments are 0.1 s apart, and the
+    second lies after the host had queued it (a host clock would read almost nothing)."""
+    import time
+
+    from ddptrain.ddp.timing import DeviceClock
+
+    clock = DeviceClock(torch.device(DEVICE))
+    start = clock.now()
+    if DEVICE == "cuda":
+        torch.cuda._sleep(int(2e8))  # spins 2e8 GPU cycles: ~0.1 s at an H100's ~2 GHz
+    else:
+        time.sleep(0.1)
+    end = clock.now()
+    queued = time.perf_counter()
+    resolve = clock.resolver()
+    assert 0.03 < resolve(end) - resolve(start) < 1.0, resolve(end) - resolve(start)
+    if DEVICE == "cuda":
+        assert resolve(end) > queued + 0.03, "the kernel's end resolved to before the host had queued it"
