@@ -10,7 +10,7 @@ from .comm_hooks import (
     ring_allreduce_hook,
 )
 from .module import DistributedDataParallel
-from .reducer import IterationStats
+from .reducer import IterationStats, UnusedParametersError
 from .zero import ZeroOptimizer
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "assign_buckets",
     "GradBucket",
     "IterationStats",
+    "UnusedParametersError",
     "allreduce_hook",
     "fp16_compress_hook",
     "bf16_compress_hook",

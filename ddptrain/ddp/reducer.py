@@ -140,6 +140,24 @@ STAGE_BATCH = 32
 CommHook = Callable[[object, GradBucket], torch.futures.Future]
 
 
+class UnusedParametersError(RuntimeError):
+    """The previous backward gave no gradient to ``names`` (raised at the next forward): their
+    buckets were never all-reduced. ``fix``: how the caller turns on unused-parameter detection, in
+    its own terms (a framework names its config key)."""
+
+    def __init__(
+        self, names: Sequence[str], fix: str = "construct DistributedDataParallel(..., find_unused_parameters=True)"
+    ):
+        self.names = list(names)
+        super().__init__(
+            "DDP expected every parameter to receive a gradient in the previous backward, but "
+            f"these did not: {', '.join(self.names)}. Their buckets were never all-reduced, so "
+            f"gradients would be wrong. Either make the forward use these parameters, or {fix} "
+            "(slower: it walks the autograd graph every iteration), or set requires_grad=False on "
+            "parameters that should not train."
+        )
+
+
 @dataclass
 class IterationStats:
     """What one synchronised backward did, for the trainer's logs and for benchmarks.
@@ -458,14 +476,7 @@ class Reducer:
         """Check the previous iteration and rebuild buckets when due; True if it rebuilt."""
         if self._incomplete:
             missing, self._incomplete = self._incomplete, []
-            raise RuntimeError(
-                "DDP expected every parameter to receive a gradient in the previous backward, but "
-                f"these did not: {', '.join(missing)}. Their buckets were never all-reduced, so "
-                "gradients would be wrong. Either make the forward use these parameters, or "
-                "construct DistributedDataParallel(..., find_unused_parameters=True) (slower: it "
-                "walks the autograd graph every iteration), or set requires_grad=False on "
-                "parameters that should not train."
-            )
+            raise UnusedParametersError(missing)
         if self._rebuild_due and not self.rebuilt:
             self._rebuild()
             return True

@@ -53,7 +53,7 @@ from torch.utils.data import DataLoader, Dataset
 from ..comm import CommError
 from ..config import Config, ConfigError, default_output_dir, instantiate, max_time_seconds
 from ..data import DATASET_NAMES, DistributedSampler, prepare_dataset_files
-from ..ddp import DistributedDataParallel
+from ..ddp import DistributedDataParallel, UnusedParametersError
 from ..launch.join import Membership
 from ..logs import follow_rank
 from ..rundir import RunDir
@@ -323,7 +323,7 @@ class Trainer:
         self.model.train()
         for micro_batches in self.phases.batches(self.strategy.batches()):  # phases: profiler labels, the doctor
             self._step_started = time.monotonic()  # an elastic change counts the seconds lost from here
-            with self.phases.span("forward_backward"):
+            with self.phases.span("forward_backward"), _unused_parameters_named_as_config():
                 loss = self.forward_backward(micro_batches)
             with self.phases.span("optimizer_step"):
                 self.optimizer_step()
@@ -797,6 +797,16 @@ class Trainer:
     def train_step(self, micro_batches: Any) -> float:
         """Old name of :meth:`forward_backward`; its default (the strategy's)."""
         return self.strategy.forward_backward(micro_batches)
+
+
+@contextlib.contextmanager
+def _unused_parameters_named_as_config() -> Iterator[None]:
+    """DDP's refusal of a backward that left parameters without a gradient, with the config key
+    that turns on their detection instead of DDP's keyword."""
+    try:
+        yield
+    except UnusedParametersError as exc:
+        raise UnusedParametersError(exc.names, fix="set dist.find_unused_parameters=true") from None
 
 
 # Config keys whose work a plug-in callback does (``Callback.implements``); the runner adds them.

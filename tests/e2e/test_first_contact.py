@@ -41,3 +41,38 @@ def test_ddptrain_doctor_is_the_doctor(tmp_path):
     proc = run_cli("doctor", "recipe=synthetic", "--cfg", "job", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "  doctor: true\n" in proc.stdout, proc.stdout  # the doctor's own window settings were added
+
+
+_UNUSED = '''
+import torch
+from torch import nn
+
+import ddptrain
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.spare = nn.Linear(784, 10), nn.Linear(784, 10)
+
+    def forward(self, x):
+        return self.used(x.flatten(1))
+
+
+class Unused(ddptrain.Trainer):
+    def configure_model(self):
+        return Head()
+'''
+
+
+def test_a_parameter_without_a_gradient_is_refused_with_the_config_key_that_allows_it(tmp_path):
+    """DDP's refusal named its own keyword, find_unused_parameters=True: a ddptrain user sets a key."""
+    (tmp_path / "unused.py").write_text(_UNUSED)
+    proc = run_cli(
+        "recipe=synthetic", "recipe.trainer_class=unused.Unused", "data.num_train_samples=512",
+        "dist.world_size=1", "trainer.max_steps=3", cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "these did not: spare.weight, spare.bias" in proc.stderr, proc.stderr
+    assert "or set dist.find_unused_parameters=true (slower" in proc.stderr, proc.stderr
+    assert "DistributedDataParallel(..., find_unused_parameters=True)" not in proc.stderr
