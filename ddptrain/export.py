@@ -19,6 +19,7 @@ bare network (no ``module.`` DDP prefix): the recipe's model takes it with
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -85,6 +86,9 @@ def export(source: str | Path, fmt: str, which: str = "latest", ema: bool = Fals
         }
         # Copies: contiguous, and no two tensors share storage (safetensors refuses tied weights).
         save_file({k: v.detach().clone().contiguous() for k, v in weights.items()}, str(out), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out, 0o666 & ~umask)  # a file others may read, as the shell makes one (safetensors wrote 0600)
     return out, path, checkpoint["step"]
 
 

@@ -1,6 +1,7 @@
 """``python -m ddptrain.export``: a finished run's weights, bare (no ``module.``), in a file that
 the recipe's model loads with ``strict=True`` and that reproduces ``ddptrain.load_model``."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -49,6 +50,9 @@ def test_export_loads_strictly_into_the_recipes_model_and_matches_load_model(run
     checkpoint = load_checkpoint(source)
     assert capsys.readouterr().out == f"exported weights to {out} from {source} (step {checkpoint['step']})\n"
     assert not any(k.startswith("module.") for k in checkpoint["model"])  # the checkpoint's entry is already bare
+    umask = os.umask(0)
+    os.umask(umask)
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~umask)  # readable by others, as the umask says
     weights = READ[fmt](out)
     assert weights.keys() == checkpoint["model"].keys()
     model = _recipe_model(checkpoint)
