@@ -208,8 +208,13 @@ def _main(argv: list[str]) -> int:
         from .app import run_hydra_main
 
         def task(cfg: Any, run_dir: str, sweep: bool) -> None:
-            deferred.release()  # the job starts: from here a signal stops it (a noted one, now)
-            code, keeps_nothing = _run_job(cfg, run_dir, sweep, argv)
+            try:
+                deferred.release()  # the job starts: from here a signal stops it (a noted one, now)
+                code, keeps_nothing = _run_job(cfg, run_dir, sweep, argv)
+            except KeyboardInterrupt:  # stopped while starting (later, the ranks stop with a checkpoint)
+                if fresh is not None and not sweep:
+                    _remove_empty_run_dir(Path(run_dir), fresh)  # Hydra's .hydra/ stub: nothing to resume
+                raise
             if keeps_nothing and fresh is not None and not sweep:
                 _remove_empty_run_dir(Path(run_dir), fresh)
             codes.append(code)
@@ -348,8 +353,8 @@ def _named_run_dir(argv: list[str]) -> str | None:
 
 
 def _remove_empty_run_dir(run_dir: Path, fresh: list[Path]) -> None:
-    """Remove the run directory a refused run (or a fast dev run) made, and its parents it made
-    (``outputs/x/``), if it holds nothing but Hydra's ``.hydra/`` and ``train.log``."""
+    """Remove the run directory a refused run (a fast dev run, a Ctrl-C while starting) made, and
+    its parents it made (``outputs/x/``), if it holds nothing but Hydra's ``.hydra/`` and ``train.log``."""
     run_dir = run_dir.absolute()
     if run_dir != fresh[0] or not run_dir.is_dir():
         return

@@ -43,7 +43,7 @@ def test_ddptrain_doctor_is_the_doctor(tmp_path):
     assert "  doctor: true\n" in proc.stdout, proc.stdout  # the doctor's own window settings were added
 
 
-_UNUSED = '''
+_UNUSED = """
 import torch
 from torch import nn
 
@@ -62,7 +62,7 @@ class Head(nn.Module):
 class Unused(ddptrain.Trainer):
     def configure_model(self):
         return Head()
-'''
+"""
 
 
 def test_a_parameter_without_a_gradient_is_refused_with_the_config_key_that_allows_it(tmp_path):
@@ -76,3 +76,32 @@ def test_a_parameter_without_a_gradient_is_refused_with_the_config_key_that_allo
     assert "these did not: spare.weight, spare.bias" in proc.stderr, proc.stderr
     assert "or set dist.find_unused_parameters=true (slower" in proc.stderr, proc.stderr
     assert "DistributedDataParallel(..., find_unused_parameters=True)" not in proc.stderr
+
+
+def test_a_ctrl_c_while_starting_leaves_no_run_directory(tmp_path):
+    """Stopped once Hydra has made the run directory, before any rank trained: one line, 130, and
+    nothing left (there was a .hydra/ stub in outputs/ with nothing to resume)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import PYTHON, cli_env, sigint_at_default
+
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "ddptrain", "recipe=synthetic", "trainer.max_steps=5"],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=sigint_at_default,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("outputs/synthetic/*/.hydra")) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert err.strip().splitlines() == [
+        "ddptrain: stopped by SIGINT (Ctrl-C): during start-up, before any rank trained: nothing to resume; "
+        "run the command again"
+    ], err
+    assert list(tmp_path.iterdir()) == [], sorted(str(p) for p in tmp_path.rglob("*"))
