@@ -196,9 +196,15 @@ def _prepare_raw_folder(spec: _Spec, data_root: Path, train: bool, download: boo
         return
     if not download:
         raise _not_found(spec, data_root, searched, skipped, None)
+    made = [d for d in (raw, raw.parent, data_root) if not d.exists()]  # the deepest first
     try:
         _torchvision_download(spec, data_root, train)
     except Exception as err:  # any failure (offline, mirror down) means: no dataset
+        for directory in made:  # what the failed download created, if it left it empty
+            try:
+                directory.rmdir()
+            except OSError:
+                break
         raise _not_found(spec, data_root, searched, skipped, _short_reason(err)) from err
     for name in _FILES:
         _check_cached(spec, raw / name)

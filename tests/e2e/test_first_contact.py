@@ -105,3 +105,14 @@ def test_a_ctrl_c_while_starting_leaves_no_run_directory(tmp_path):
         "run the command again"
     ], err
     assert list(tmp_path.iterdir()) == [], sorted(str(p) for p in tmp_path.rglob("*"))
+
+
+def test_an_offline_first_run_leaves_no_empty_data_directory(tmp_path):
+    """torchvision makes data/MNIST/raw/ before it downloads; offline, the folder stayed, empty."""
+    # nowhere to find MNIST (the default root, ./data), and a download that fails at once
+    env = {"DDPTRAIN_DATA": str(tmp_path / "data"), "DDPTRAIN_DATA_SOURCES": ""}
+    env |= {"https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
+    proc = run_cli("recipe=mnist", "trainer.max_steps=3", cwd=tmp_path, env=env, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "MNIST was not found and the download failed" in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == [], sorted(str(p) for p in tmp_path.rglob("*"))
