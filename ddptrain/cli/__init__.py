@@ -200,6 +200,9 @@ def _main(argv: list[str]) -> int:
                 return _error(problem, EXIT_BAD_CONFIG)
             if not any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):  # a job will run (no --cfg, no -m)
                 hydra_argv, fresh = _fix_run_dir(argv, run_dir)
+                problem = _unwritable(fresh[0] if fresh else _named_run_dir(argv) or run_dir)
+                if problem:
+                    return _error(problem, EXIT_FAILED)
         if env.is_launched_externally() and env.rank != 0 and not any(a.split("=")[0] in _HYDRA_FLAGS for a in argv):
             return _run_other_rank(argv, deferred)  # ranks > 0: the same config, without a run directory of their own
         if any(a in ("--help", "-h") for a in argv) and not any(a.startswith("recipe=") for a in argv):
@@ -342,6 +345,28 @@ def _fix_run_dir(argv: list[str], run_dir: str | None) -> tuple[list[str], list[
     quoted = run_dir.replace("\\", "\\\\").replace("'", "\\'")
     fixed = list(argv) if given is not None else [f"hydra.run.dir='{quoted}'", *argv]  # first: before any flag
     return fixed, missing
+
+
+def _unwritable(run_dir: str | Path | None) -> str | None:
+    """Why the run directory cannot be made or written (before Hydra makes any of it), or None."""
+    if run_dir is None:
+        return None
+    path = Path(run_dir).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        why = f"{existing} is a file, not a directory"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable" + (" (a read-only file system)" if _read_only(existing) else "")
+    else:
+        return None
+    return (
+        f"cannot write the run directory {path}: {why}. Run from a directory you can write, or choose "
+        "another with hydra.run.dir=<dir>"
+    )
+
+
+def _read_only(path: Path) -> bool:
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
 def _named_run_dir(argv: list[str]) -> str | None:

@@ -116,3 +116,31 @@ def test_an_offline_first_run_leaves_no_empty_data_directory(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "MNIST was not found and the download failed" in proc.stderr, proc.stderr
     assert list(tmp_path.iterdir()) == [], sorted(str(p) for p in tmp_path.rglob("*"))
+
+
+def test_an_output_directory_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
+    """A read-only place gave a 30-line traceback and left a .hydra stub where it could."""
+    import shutil
+    import subprocess
+
+    from tests.conftest import PYTHON, cli_env
+
+    (tmp_path / "afile").touch()
+    proc = run_cli("recipe=synthetic", "hydra.run.dir=afile/run", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"ddptrain: error: cannot write the run directory {tmp_path}/afile/run: {tmp_path}/afile is a file, not a "
+        "directory. Run from a directory you can write, or choose another with hydra.run.dir=<dir>"
+    ], proc.stderr
+    assert [p.name for p in tmp_path.iterdir()] == ["afile"]
+    if not shutil.which("unshare") or subprocess.run(["unshare", "-m", "true"]).returncode:
+        pytest.skip("needs root with unshare -m (a read-only mount of one's own)")
+    (tmp_path / "ro").mkdir()
+    command = f"mount -t tmpfs -o ro tmpfs ro && cd ro && exec {PYTHON} -m ddptrain recipe=synthetic"
+    proc = subprocess.run(
+        ["unshare", "-m", "bash", "-c", command], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert f"{tmp_path}/ro is not writable (a read-only file system)" in proc.stderr, proc.stderr
