@@ -147,6 +147,10 @@ class RecipeConfig:
     """Recipe name, shown in logs (``recipe=mnist`` sets ``mnist``)."""
     trainer_class: str = "ddptrain.Trainer"
     """Dotted path of the ``ddptrain.Trainer`` subclass to run, e.g. ``ddptrain.recipes.mnist.MnistTrainer``."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """Your own hyperparameters, free-form: ``recipe.params.gamma=0.7`` on the command line (or a
+    ``recipe: params:`` block in your recipe file), read in your Trainer as
+    ``self.config.recipe.params["gamma"]``; saved with the run's config like every other key."""
 
 
 @dataclass
@@ -798,7 +802,10 @@ def unknown_key_message(key: str, section: str, names: Sequence[str]) -> str:
     the nearest key anywhere in the schema (one put in the wrong section too) or the Lightning
     flag's key, then where to read the section's keys. The CLI's overrides and ``from_dict`` say it."""
     close = difflib.get_close_matches(key, leaf_keys(Config), n=1, cutoff=0.6)
-    return f"unknown config key {key}.{suggest_key(key, close)} {keys_hint(section, sorted(names))}"
+    own = ""
+    if section in ("", "recipe"):  # where one's own hyperparameter is tried first
+        own = f" Your own hyperparameters go under recipe.params: recipe.params.{key.rsplit('.', 1)[-1]}=<value>."
+    return f"unknown config key {key}.{suggest_key(key, close)} {keys_hint(section, sorted(names))}{own}"
 
 
 def keys_hint(section: str, names: Sequence[str]) -> str:

@@ -159,9 +159,9 @@ def _main(argv: list[str]) -> int:
         print(version_line())
         return EXIT_OK
     from ..config import moved_key_note
-    from .overrides import rename_moved_keys_in
+    from .overrides import free_form_keys_added, rename_moved_keys_in
 
-    argv, moved = rename_moved_keys_in(argv)
+    argv, moved = rename_moved_keys_in(free_form_keys_added(argv))
     for old in moved:
         print(f"ddptrain: note: {moved_key_note(old)}", file=sys.stderr)
     topic = _help_topic(argv)

@@ -27,6 +27,7 @@ __all__ = [
     "FLAGS_WITH_VALUE",
     "override_tokens",
     "rename_moved_keys_in",
+    "free_form_keys_added",
     "config_dirs_of",
     "flags_first",
     "group_options",
@@ -79,6 +80,26 @@ def flags_first(argv: Sequence[str]) -> list[str]:
         else:
             overrides.append(arg)
     return [*flags, *overrides]
+
+
+FREE_FORM = ("recipe.params.",)
+"""Sections whose keys are the user's own (free-form dicts): a key there may be new."""
+
+
+def free_form_keys_added(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each plain override of a free-form key (``recipe.params.gamma=0.7``) made
+    ``++``: Hydra refuses a key its config does not have yet unless told to add it, and one's own
+    hyperparameter is new by nature (``+`` and ``++`` spellings are left as written)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in FLAGS_WITH_VALUE
+        elif "=" in arg and arg.startswith(FREE_FORM):
+            arg = f"++{arg}"
+        out.append(arg)
+    return out
 
 
 def rename_moved_keys_in(argv: Sequence[str]) -> tuple[list[str], list[str]]:

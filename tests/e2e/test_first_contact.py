@@ -144,3 +144,34 @@ def test_an_output_directory_that_cannot_be_written_is_one_line_and_leaves_nothi
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert f"{tmp_path}/ro is not writable (a read-only file system)" in proc.stderr, proc.stderr
+
+
+_OWN_PARAMS = """
+import json
+
+from torch import nn
+
+import ddptrain
+
+
+class Mine(ddptrain.Trainer):
+    def configure_model(self):
+        params = self.config.recipe.params
+        with open("seen.json", "w") as f:
+            json.dump(dict(params), f)
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, params["width"]), nn.ReLU(), nn.Linear(params["width"], 10))
+"""
+
+
+def test_ones_own_hyperparameters_go_under_recipe_params_and_reach_the_trainer(tmp_path):
+    """+gamma=0.7 and +recipe.gamma=0.7 were refused, and nothing said where one's own go."""
+    (tmp_path / "mine.py").write_text(_OWN_PARAMS)
+    proc = run_cli(
+        "recipe=synthetic", "recipe.trainer_class=mine.Mine", "recipe.params.width=16", "recipe.params.gamma=0.7",
+        "data.num_train_samples=256", "dist.world_size=1", "trainer.max_steps=2", cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp_path / "seen.json").read_text() == '{"width": 16, "gamma": 0.7}'
+    refused = run_cli("recipe=synthetic", "+gamma=0.7", cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "Your own hyperparameters go under recipe.params: recipe.params.gamma=<value>." in refused.stderr
