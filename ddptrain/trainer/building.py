@@ -19,6 +19,7 @@ from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..ddp.comm_hooks import COMPRESSIONS
 from ..launch.env import detect_environment
 from ..launch.join import Membership, RendezvousError, join_process_group
+from ..logs import setup_logging
 from ..preflight import check_device, resolve_backend
 
 __all__ = ["join_job", "agree_on_directory", "wrap_model"]
@@ -31,7 +32,7 @@ def join_job(config: Config) -> Membership:
     env = detect_environment()
     check_device(config, env.local_world_size)
     try:
-        return join_process_group(
+        membership = join_process_group(
             resolve_backend(config, env.name, env.master_addr),
             device_type=config.trainer.device,
             timeout_s=config.dist.timeout_s,
@@ -41,6 +42,25 @@ def join_job(config: Config) -> Membership:
         )
     except RendezvousError as exc:
         raise ConfigError(str(exc)) from None
+    if membership.created and not any(getattr(h, "_ddptrain", False) for h in logging.getLogger("ddptrain").handlers):
+        _announce_script_mode(config, membership)
+    return membership
+
+
+def _announce_script_mode(config: Config, membership: Membership) -> None:
+    """``fit()`` called from a script of one's own (the CLI and ``ddptrain.run`` set logging up
+    before any rank starts): the console gets the run's lines unless the script set up logging
+    itself, and a script alone, which starts no workers, says that it trains in one process."""
+    if not logging.getLogger("ddptrain").handlers and not logging.getLogger().handlers:
+        setup_logging(membership.rank)
+    if membership.world_size == 1:
+        say = log.warning if config.dist.world_size > 1 else log.info
+        say(
+            "fit() from a script trains in this process alone (world size 1): it starts no workers. "
+            "For dist.world_size=%d ranks run python -m ddptrain (or ddptrain.run(config)), or start the "
+            "script under torchrun.",
+            config.dist.world_size,
+        )
 
 
 def agree_on_directory(process_group: ProcessGroup, mine: str) -> Path:

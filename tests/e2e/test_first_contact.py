@@ -175,3 +175,33 @@ def test_ones_own_hyperparameters_go_under_recipe_params_and_reach_the_trainer(t
     refused = run_cli("recipe=synthetic", "+gamma=0.7", cwd=tmp_path)
     assert refused.returncode == 2
     assert "Your own hyperparameters go under recipe.params: recipe.params.gamma=<value>." in refused.stderr
+
+
+_SCRIPT = """
+import ddptrain
+
+if __name__ == "__main__":
+    config = {"recipe": {"name": "synthetic"}, "model": {"_target_": "ddptrain.recipes.mnist.Net"},
+              "data": {"name": "synthetic", "num_train_samples": 512}, "trainer": {"max_steps": 3}}
+    ddptrain.Trainer(ddptrain.Config.from_dict(config)).fit()
+"""
+
+
+def test_fit_in_a_script_logs_to_the_console_and_says_it_runs_one_process(tmp_path):
+    """Trainer(config).fit() ran one process (of dist.world_size=2) without a word, and logged nothing."""
+    import subprocess
+
+    from tests.conftest import PYTHON, cli_env
+
+    (tmp_path / "script.py").write_text(_SCRIPT)
+    proc = subprocess.run(
+        [PYTHON, "script.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warning = (
+        "[rank 0][WARNING] fit() from a script trains in this process alone (world size 1): it starts no workers. "
+        "For dist.world_size=2 ranks run python -m ddptrain (or ddptrain.run(config)), or start the script under "
+        "torchrun."
+    )
+    assert warning in proc.stdout, proc.stdout
+    assert "[rank 0][INFO] step 3/3 (epoch 1): loss" in proc.stdout, proc.stdout
