@@ -265,3 +265,27 @@ def test_a_server_that_dies_during_a_request_leaves_the_launcher_an_ordinary_pro
     warned = [r.getMessage() for r in caplog.records]
     assert any("the fork server is gone" in m for m in warned), warned
     assert not _adopts_orphans(), "the launcher still adopts orphans after the server died mid-request"
+
+
+def _zombies_of(pid: int) -> list[int]:
+    zombies = []
+    for child in children(pid):
+        try:
+            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                zombies.append(child)
+        except OSError:
+            pass  # reaped meanwhile
+    return zombies
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_jobs_leave_no_zombies_in_the_launcher_or_the_idle_server():
+    """Each job's leader exits in the server and its workers end in the launcher: both reap them,
+    or an idle server (and a notebook's launcher) would collect a zombie per job."""
+    spawn_workers(_pid_and_late, 2, threads=1)
+    server = _idle_server_pid()
+    spawn_workers(_pid_and_late, 2, threads=1)
+    assert _idle_server_pid() == server
+    time.sleep(0.2)  # a reap that is due has happened by now
+    assert _zombies_of(server) == [], "the idle server kept its job leaders as zombies"
+    assert _zombies_of(os.getpid()) == [], "the launcher kept its ended workers as zombies"
