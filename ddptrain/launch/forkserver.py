@@ -328,6 +328,8 @@ def _lead(conn, context: dict, launcher_pid: int, payloads: list, fds: list[int]
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)  # reaped here: an orphan zombie would go to the launcher, who never waits for it
         with contextlib.suppress(OSError):  # a broken pipe: the launcher is gone (a Ctrl-C), nobody to tell
             conn.send(OSError(f"{type(exc).__name__}: {exc}"))
     os._exit(0)

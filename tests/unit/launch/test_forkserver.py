@@ -62,6 +62,18 @@ def _live_children() -> list[str]:
         time.sleep(0.1)
 
 
+def _zombies_of(pid: int) -> list[str]:
+    zombies = []
+    for child in children(pid):
+        try:
+            stat = Path(f"/proc/{child}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                zombies.append(f"{child} {stat.split('(', 1)[1].rsplit(')', 1)[0]}")
+        except OSError:
+            pass  # reaped meanwhile
+    return zombies
+
+
 @pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
 def test_forked_workers_get_the_launchers_environment_at_job_start(tmp_path, monkeypatch):
     forkserver.start()  # as the CLI does, before anything below is set
@@ -245,6 +257,8 @@ def test_a_fork_that_fails_in_the_server_is_reported_and_the_job_runs_with_spawn
         "the fork server could not fork the workers: BlockingIOError" in m and "with spawn instead" in m for m in warned
     ), warned
     assert _live_children() == [], "a worker of the failed fork outlived the job"
+    time.sleep(0.2)
+    assert _zombies_of(os.getpid()) == [], "the failed fork's first worker became the launcher's zombie"
 
 
 @pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
@@ -267,25 +281,15 @@ def test_a_server_that_dies_during_a_request_leaves_the_launcher_an_ordinary_pro
     assert not _adopts_orphans(), "the launcher still adopts orphans after the server died mid-request"
 
 
-def _zombies_of(pid: int) -> list[int]:
-    zombies = []
-    for child in children(pid):
-        try:
-            if Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                zombies.append(child)
-        except OSError:
-            pass  # reaped meanwhile
-    return zombies
-
-
 @pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
 def test_jobs_leave_no_zombies_in_the_launcher_or_the_idle_server():
     """Each job's leader exits in the server and its workers end in the launcher: both reap them,
     or an idle server (and a notebook's launcher) would collect a zombie per job."""
-    spawn_workers(_pid_and_late, 2, threads=1)
+    first = spawn_workers(_pid_and_late, 2, threads=1)
     server = _idle_server_pid()
-    spawn_workers(_pid_and_late, 2, threads=1)
+    second = spawn_workers(_pid_and_late, 2, threads=1)
     assert _idle_server_pid() == server
     time.sleep(0.2)  # a reap that is due has happened by now
     assert _zombies_of(server) == [], "the idle server kept its job leaders as zombies"
-    assert _zombies_of(os.getpid()) == [], "the launcher kept its ended workers as zombies"
+    workers = {pid for pid, _, _ in first + second}
+    assert _zombies_of(os.getpid()) == [], ("the launcher kept its ended workers as zombies", workers)
