@@ -9,6 +9,7 @@ the input pipeline's. Other datasets go through a ``DataLoader``.
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,9 +17,11 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
-from ..config import Config, DataConfig
+from ..config import Config, ConfigError, DataConfig
 from ..data import DistributedSampler, build_dataset
 from ..preflight import per_rank_batch_size
+
+log = logging.getLogger("ddptrain.trainer")
 
 __all__ = [
     "preload",
@@ -212,9 +215,31 @@ class EpochPlan:
     total_steps: int
 
 
+def _check_one_batch_at_least(config: Config, samples: int, rank: int) -> None:
+    """A training set smaller than one global batch: with ``data.drop_last`` there is no full batch
+    to train on (refused); without, every epoch is one short step (a warning, on rank 0)."""
+    batch = config.data.global_batch_size
+    if samples >= batch:
+        return
+    what = f"the training set has {samples} samples, fewer than one global batch (data.global_batch_size={batch})"
+    if config.data.drop_last:
+        raise ConfigError(
+            f"{what}: with data.drop_last=true no full batch is left to train on. Set "
+            f"data.global_batch_size={samples} or less, or data.drop_last=false"
+        )
+    if rank == 0:
+        log.warning(
+            "%s: every epoch is one step of %d samples. Set data.global_batch_size=%d or less for full batches",
+            what,
+            samples,
+            samples,
+        )
+
+
 def plan_epochs(config: Config, train_set: Dataset, val_set: Dataset | None, world_size: int, rank: int) -> EpochPlan:
     """This rank's samplers and step counts (the global batch split over ranks and accumulation)."""
     t = config.trainer
+    _check_one_batch_at_least(config, len(train_set), rank)
     batch_size = per_rank_batch_size(config, world_size)
     seed, drop_last, shuffle = t.seed, config.data.drop_last, not t.overfit_batches  # overfitting: one fixed order
     train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)

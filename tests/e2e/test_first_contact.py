@@ -205,3 +205,22 @@ def test_fit_in_a_script_logs_to_the_console_and_says_it_runs_one_process(tmp_pa
     )
     assert warning in proc.stdout, proc.stdout
     assert "[rank 0][INFO] step 3/3 (epoch 1): loss" in proc.stdout, proc.stdout
+
+
+def test_a_training_set_smaller_than_one_global_batch_is_warned_of_or_refused(tmp_path):
+    """It trained one short step per epoch without a word, and data.drop_last=true did not stop it."""
+    small = ["recipe=synthetic", "data.num_train_samples=100", "data.global_batch_size=128", "trainer.max_steps=2"]
+    proc = run_cli(*small, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (
+        "[WARNING] the training set has 100 samples, fewer than one global batch (data.global_batch_size=128): every "
+        "epoch is one step of 100 samples. Set data.global_batch_size=100 or less for full batches"
+    ) in proc.stdout, proc.stdout
+    refused = run_cli(*small, "data.drop_last=true", cwd=tmp_path, timeout=120)
+    assert refused.returncode in (1, 2), refused.stdout + refused.stderr
+    assert (
+        "the training set has 100 samples, fewer than one global batch (data.global_batch_size=128): with "
+        "data.drop_last=true no full batch is left to train on. Set data.global_batch_size=100 or less, or "
+        "data.drop_last=false"
+    ) in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
