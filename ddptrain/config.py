@@ -515,6 +515,11 @@ class TrainerConfig:
     CLI's default too (:func:`default_output_dir`). Rank 0's value is used on every rank."""
     loggers: LoggersConfig = field(default_factory=LoggersConfig)
     """Which loggers write the reduced metrics (rank 0, under ``<output_dir>``)."""
+    callbacks: list[dict[str, Any]] = field(default_factory=list)
+    """Your own callbacks (``ddptrain.Callback`` subclasses), each ``{_target_: pkg.module.Class,
+    **its keyword arguments}``: on the command line ``'trainer.callbacks=[{_target_: mytask.PrintLR}]'``,
+    in a recipe file a list under ``trainer: callbacks:``. Built on every rank, after the built-in
+    callbacks and before those passed to ``Trainer(callbacks=...)``."""
     progress: str = one_of("auto", ("auto", "true", "false"), fold_case=True)
     """tqdm progress bars on rank 0: ``true``, ``false``, or ``auto`` (on when stdout is a
     terminal). The step lines of the log go to the console only without a bar."""

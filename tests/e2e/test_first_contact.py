@@ -224,3 +224,30 @@ def test_a_training_set_smaller_than_one_global_batch_is_warned_of_or_refused(tm
         "data.drop_last=false"
     ) in refused.stderr, refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+_CALLBACK = """
+import ddptrain
+
+
+class PrintLR(ddptrain.Callback):
+    def __init__(self, tag: str = ""):
+        self.tag = tag
+
+    def on_log(self, trainer, scalars):
+        if trainer.is_main:
+            print(f"{self.tag} step {trainer.state.step} lr {scalars['train/lr']}", flush=True)
+"""
+
+
+def test_a_callback_of_ones_own_is_attached_from_the_command_line(tmp_path):
+    """Attaching a callback from the CLI was documented only in a docstring, and took a subclass."""
+    (tmp_path / "mycb.py").write_text(_CALLBACK)
+    tiny = ["recipe=synthetic", "data.num_train_samples=512", "trainer.max_steps=4", "trainer.log_every_steps=2"]
+    proc = run_cli(*tiny, "trainer.callbacks=[{_target_: mycb.PrintLR, tag: mine}]", cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    printed = [ln for ln in proc.stdout.splitlines() if ln.startswith("mine ")]
+    assert printed == ["mine step 2 lr 0.01", "mine step 4 lr 0.01"], proc.stdout
+    wrong = run_cli(*tiny, "trainer.callbacks=[{_target_: collections.OrderedDict}]", cwd=tmp_path, timeout=120)
+    assert wrong.returncode == 1
+    assert "trainer.callbacks[0]: collections.OrderedDict made a OrderedDict, not a ddptrain.Callback" in wrong.stderr

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...config import TrainerConfig
+from ...config import ConfigError, TrainerConfig, instantiate
 from .base import Callback, TrainerView
 from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback
@@ -30,8 +30,8 @@ __all__ = [
 
 
 def from_config(config: TrainerConfig) -> list[Callback]:
-    """The built-in callbacks ``config`` (``trainer.*``) asks for: progress, TensorBoard, (best)
-    checkpoints, early stopping."""
+    """The callbacks ``config`` (``trainer.*``) asks for: the built-ins (progress, TensorBoard, (best)
+    checkpoints, early stopping), then the user's own ``trainer.callbacks``."""
     callbacks: list[Callback] = [ProgressCallback(bar={"true": True, "false": False}.get(config.progress))]
     loggers = config.loggers
     if loggers.tensorboard:
@@ -59,4 +59,13 @@ def from_config(config: TrainerConfig) -> list[Callback]:
     stop = config.early_stopping
     if stop.monitor:
         callbacks.append(EarlyStopping(stop.monitor, stop.mode, stop.patience, stop.min_delta))
+    for i, spec in enumerate(config.callbacks):  # the user's own (trainer.callbacks)
+        key = f"trainer.callbacks[{i}]"
+        callback = instantiate(spec, key, "remove the entry")
+        if not isinstance(callback, Callback):
+            raise ConfigError(
+                f"{key}: {spec.get('_target_')} made a {type(callback).__name__}, not a ddptrain.Callback: "
+                "subclass ddptrain.Callback and override the hooks you need (on_log, on_epoch_end, ...)"
+            )
+        callbacks.append(callback)
     return callbacks
