@@ -1,7 +1,8 @@
 """Command line: ``python -m ddptrain recipe=mnist [group=option ...] [key=value ...]``.
 
-The same as the ``ddptrain`` console script. ``ddptrain doctor ...`` and ``ddptrain tune ...`` are
-``python -m ddptrain.doctor ...`` and ``python -m ddptrain.tune ...``. The only package that imports Hydra: it checks
+The same as the ``ddptrain`` console script. ``ddptrain doctor ...``, ``ddptrain tune ...`` and
+``ddptrain torchrun ...`` are ``python -m ddptrain.doctor ...``, ``python -m ddptrain.tune ...`` and
+``python -m ddptrain.launch.torchrun ...``. The only package that imports Hydra: it checks
 the overrides against ddptrain's schema (a typo gets "did you mean ...?"), composes ``conf/``
 into a :class:`ddptrain.Config` and hands it to :func:`ddptrain.trainer.run`.
 
@@ -77,8 +78,13 @@ _HYDRA_FLAGS = (
 _INFO_FLAGS = ("--help", "-h", "--hydra-help", "--info", "-i", "--shell-completion", "-sc")
 
 
-SUBCOMMANDS = {"doctor": "ddptrain.doctor.__main__", "tune": "ddptrain.tune.__main__"}
-"""``ddptrain doctor ...`` is ``python -m ddptrain.doctor ...``; ``ddptrain tune ...`` likewise."""
+SUBCOMMANDS = {
+    "doctor": "ddptrain.doctor.__main__",
+    "tune": "ddptrain.tune.__main__",
+    "torchrun": "ddptrain.launch.torchrun",
+}
+"""``ddptrain doctor ...`` is ``python -m ddptrain.doctor ...``; ``ddptrain tune ...`` and
+``ddptrain torchrun ...`` (torchrun with ddptrain's exit on Ctrl-C) likewise."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -209,9 +209,14 @@ def test_sigterm_to_the_local_launcher_with_mpi_ranks(tmp_path, uninterrupted):
 
 
 def test_ctrl_c_under_torchrun(tmp_path, uninterrupted):
+    """Through ``ddptrain torchrun``: torchrun itself ends a Ctrl-C with its SignalException's
+    traceback and 1; the wrapper ends it with one line and 130, as every other launcher does."""
     run_dir = tmp_path / "run"
     command = [
-        TORCHRUN,
+        PYTHON,
+        "-m",
+        "ddptrain",
+        "torchrun",
         "--standalone",
         "--nproc-per-node=2",
         "-m",
@@ -231,6 +236,8 @@ def test_ctrl_c_under_torchrun(tmp_path, uninterrupted):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert time.monotonic() - sent < 10
+    assert proc.returncode == 130, out + err
+    assert "Traceback" not in err and "ddptrain: torchrun stopped by SIGINT" in err, err
     step = int(re.search(r"ddptrain: stopped by SIGINT at step (\d+)", out).group(1))
     assert (run_dir / "checkpoints" / f"step_{step:09d}.pt").exists()
     assert "Resume with: the same launch command with the arguments" in out

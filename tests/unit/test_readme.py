@@ -29,8 +29,9 @@ def _commands(text: str) -> list[list[str]]:
             code = line.split(" #", 1)[0].strip()
             words = shlex.split(code) if code else []
             for marker in ("ddptrain", "scripts/run.sh"):
-                if marker in words:
-                    found.append(words[words.index(marker) + 1 :])
+                if marker in words:  # the last: `ddptrain torchrun ... -m ddptrain recipe=...`
+                    args = words[len(words) - words[::-1].index(marker) :]
+                    found.append(args[1:] if args[:1] == ["doctor"] else args)
                     break
     return found
 
