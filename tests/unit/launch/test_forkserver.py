@@ -293,3 +293,36 @@ def test_jobs_leave_no_zombies_in_the_launcher_or_the_idle_server():
     assert _zombies_of(server) == [], "the idle server kept its job leaders as zombies"
     workers = {pid for pid, _, _ in first + second}
     assert _zombies_of(os.getpid()) == [], ("the launcher kept its ended workers as zombies", workers)
+
+
+_CRASHES_IN_THE_SERVER = """
+import multiprocessing
+import os
+
+if multiprocessing.current_process().name == "ddptrain-forkserver":
+    os._exit(3)  # as an extension module that crashes at import would, once the server has the job
+
+
+def where(rank, world_size):
+    return os.getpid(), os.getppid()
+"""
+
+
+@pytest.mark.skipif(not forkserver.available(), reason="the fork server needs Linux with pidfd_open")
+def test_a_server_that_dies_preloading_a_job_it_has_read_is_noticed_at_once(tmp_path, monkeypatch, caplog):
+    """The server reads the job while it imports torch, then dies importing the job's module: the
+    launcher hears its end at once (it keeps no copy of the server's end of the pipe) and runs the
+    job with spawn, instead of waiting out the answer's 60 s."""
+    import importlib
+    import logging
+
+    (tmp_path / "crashes_in_the_server.py").write_text(_CRASHES_IN_THE_SERVER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    job = importlib.import_module("crashes_in_the_server")
+    forkserver.discard()  # the server of this job is started for it, preloading its module
+    caplog.set_level(logging.WARNING, logger="ddptrain.launch")
+    started = time.monotonic()
+    results = spawn_workers(job.where, 2, threads=1, timeout_s=120)
+    assert time.monotonic() - started < 30
+    assert {parent for _, parent in results} == {os.getpid()}
+    assert any("the fork server is gone" in r.getMessage() for r in caplog.records), caplog.records
