@@ -116,3 +116,24 @@ def test_join_imports_neither_the_trainer_nor_hydra():
     )
     proc = subprocess.run([PYTHON, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_ranks_share_the_gpus_there_are_over_gloo_and_nccl_refuses_it(monkeypatch):
+    """With more local ranks than GPUs, gloo and mpi ranks take cuda:{local_rank % count}; nccl,
+    which refuses two ranks on one device, is refused before it starts. CUDA is absent here, so
+    torch.cuda reports one device (the GPU check runs the real thing: tests/cuda)."""
+    from ddptrain.config import Config, ConfigError
+    from ddptrain.launch.join import claim_device
+    from ddptrain.preflight import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    gloo = Config.from_dict({"trainer": {"device": "cuda"}, "dist": {"backend": "gloo", "world_size": 3}})
+    check_device(gloo, local_world_size=3)  # no refusal
+    env = detect_environment({"RANK": "2", "WORLD_SIZE": "3", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "3",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})  # fmt: skip
+    assert claim_device(env, "cuda", 1) == torch.device("cuda", 0)
+    nccl = Config.from_dict({"trainer": {"device": "cuda"}, "dist": {"backend": "nccl", "world_size": 2}})
+    with pytest.raises(ConfigError, match=r"2 ranks on this machine but only 1 CUDA device\(s\), and NCCL refuses "):
+        check_device(nccl, local_world_size=2)
