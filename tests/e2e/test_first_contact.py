@@ -251,3 +251,31 @@ def test_a_callback_of_ones_own_is_attached_from_the_command_line(tmp_path):
     wrong = run_cli(*tiny, "trainer.callbacks=[{_target_: collections.OrderedDict}]", cwd=tmp_path, timeout=120)
     assert wrong.returncode == 1
     assert "trainer.callbacks[0]: collections.OrderedDict made a OrderedDict, not a ddptrain.Callback" in wrong.stderr
+
+
+def test_a_ctrl_c_while_starting_into_an_existing_run_directory_leaves_it_as_it_was(tmp_path):
+    """... but a directory that existed before (a resume into it, say) is never removed."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import PYTHON, cli_env, sigint_at_default
+
+    run_dir = tmp_path / "old_run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("mine")
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "ddptrain", "recipe=synthetic", "trainer.max_steps=5", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True, preexec_fn=sigint_at_default,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (run_dir / ".hydra").exists() and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out + err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert (run_dir / "notes.txt").read_text() == "mine"
