@@ -34,6 +34,12 @@ def test_a_recipe_file_without_its_package_header_is_told_to_add_it(tmp_path):
         proc.stderr
     )
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    # another mistake in a recipe file (a value of the wrong type) gets Hydra's reason, and no such hint
+    _recipe(tmp_path, "badvalue", "# @package _global_\ndefaults:\n  - synthetic\ntrainer:\n  max_steps: many\n")
+    bad = run_cli("--config-dir", "my_conf", "recipe=badvalue", cwd=tmp_path)
+    assert bad.returncode == 2, bad.stdout + bad.stderr
+    assert bad.stderr.startswith("ddptrain: error: In 'recipe/badvalue'") and "@package" not in bad.stderr, bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 def test_ddptrain_doctor_is_the_doctor(tmp_path):
@@ -198,6 +204,12 @@ def test_fit_in_a_script_logs_to_the_console_and_says_it_runs_one_process(tmp_pa
         [PYTHON, "script.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # a script with its own handler on ddptrain's logger gets the warning there, and no console of ours
+    own = "import logging, sys\nlogging.getLogger('ddptrain').addHandler(logging.StreamHandler(sys.stderr))\n"
+    (tmp_path / "own.py").write_text(own + _SCRIPT)
+    mine = subprocess.run([PYTHON, "own.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert mine.returncode == 0, mine.stdout + mine.stderr
+    assert "fit() from a script trains in this process alone" in mine.stderr and "[rank 0]" not in mine.stdout
     warning = (
         "[rank 0][WARNING] fit() from a script trains in this process alone (world size 1): it starts no workers. "
         "For dist.world_size=2 ranks run python -m ddptrain (or ddptrain.run(config)), or start the script under "

@@ -2,7 +2,15 @@
 
 import pytest
 
-from ddptrain.cli.overrides import config_dirs_of, first_problem, group_options, override_tokens, rename_moved_keys_in
+from ddptrain.cli.overrides import (
+    config_dirs_of,
+    first_problem,
+    flags_first,
+    free_form_keys_added,
+    group_options,
+    override_tokens,
+    rename_moved_keys_in,
+)
 from ddptrain.config import LIGHTNING_KEYS
 
 OPTIONS = {"recipe": ["fashion_mnist", "mnist", "synthetic"], "trainer": ["default", "smoke"]}
@@ -102,3 +110,17 @@ def test_an_unknown_option_lists_the_available_ones():
     message = first_problem(["recipe=mnst"], OPTIONS)
     assert "unknown recipe 'mnst'. Did you mean recipe=mnist? Available: fashion_mnist, mnist, synthetic" in message
     assert "unknown trainer 'fast'" in first_problem(["trainer=smoke,fast"], OPTIONS)
+
+
+def test_ones_own_keys_are_added_and_flags_go_first_wherever_they_were_written():
+    argv = ["recipe.params.a=1", "--config-dir", "recipe.params.d", "recipe.params.b=2", "+recipe.params.c=3", "x=1"]
+    assert free_form_keys_added(argv) == [
+        "++recipe.params.a=1",  # the first argument too
+        "--config-dir",
+        "recipe.params.d",  # a flag's value is left alone ...
+        "++recipe.params.b=2",  # ... and what follows it is not
+        "+recipe.params.c=3",
+        "x=1",
+    ]
+    moved = flags_first(["a=1", "--config-dir", "d", "b=2", "-m", "c=3"])
+    assert moved == ["--config-dir", "d", "-m", "a=1", "b=2", "c=3"]
