@@ -217,6 +217,11 @@ def test_fit_in_a_script_logs_to_the_console_and_says_it_runs_one_process(tmp_pa
     )
     assert warning in proc.stdout, proc.stdout
     assert "[rank 0][INFO] step 3/3 (epoch 1): loss" in proc.stdout, proc.stdout
+    # asked for one rank: said, not warned
+    (tmp_path / "one.py").write_text(_SCRIPT.replace('"trainer": {', '"dist": {"world_size": 1}, "trainer": {'))
+    one = subprocess.run([PYTHON, "one.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert one.returncode == 0, one.stdout + one.stderr
+    assert "[rank 0][INFO] fit() from a script trains in this process alone" in one.stdout, one.stdout
 
 
 def test_a_training_set_smaller_than_one_global_batch_is_warned_of_or_refused(tmp_path):
@@ -224,10 +229,13 @@ def test_a_training_set_smaller_than_one_global_batch_is_warned_of_or_refused(tm
     small = ["recipe=synthetic", "data.num_train_samples=100", "data.global_batch_size=128", "trainer.max_steps=2"]
     proc = run_cli(*small, cwd=tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert (
-        "[WARNING] the training set has 100 samples, fewer than one global batch (data.global_batch_size=128): every "
-        "epoch is one step of 100 samples. Set data.global_batch_size=100 or less for full batches"
-    ) in proc.stdout, proc.stdout
+    said = [ln for ln in proc.stdout.splitlines() if "fewer than one global batch" in ln]
+    assert len(said) == 1 and said[0].endswith(  # once, by rank 0
+        "[rank 0][WARNING] the training set has 100 samples, fewer than one global batch (data.global_batch_size=128): "
+        "every epoch is one step of 100 samples. Set data.global_batch_size=100 or less for full batches"
+    ), proc.stdout
+    exactly = run_cli(*small, "data.num_train_samples=128", cwd=tmp_path, timeout=120)  # one whole batch: fine
+    assert exactly.returncode == 0 and "fewer than one global batch" not in exactly.stdout, exactly.stdout
     refused = run_cli(*small, "data.drop_last=true", cwd=tmp_path, timeout=120)
     assert refused.returncode in (1, 2), refused.stdout + refused.stderr
     assert (
