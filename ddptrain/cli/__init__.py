@@ -1,10 +1,12 @@
 """Command line: ``python -m ddptrain recipe=mnist [group=option ...] [key=value ...]``.
 
-The same as the ``ddptrain`` console script. ``ddptrain doctor ...``, ``ddptrain tune ...`` and
-``ddptrain torchrun ...`` are ``python -m ddptrain.doctor ...``, ``python -m ddptrain.tune ...`` and
-``python -m ddptrain.launch.torchrun ...``. The only package that imports Hydra: it checks
-the overrides against ddptrain's schema (a typo gets "did you mean ...?"), composes ``conf/``
-into a :class:`ddptrain.Config` and hands it to :func:`ddptrain.trainer.run`.
+The same as the ``ddptrain`` console script. ``ddptrain doctor ...`` and ``ddptrain tune ...`` are
+``python -m ddptrain.doctor ...`` and ``python -m ddptrain.tune ...``; ``ddptrain torchrun ...`` is
+torchrun with ddptrain's exit on Ctrl-C (:mod:`ddptrain.launch.torchrun`).
+
+The only package that imports Hydra: it checks the overrides against ddptrain's schema (a typo
+gets "did you mean ...?"), composes ``conf/`` into a :class:`ddptrain.Config` and hands it to
+:func:`ddptrain.trainer.run`.
 
 * Plain invocation: the launching process picks Hydra's run directory (one for the whole job)
   and starts ``dist.world_size`` local workers, which all write there (rank 0 only, in fact).
@@ -83,8 +85,7 @@ SUBCOMMANDS = {
     "tune": "ddptrain.tune.__main__",
     "torchrun": "ddptrain.launch.torchrun",
 }
-"""``ddptrain doctor ...`` is ``python -m ddptrain.doctor ...``; ``ddptrain tune ...`` and
-``ddptrain torchrun ...`` (torchrun with ddptrain's exit on Ctrl-C) likewise."""
+"""The module whose ``main(argv)`` runs ``ddptrain <name> argv...``."""
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -16,17 +16,15 @@ import signal
 import sys
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str]) -> None:
+    """Run torchrun with ``argv`` (what follows ``ddptrain torchrun``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     try:
-        torchrun(list(sys.argv[1:] if argv is None else argv))
+        torchrun(list(argv))
     except SignalException as exc:
         name = signal.Signals(exc.sigval).name
         print(f"ddptrain: torchrun stopped by {name}; each rank's last lines say where it stopped", file=sys.stderr)
         sys.exit(128 + exc.sigval)
 
-
-if __name__ == "__main__":
-    main()
