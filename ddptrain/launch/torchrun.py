@@ -27,4 +27,3 @@ def main(argv: list[str]) -> None:
         name = signal.Signals(exc.sigval).name
         print(f"ddptrain: torchrun stopped by {name}; each rank's last lines say where it stopped", file=sys.stderr)
         sys.exit(128 + exc.sigval)
-
