@@ -245,6 +245,14 @@ def _slow_network(b, ranks, facts, link, model) -> dict | None:
         overlappable = max(0.0, step - model.with_buckets(facts.buckets_at(_quarter_mb(nbytes))))
     options = local_sync_options(b, facts, model.link)
     best = recommended_local_sync(options)
+    # Below no_overlap's own threshold, the part smaller buckets would hide is still said here: on a
+    # slow link it is what a one-bucket layout costs, whichever of the two causes ranks first.
+    hidden = (
+        f" Smaller buckets would hide {overlappable:.3g} s of it behind backward: "
+        f"dist.bucket_cap_mb={_quarter_mb(nbytes):g}."
+        if overlappable > 0.02 * step
+        else ""
+    )
     return _cause(
         "slow_network",
         (exposed - overlappable) * bandwidth / (bandwidth + latency) / step,
@@ -252,7 +260,7 @@ def _slow_network(b, ranks, facts, link, model) -> dict | None:
         f"{exposed:.3g} s exposed after backward; talk less often: dist.sync=diloco dist.sync_every="
         f"{best['sync_every']} predicts {best['predicted_step_s']:.3g} s per step ({best['speedup']:.3g}x, "
         f"{best['sync_every']}x fewer bytes; local_sgd costs the same). {LOCAL_SYNC_CONVERGENCE} "
-        "Otherwise a faster link (doctor.link_gbps=... predicts one), or double data.global_batch_size",
+        f"Otherwise a faster link (doctor.link_gbps=... predicts one), or double data.global_batch_size.{hidden}",
         best["predicted_step_s"],
         sync_options=options,
     )
