@@ -52,34 +52,33 @@ FLAGS_WITH_VALUE = (
 )
 
 
+def _classified(argv: Sequence[str]) -> list[tuple[str, bool]]:
+    """Each argument, and whether it is an override (else a flag, or the value of one of
+    :data:`FLAGS_WITH_VALUE`; another flag's next argument, ``--help KEY``'s key, is an override)."""
+    out, value_next = [], False
+    for arg in argv:
+        if value_next:
+            out.append((arg, False))
+            value_next = False
+        elif arg.startswith("-"):
+            out.append((arg, False))
+            value_next = arg in FLAGS_WITH_VALUE
+        else:
+            out.append((arg, True))
+    return out
+
+
 def override_tokens(argv: Sequence[str]) -> list[str]:
     """The overrides among command-line arguments (flags and their values left out)."""
-    tokens, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in FLAGS_WITH_VALUE:
-            skip = True
-        elif not arg.startswith("-"):
-            tokens.append(arg)
-    return tokens
+    return [arg for arg, override in _classified(argv) if override]
 
 
 def flags_first(argv: Sequence[str]) -> list[str]:
     """``argv`` with every flag (and a flag's value) before the overrides, each kind in its order:
     Hydra's argparse takes its overrides as one run of positionals, so ``a=1 --config-dir D b=2``
     would leave ``b=2`` unrecognised, where a user expects a flag to go anywhere."""
-    flags, overrides, skip = [], [], False
-    for arg in argv:
-        if skip:
-            flags.append(arg)
-            skip = False
-        elif arg.startswith("-"):
-            flags.append(arg)
-            skip = arg in FLAGS_WITH_VALUE
-        else:
-            overrides.append(arg)
-    return [*flags, *overrides]
+    classified = _classified(argv)
+    return [arg for arg, override in classified if not override] + [arg for arg, override in classified if override]
 
 
 FREE_FORM = ("recipe.params.",)
@@ -90,28 +89,18 @@ def free_form_keys_added(argv: Sequence[str]) -> list[str]:
     """``argv`` with each plain override of a free-form key (``recipe.params.gamma=0.7``) made
     ``++``: Hydra refuses a key its config does not have yet unless told to add it, and one's own
     hyperparameter is new by nature (``+`` and ``++`` spellings are left as written)."""
-    out, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg.startswith("-"):
-            skip = arg in FLAGS_WITH_VALUE
-        elif "=" in arg and arg.startswith(FREE_FORM):
-            arg = f"++{arg}"
-        out.append(arg)
-    return out
+    return [
+        f"++{arg}" if override and "=" in arg and arg.startswith(FREE_FORM) else arg
+        for arg, override in _classified(argv)
+    ]
 
 
 def rename_moved_keys_in(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """The command line with each moved key's old spelling (:data:`ddptrain.config.MOVED_KEYS`)
     replaced by the new one, in overrides and in ``--help KEY``; and the old keys found."""
-    renamed, found, skip = [], [], False
-    for arg in argv:
-        if skip:  # a flag's value (--config-dir DIR)
-            skip = False
-        elif arg.startswith("-"):
-            skip = arg in FLAGS_WITH_VALUE
-        else:
+    renamed, found = [], []
+    for arg, override in _classified(argv):
+        if override:
             sign = arg[: len(arg) - len(arg.lstrip("+~"))]
             key, equals, value = arg[len(sign) :].partition("=")
             if key in MOVED_KEYS:
