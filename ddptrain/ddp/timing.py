@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceClock"]
+__all__ = ["DeviceClock", "finish_queued_work"]
 
 
 class DeviceClock:
@@ -52,3 +52,10 @@ class DeviceClock:
             return host - moment.elapsed_time(anchor) / 1000.0
 
         return resolve
+
+
+def finish_queued_work(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (a measurement's bounds); nothing on a CPU, whose work
+    is done when its call returns."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

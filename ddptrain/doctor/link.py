@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.types import ReduceOp
+from ..ddp.timing import finish_queued_work
 
 SWEEP_BYTES = (4 << 10, 64 << 10, 512 << 10, 4 << 20, 16 << 20)
 LATENCY_BYTES = 64 << 10  # sizes up to this one are latency-bound: they give the model's alpha
@@ -70,14 +71,12 @@ def sweep(process_group, sizes: tuple[int, ...] = SWEEP_BYTES, repeats: int = 5)
     for nbytes in sizes:
         x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
         process_group.all_reduce(x, ReduceOp.SUM).wait()  # warm-up: connections, buffers
-        if x.is_cuda:
-            torch.cuda.synchronize(x.device)
+        finish_queued_work(x.device)
         times = []
         for _ in range(repeats):
             started = time.perf_counter()
             process_group.all_reduce(x, ReduceOp.SUM).wait()
-            if x.is_cuda:  # NCCL's wait makes the stream wait, not the host
-                torch.cuda.synchronize(x.device)
+            finish_queued_work(x.device)  # NCCL's wait makes the stream wait, not the host
             times.append(time.perf_counter() - started)
         agreed = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
         process_group.all_reduce(agreed, ReduceOp.MAX).wait()

@@ -32,6 +32,7 @@ import torch
 from ..comm.objects import all_gather_object, broadcast_object
 from ..comm.types import ReduceOp
 from ..ddp.buckets import MB
+from ..ddp.timing import finish_queued_work
 from ..trainer.callbacks.base import Callback
 from .autotune import BucketAutotune
 from .diagnose import JobFacts, diagnose, step_model, summarize
@@ -202,12 +203,6 @@ def _probe(trainer, batch, facts: JobFacts, repeats: int = 5) -> dict:
     }
 
 
-def _finish_queued_work(device: torch.device) -> None:
-    """Wait for the GPU's queued work (a measurement's bounds); nothing on a CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _time_compute(trainer, batch, threads: int, repeats: int, each_together: bool = True) -> float:
     """The median of ``repeats`` passes after a first one; ``each_together``: every rank starts
     each pass together (else only the first)."""
@@ -220,13 +215,13 @@ def _time_compute(trainer, batch, threads: int, repeats: int, each_together: boo
         for i in range(repeats + 1):
             if each_together or i == 0:
                 pg.all_reduce(torch.zeros(1, device=pg.device), ReduceOp.SUM).wait()  # all ranks compute together
-            _finish_queued_work(trainer.device)
+            finish_queued_work(trainer.device)
             started = time.perf_counter()
             with model.no_sync():
                 with trainer.precision.autocast():  # trainer.precision: forward as training computes it
                     loss = trainer.training_step(model, move_to(batch, trainer.device))
                 loss.backward()
-            _finish_queued_work(trainer.device)  # on a GPU: the pass's kernels, not their queueing
+            finish_queued_work(trainer.device)  # on a GPU: the pass's kernels, not their queueing
             times.append(time.perf_counter() - started)
     finally:
         torch.set_num_threads(previous)
