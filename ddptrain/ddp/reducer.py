@@ -668,8 +668,7 @@ class Reducer:
 
     def _launch_ready_buckets(self, it: _Iteration) -> None:
         # Strictly in bucket order: every rank must issue the same collectives in the same order.
-        if it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
-            self._join_streams(it)  # ZeRO and in-place slots stage or send gradients of other hooks
+        self._join_streams(it)  # ZeRO and in-place slots stage or send gradients of other hooks
         while it.next_bucket < len(self.plan.buckets) and it.pending[it.next_bucket] == 0:
             b = it.next_bucket
             it.stats.launch_times[b] = self.clock()
