@@ -3,9 +3,15 @@ directory of one's own, observed through its output, its files and its exit stat
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import subprocess
+import time
+
 import pytest
 
-from tests.conftest import run_cli
+from tests.conftest import PYTHON, cli_env, run_cli, sigint_at_default
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
@@ -84,28 +90,32 @@ def test_a_parameter_without_a_gradient_is_refused_with_the_config_key_that_allo
     assert "DistributedDataParallel(..., find_unused_parameters=True)" not in proc.stderr
 
 
-def test_a_ctrl_c_while_starting_leaves_no_run_directory(tmp_path):
-    """Stopped once Hydra has made the run directory, before any rank trained: one line, 130, and
-    nothing left (there was a .hydra/ stub in outputs/ with nothing to resume)."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from tests.conftest import PYTHON, cli_env, sigint_at_default
-
+def _ctrl_c_once_hydra_made(tmp_path, hydra_dir: str, *args: str) -> tuple[int, str, str]:
+    """A terminal's Ctrl-C to ``python -m ddptrain recipe=synthetic ... args`` as soon as Hydra has
+    made its ``.hydra/`` (the glob ``hydra_dir`` under ``tmp_path``): (exit code, stdout, stderr)."""
     proc = subprocess.Popen(
-        [PYTHON, "-m", "ddptrain", "recipe=synthetic", "trainer.max_steps=5"],
+        [PYTHON, "-m", "ddptrain", "recipe=synthetic", "trainer.max_steps=5", *args],
         cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True, preexec_fn=sigint_at_default,
     )  # fmt: skip
     deadline = time.monotonic() + 60
-    while not list(tmp_path.glob("outputs/synthetic/*/.hydra")) and time.monotonic() < deadline:
+    while not list(tmp_path.glob(hydra_dir)) and time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         time.sleep(0.005)
     os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out + err
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err
+
+
+def test_a_ctrl_c_while_starting_leaves_no_run_directory(tmp_path):
+    """Stopped once Hydra has made the run directory, before any rank trained: one line, 130, and
+    nothing left (there was a .hydra/ stub in outputs/ with nothing to resume)."""
+    code, out, err = _ctrl_c_once_hydra_made(tmp_path, "outputs/synthetic/*/.hydra")
+    assert code == 130, out + err
     assert err.strip().splitlines() == [
         "ddptrain: stopped by SIGINT (Ctrl-C): during start-up, before any rank trained: nothing to resume; "
         "run the command again"
@@ -126,11 +136,6 @@ def test_an_offline_first_run_leaves_no_empty_data_directory(tmp_path):
 
 def test_an_output_directory_that_cannot_be_written_is_one_line_and_leaves_nothing(tmp_path):
     """A read-only place gave a 30-line traceback and left a .hydra stub where it could."""
-    import shutil
-    import subprocess
-
-    from tests.conftest import PYTHON, cli_env
-
     (tmp_path / "afile").touch()
     proc = run_cli("recipe=synthetic", "hydra.run.dir=afile/run", cwd=tmp_path)
     assert proc.returncode == 1, proc.stdout + proc.stderr
@@ -195,10 +200,6 @@ if __name__ == "__main__":
 
 def test_fit_in_a_script_logs_to_the_console_and_says_it_runs_one_process(tmp_path):
     """Trainer(config).fit() ran one process (of dist.world_size=2) without a word, and logged nothing."""
-    import subprocess
-
-    from tests.conftest import PYTHON, cli_env
-
     (tmp_path / "script.py").write_text(_SCRIPT)
     proc = subprocess.run(
         [PYTHON, "script.py"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120
@@ -275,27 +276,10 @@ def test_a_callback_of_ones_own_is_attached_from_the_command_line(tmp_path):
 
 def test_a_ctrl_c_while_starting_into_an_existing_run_directory_leaves_it_as_it_was(tmp_path):
     """... but a directory that existed before (a resume into it, say) is never removed."""
-    import os
-    import signal
-    import subprocess
-    import time
-
-    from tests.conftest import PYTHON, cli_env, sigint_at_default
-
     run_dir = tmp_path / "old_run"
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("mine")
-    proc = subprocess.Popen(
-        [PYTHON, "-m", "ddptrain", "recipe=synthetic", "trainer.max_steps=5", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True, preexec_fn=sigint_at_default,
-    )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not (run_dir / ".hydra").exists() and time.monotonic() < deadline:
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, out + err
+    code, out, err = _ctrl_c_once_hydra_made(tmp_path, "old_run/.hydra", f"hydra.run.dir={run_dir}")
+    assert code == 130, out + err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert (run_dir / "notes.txt").read_text() == "mine"
