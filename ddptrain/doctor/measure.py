@@ -66,8 +66,6 @@ class StepRecord:
     data_core_wait_s: float = 0.0  # ... and during data_s
     unused_params: int = 0  # parameters without a gradient on this rank (find_unused_parameters)
     marks: dict[str, float] = field(default_factory=dict)  # phase boundaries, for the timeline
-    # the model's forwards of this step, (start, end) moments (resolved when the step closes)
-    forwards: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
     buckets: list[dict[str, Any]] = field(default_factory=list)  # bytes, launch, done
     # [share of backward elapsed, share of gradient bytes ready], one point per gradient, in order
     ready_curve: list[tuple[float, float]] = field(default_factory=list)
@@ -166,6 +164,7 @@ class StepRecorder:
         self._core_wait: CoreWait | None = None  # opened by the training thread, at the window's start
         self._asked: tuple[int, float, float] | None = None  # (step, asked at, core wait then): a measured batch
         self._forward_started: Any = 0.0
+        self._forwards: list[tuple[Any, Any]] = []  # the open step's forwards, (start, end), resolved at its close
         self._stats: Any = None  # the reducer's stats of the open step's backward (at forward_backward_end)
         self._clock = DeviceClock(trainer.device)
         self._hooks: list[Any] = []  # the forward hooks' handles while attached
@@ -280,13 +279,13 @@ class StepRecorder:
         if rec is None:
             return
         rec.marks["forward_end"] = ended = self._clock.now()
-        rec.forwards.append((self._forward_started, ended))
+        self._forwards.append((self._forward_started, ended))
 
     def _settle(self, rec: StepRecord) -> None:
         """Resolve the step's moments (module doc) and work out its phases from them."""
         resolve = self._clock.resolver()
         rec.marks = {name: resolve(moment) for name, moment in rec.marks.items()}
-        forwards, rec.forwards = [(resolve(a), resolve(b)) for a, b in rec.forwards], []
+        forwards, self._forwards = [(resolve(a), resolve(b)) for a, b in self._forwards], []
         marks = rec.marks
         if "forward_start" in marks:  # user code before the model call counts as forward
             rec.forward_s = marks["forward_start"] - marks.get("train_start", marks["forward_start"])
