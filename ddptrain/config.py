@@ -22,7 +22,6 @@ import difflib
 import os
 import types
 import typing
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,7 +42,6 @@ __all__ = [
     "CheckpointConfig",
     "ProfilerConfig",
     "LoggersConfig",
-    "MOVED_KEYS",
     "LrFindConfig",
     "check_fields",
     "max_time_seconds",
@@ -620,16 +618,12 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict | None = None) -> Config:
-        """Build a Config from nested dictionaries, refusing unknown keys and wrong types. A moved
-        key's old spelling (:data:`MOVED_KEYS`) is taken with a ``FutureWarning`` naming the new one.
+        """Build a Config from nested dictionaries, refusing unknown keys and wrong types.
 
         Raises:
             ConfigError: naming the dotted key, the value and what is accepted.
         """
-        data, moved = rename_moved_keys(data or {}) if isinstance(data, dict) else (data, [])
-        for old in moved:
-            warnings.warn(moved_key_note(old), FutureWarning, stacklevel=2)
-        return _build(cls, data, "")
+        return _build(cls, data or {}, "")
 
     def to_dict(self) -> dict:
         """Plain nested dictionaries (safe to store in a checkpoint)."""
@@ -685,66 +679,6 @@ def check_fields(obj: Any, prefix: str = "") -> None:
                 raise ConfigError(f"{key}={value} must be {'at least 1' if low == 1 else f'>= {low:g}'}{fix}")
             if above is not None and value <= above:
                 raise ConfigError(f"{key}={value} must be {'positive' if above == 0 else f'> {above:g}'}{fix}")
-
-
-# -- keys that moved: the old spelling still works -----------------------------------------------
-MOVED_KEYS = {
-    "trainer.checkpoint_every_epochs": "trainer.checkpoint.every_epochs",
-    "trainer.checkpoint_every_steps": "trainer.checkpoint.every_steps",
-    "trainer.checkpoint_at_end": "trainer.checkpoint.at_end",
-    "trainer.keep_last_checkpoints": "trainer.checkpoint.keep_last",
-    "trainer.checkpoint_monitor": "trainer.checkpoint.monitor",
-    "trainer.checkpoint_mode": "trainer.checkpoint.mode",
-    "trainer.checkpoint_save_top_k": "trainer.checkpoint.save_top_k",
-    "trainer.profile": "trainer.profiler.enabled",
-    "trainer.profile_wait": "trainer.profiler.wait",
-    "trainer.profile_warmup": "trainer.profiler.warmup",
-    "trainer.profile_active": "trainer.profiler.active",
-    "trainer.tensorboard": "trainer.loggers.tensorboard",
-    "trainer.csv": "trainer.loggers.csv",
-    "trainer.mlflow": "trainer.loggers.mlflow",
-    "trainer.wandb": "trainer.loggers.wandb",
-}
-"""Keys that moved into a section: old dotted spelling -> new one. The old spelling keeps working
-(the CLI's overrides, :meth:`Config.from_dict`, a checkpoint's stored config) and says the new one."""
-
-
-def moved_key_note(old: str) -> str:
-    """What to tell a user who wrote the moved key ``old``."""
-    return f"{old} is now {MOVED_KEYS[old]} (the old spelling still works; write the new one)"
-
-
-def rename_moved_keys(data: dict) -> tuple[dict, list[str]]:
-    """``data`` (nested dictionaries) with every moved key at its new place, and the old keys found.
-
-    Raises:
-        ConfigError: both spellings of one key are given, with different values.
-    """
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}  # the sections we edit are copies
-    found = []
-    for old, new in MOVED_KEYS.items():
-        section, _, name = old.rpartition(".")
-        holder = data.get(section)
-        if not isinstance(holder, dict) or name not in holder:
-            continue
-        value = holder.pop(name)
-        *path, leaf = new.split(".")
-        target = data
-        for depth, part in enumerate(path):  # the new key's sections, made or copied (never the caller's)
-            child = target.get(part)
-            if child is not None and not isinstance(child, dict):
-                section_key = ".".join(path[: depth + 1])
-                raise ConfigError(f"{section_key} must be a mapping of keys to values, got {child!r}")
-            child = dict(child or {})
-            target[part] = child
-            target = child
-        if leaf in target and target[leaf] != value:
-            raise ConfigError(
-                f"{old}={value!r} and {new}={target[leaf]!r} are the same key ({old} moved): give only {new}"
-            )
-        target[leaf] = value
-        found.append(old)
-    return data, found
 
 
 # -- unknown keys: what to say instead ----------------------------------------------------------

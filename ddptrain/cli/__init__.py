@@ -165,12 +165,9 @@ def _main(argv: list[str]) -> int:
     if any(a in ("--version", "-V") for a in argv):
         print(version_line())
         return EXIT_OK
-    from ..config import moved_key_note
-    from .overrides import free_form_keys_added, rename_moved_keys_in
+    from .overrides import free_form_keys_added
 
-    argv, moved = rename_moved_keys_in(free_form_keys_added(argv))
-    for old in moved:
-        print(f"ddptrain: note: {moved_key_note(old)}", file=sys.stderr)
+    argv = free_form_keys_added(argv)
     topic = _help_topic(argv)
     if topic is not None:
         return _print_topic(topic, argv)
@@ -405,9 +402,8 @@ def _remove_empty_run_dir(run_dir: Path, fresh: list[Path]) -> None:
 
 
 def _hydra_message(exc: BaseException) -> str:
-    """Hydra's composition error in one or two lines: what failed and why. A moved key in a YAML file
-    (which Hydra reads, so it cannot be renamed there as on the command line) gets its new name; a
-    recipe file without its ``# @package _global_`` header gets that hint."""
+    """Hydra's composition error in one or two lines: what failed and why. A recipe file without
+    its ``# @package _global_`` header gets that hint."""
     text = str(exc)
     lines = text.splitlines() or [type(exc).__name__]
     head = lines[0]
@@ -417,11 +413,8 @@ def _hydra_message(exc: BaseException) -> str:
     if exc.__cause__ is not None and str(exc.__cause__):
         parts.append(str(exc.__cause__).splitlines()[0])
     message = ": ".join(parts)
-    from ..config import MOVED_KEYS, Config
+    from ..config import Config
 
-    key = next((line.split(":", 1)[1].strip() for line in lines if line.strip().startswith("full_key:")), None)
-    if key in MOVED_KEYS:
-        message += f". {key} is now {MOVED_KEYS[key]}: write that in the YAML file (the command line takes both)"
     recipe = re.match(r"In 'recipe/([^']+)'", head)
     section = re.search(r"Key '(\w+)' not in 'RecipeConfig'", message)
     sections = {f.name for f in dataclasses.fields(Config)} - {"recipe"}

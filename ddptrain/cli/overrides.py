@@ -20,13 +20,12 @@ import typing
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-from ..config import MOVED_KEYS, Config, field_type_text, keys_hint, suggest_key, unknown_key_message
+from ..config import Config, field_type_text, keys_hint, suggest_key, unknown_key_message
 
 __all__ = [
     "GROUPS",
     "FLAGS_WITH_VALUE",
     "override_tokens",
-    "rename_moved_keys_in",
     "free_form_keys_added",
     "config_dirs_of",
     "flags_first",
@@ -93,21 +92,6 @@ def free_form_keys_added(argv: Sequence[str]) -> list[str]:
         f"++{arg}" if override and "=" in arg and arg.startswith(FREE_FORM) else arg
         for arg, override in _classified(argv)
     ]
-
-
-def rename_moved_keys_in(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """The command line with each moved key's old spelling (:data:`ddptrain.config.MOVED_KEYS`)
-    replaced by the new one, in overrides and in ``--help KEY``; and the old keys found."""
-    renamed, found = [], []
-    for arg, override in _classified(argv):
-        if override:
-            sign = arg[: len(arg) - len(arg.lstrip("+~"))]
-            key, equals, value = arg[len(sign) :].partition("=")
-            if key in MOVED_KEYS:
-                found.append(key)
-                arg = f"{sign}{MOVED_KEYS[key]}{equals}{value}"
-        renamed.append(arg)
-    return renamed, found
 
 
 def config_dirs_of(argv: Sequence[str], package_dir: Path) -> list[Path]:
@@ -255,8 +239,6 @@ def configuration_markdown() -> str:
                 out += ["", f"### `{name}`", "", text, ""]
             else:
                 out.append(f"- **`{name}`** (`{type_}`, default `{default}`): {text}")
-    out += ["", "## Moved keys", "", "The old spelling still works, with a note that says the new one.", ""]
-    out += [f"- `{old}` is now `{new}`" for old, new in MOVED_KEYS.items()]
     return "\n".join(out) + "\n"
 
 

@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from ddptrain.config import MOVED_KEYS, Config, ConfigError, TrainerConfig, check_fields, leaf_keys, max_time_seconds
+from ddptrain.config import Config, ConfigError, TrainerConfig, check_fields, max_time_seconds
 from ddptrain.preflight import per_rank_batch_size, resolve_backend, validate
 
 
@@ -33,30 +33,6 @@ def test_every_field_has_a_docstring():
                     assert isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant), (
                         f"{node.name}.{stmt.target.id} has no docstring"
                     )
-
-
-def test_every_moved_key_leads_to_a_key_of_the_schema_and_its_old_spelling_is_gone():
-    keys = set(leaf_keys(Config))
-    assert set(MOVED_KEYS.values()) <= keys
-    assert not set(MOVED_KEYS) & keys
-
-
-def test_a_moved_keys_old_spelling_builds_the_new_key_and_warns_with_its_name():
-    with pytest.warns(FutureWarning, match=r"trainer\.checkpoint_monitor is now trainer\.checkpoint\.monitor"):
-        old = Config.from_dict({"trainer": {"checkpoint_monitor": "eval/loss", "profile": True, "epochs": 3}})
-    new = Config.from_dict(
-        {"trainer": {"checkpoint": {"monitor": "eval/loss"}, "profiler": {"enabled": True}, "epochs": 3}}
-    )
-    assert old == new and old.trainer.checkpoint.monitor == "eval/loss" and old.trainer.profiler.enabled
-
-
-def test_both_spellings_of_a_moved_key_must_agree():
-    both = {"trainer": {"keep_last_checkpoints": 2, "checkpoint": {"keep_last": 5}}}
-    with pytest.raises(ConfigError, match=r"trainer\.keep_last_checkpoints=2 and trainer\.checkpoint\.keep_last=5"):
-        Config.from_dict(both)
-    with pytest.warns(FutureWarning):
-        agreed = Config.from_dict({"trainer": {"keep_last_checkpoints": 5, "checkpoint": {"keep_last": 5}}})
-    assert agreed.trainer.checkpoint.keep_last == 5
 
 
 def test_from_dict_nested_and_coerced():

@@ -9,32 +9,10 @@ from ddptrain.cli.overrides import (
     free_form_keys_added,
     group_options,
     override_tokens,
-    rename_moved_keys_in,
 )
 from ddptrain.config import LIGHTNING_KEYS
 
 OPTIONS = {"recipe": ["fashion_mnist", "mnist", "synthetic"], "trainer": ["default", "smoke"]}
-
-
-def test_moved_keys_are_renamed_in_overrides_and_help_topics_but_not_in_flag_values():
-    argv = [
-        "recipe=mnist",
-        "+trainer.profile=true",
-        "--config-dir",
-        "trainer.profile_wait=1",
-        "~trainer.checkpoint_mode",
-    ]
-    renamed, found = rename_moved_keys_in([*argv, "--help", "trainer.keep_last_checkpoints"])
-    assert renamed == [
-        "recipe=mnist",
-        "+trainer.profiler.enabled=true",
-        "--config-dir",
-        "trainer.profile_wait=1",  # a directory's name, not an override
-        "~trainer.checkpoint.mode",
-        "--help",
-        "trainer.checkpoint.keep_last",
-    ]
-    assert found == ["trainer.profile", "trainer.checkpoint_mode", "trainer.keep_last_checkpoints"]
 
 
 def test_flags_and_their_values_are_not_overrides():
