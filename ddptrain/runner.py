@@ -27,6 +27,8 @@ from .launch import MpiexecNotFoundError, WorkerFailedError, forkserver, launch
 from .launch.env import ClusterEnvironment, detect_environment, threads_per_rank
 from .launch.spawn import spawn_elastic, spawn_workers
 from .logs import setup_logging
+from .modes import refuse
+from .modes.builtin import ELASTIC_REFUSES_MPI
 from .preflight import check_device, job_world_size, resolve_backend, validate
 from .rundir import RunDir
 
@@ -254,7 +256,7 @@ def _check_elastic_launcher(config: Config, env: ClusterEnvironment) -> None:
         "dist.elastic_store=HOST:29400 dist.world_size=<ranks of all hosts>`"
     )
     if env.name == "mpi":
-        raise ConfigError("trainer.elastic=true cannot run under mpirun: MPI ends the whole job when one rank dies")
+        refuse("trainer.elastic=true", "mpirun", ELASTIC_REFUSES_MPI, "start it with the local launcher or torchrun")
     if not config.dist.elastic_store:
         raise ConfigError(
             f"trainer.elastic=true under {env.name} needs the job's store, which outlives every rank "

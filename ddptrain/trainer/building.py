@@ -7,6 +7,7 @@ Functions here take the trainer (or its parts) and return what it stores; they h
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from pathlib import Path
 
 from torch import nn
@@ -21,8 +22,9 @@ from ..launch.env import detect_environment
 from ..launch.join import Membership, RendezvousError, join_process_group
 from ..logs import setup_logging
 from ..preflight import check_device, resolve_backend
+from .callbacks import Callback
 
-__all__ = ["join_job", "agree_on_directory", "wrap_model"]
+__all__ = ["join_job", "agree_on_directory", "wrap_model", "check_plugins_served"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -89,3 +91,23 @@ def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -
         model.register_comm_hook(process_group, COMPRESSIONS[dist.grad_compression][1])
         log.info("gradients travel in %s (dist.grad_compression)", dist.grad_compression)
     return model
+
+
+PLUGGED_KEYS = {
+    "trainer.doctor": lambda cfg: cfg.trainer.doctor,
+    "trainer.lr_find": lambda cfg: cfg.trainer.lr_find,
+    "dist.bucket_cap_mb=auto": lambda cfg: cfg.dist.bucket_cap_mb == "auto",
+}
+"""Config keys whose work a plug-in callback does (``Callback.implements``); the runner adds them."""
+
+
+def check_plugins_served(config: Config, callbacks: Sequence[Callback], trainer_name: str) -> None:
+    """Refuse a config that asks for a plug-in (``trainer.doctor``...) none of ``callbacks`` implements."""
+    served = {key for callback in callbacks for key in getattr(callback, "implements", ())}
+    missing = [key for key, asked in PLUGGED_KEYS.items() if asked(config) and key not in served]
+    if missing:
+        raise ConfigError(
+            f"{' and '.join(missing)}: plug-in callbacks do that; ddptrain.run and the command line add "
+            f"them. Calling fit() yourself, pass them: {trainer_name}(config, "
+            "callbacks=ddptrain.plugin_callbacks(config))"
+        )

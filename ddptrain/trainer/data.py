@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset, TensorDataset
 
 from ..config import Config, ConfigError, DataConfig
 from ..data import DistributedSampler, build_dataset
+from ..modes import mode_of
 from ..preflight import per_rank_batch_size
 
 log = logging.getLogger("ddptrain.trainer")
@@ -244,7 +245,7 @@ def plan_epochs(config: Config, train_set: Dataset, val_set: Dataset | None, wor
     seed, drop_last, shuffle = t.seed, config.data.drop_last, not t.overfit_batches  # overfitting: one fixed order
     train_sampler = DistributedSampler(train_set, world_size, rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     val_sampler = None if val_set is None else DistributedSampler(val_set, world_size, rank, shuffle=False)
-    if t.world_size_invariant or t.elastic:  # whole global batches, whoever computes them (any world size)
+    if mode_of(config).whole_global_batches:  # whoever computes them (any world size)
         steps_per_epoch = num_batches(len(train_set), config.data.global_batch_size)
     else:
         steps_per_epoch = num_batches(num_batches(len(train_sampler), batch_size), t.grad_accum_steps)

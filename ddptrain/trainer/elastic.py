@@ -13,7 +13,7 @@ collectives line up:
 2. the members agree on the generation (a survivor: :meth:`ElasticTraining.regroup`; a newcomer:
    :meth:`ElasticTraining.join`, which returns once the members admit it) and form its group;
 3. the group-bound parts are built for the new ranks (the Trainer's ``setup`` on a newcomer, its
-   ``_bind_to_group`` on a survivor: the same collectives in the same order);
+   ``bind_to_group`` on a survivor: the same collectives in the same order);
 4. :meth:`ElasticTraining.agree_on_state`: the member with the most steps done (the lowest rank
    among them) sends its state to everyone, and everyone loads it. A step that only some
    members completed (the member died after sending its part) is so kept, and a step nobody
@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from ..comm import CommError
 from ..comm.elastic import ElasticMembership, Generation
@@ -44,6 +44,8 @@ from ..launch.env import detect_environment
 from ..launch.join import Membership, claim_device
 from ..logs import follow_rank
 from ..preflight import resolve_backend
+from .checkpoint import Checkpointer
+from .view import LoopView
 
 __all__ = ["ElasticTraining", "MembershipChange", "MembershipChangeDue", "TrainingStateLost"]
 
@@ -93,6 +95,16 @@ class MembershipChange:
             f"{self.world_size_before} -> {self.world_size} rank(s); training goes on after step {self.step} "
             f"({self.seconds_lost:.2f} s lost; why: {self.reason})"
         )
+
+
+class Regrouping(LoopView, Protocol):
+    """What a membership change uses of the loop: its view, its checkpointer, and a way to
+    rebuild its group-bound parts (the Trainer's ``bind_to_group``)."""
+
+    checkpointer: Checkpointer
+
+    def bind_to_group(self, group: ProcessGroup) -> None:
+        """Rebuild what belongs to the old group (DDP, samplers, strategy...) for ``group``."""
 
 
 class ElasticTraining:
@@ -155,6 +167,51 @@ class ElasticTraining:
                 self.membership.regroup(
                     timeout_s=self.config.dist.timeout_s, max_world_size=self.config.dist.world_size
                 )
+
+    def change_membership(self, loop: Regrouping, cause: BaseException, step_started: float) -> MembershipChange:
+        """A survivor's side of a change (steps 1-4 of the module docstring): copy ``loop``'s state
+        in memory, agree on the new generation, have the loop bind to its group, go on from the
+        agreed state. The seconds lost count from ``step_started`` (the step in flight) after a
+        failure, or from now when newcomers are admitted."""
+        started = step_started if isinstance(cause, CommError) else time.monotonic()
+        mine = self.with_membership(loop.checkpointer.state_dict(gather_rng=False))  # before any rebinding
+        reason = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
+        return self.go_on_from_agreed_state(loop, mine, started, reason, regroup=True)
+
+    def go_on_from_agreed_state(
+        self, loop: Regrouping, mine: dict[str, Any] | None, started: float, reason: str, regroup: bool
+    ) -> MembershipChange:
+        """Regroup (unless this member was just admitted, its group bound by the loop's set-up),
+        have ``loop`` bind to the new group, load the agreed state. A member lost during the
+        change itself (a ``CommError`` in the new group's collectives) ends that generation too:
+        the members agree on the next one, as often as it takes. ``mine`` is a copy, so a
+        rebinding cut short leaves it as it was; on a newcomer (None) the agreed state overwrites
+        what it built."""
+        while True:
+            try:
+                if regroup:
+                    loop.bind_to_group(self.regroup())  # Fenced: this member was left out, and exits
+                return self._take_state(loop, mine, started, reason)
+            except CommError as exc:
+                log.warning(
+                    "elastic: generation %d broke up during the change (%s); agreeing on the next",
+                    self.generation.number,
+                    str(exc).splitlines()[0][:200],
+                )
+                regroup = True
+
+    def _take_state(
+        self, loop: Regrouping, mine: dict[str, Any] | None, started: float, reason: str
+    ) -> MembershipChange:
+        """Every member of a new generation: load the state the members agreed on (collective),
+        record the change (in the history that came with the state)."""
+        state, source = self.agree_on_state(loop.process_group, mine)
+        loop.checkpointer.load_state_dict(state, f"<rank {source}'s memory>", allow_world_size_change=True)
+        loop.metrics.start_window()  # a window of the old group's steps would be summed unevenly
+        change = self.record(state, loop.state.step, reason, round(time.monotonic() - started, 3))
+        if loop.is_main:
+            log.warning("%s", change.describe())
+        return change
 
     def admission_vote(self, is_main: bool) -> float:
         """Rank 0's vote to admit newcomers at this step boundary (1.0: some wait and the job is

@@ -19,6 +19,7 @@ import torch
 
 from .data import batch_size_of, move_to
 from .metrics import ExactMean
+from .view import LoopView
 
 __all__ = ["validation_pass", "sanity_check", "take_first"]
 
@@ -41,7 +42,7 @@ def take_first(batch: Any, count: int) -> Any:
     return None
 
 
-def _real_batches(trainer: Any, padding: torch.Tensor) -> Iterator[tuple[Any, int]]:
+def _real_batches(trainer: LoopView, padding: torch.Tensor) -> Iterator[tuple[Any, int]]:
     """``(batch, samples it counts for)`` over this rank's validation share, the padding cut off."""
     real, position = int((~padding).sum()), 0
     for batch in trainer.val_batches():
@@ -55,7 +56,7 @@ def _real_batches(trainer: Any, padding: torch.Tensor) -> Iterator[tuple[Any, in
             yield (batch, size) if cut is None else (cut, keep)
 
 
-def validation_pass(trainer: Any, autocast: Any = contextlib.nullcontext) -> dict[str, float]:
+def validation_pass(trainer: LoopView, autocast: Any = contextlib.nullcontext) -> dict[str, float]:
     """``validation_step``'s per-sample metrics (``eval/<name>``), ``self.log`` values and logged
     torchmetrics metrics over exactly the validation set, the same on every rank (collective)."""
     module = trainer.model.module
@@ -77,7 +78,7 @@ def validation_pass(trainer: Any, autocast: Any = contextlib.nullcontext) -> dic
     return logged.reduced("validation", pg, lambda entries, names: mean.reduce(pg, "eval/", entries, names))
 
 
-def sanity_check(trainer: Any, num_batches: int, autocast: Any = contextlib.nullcontext) -> int:
+def sanity_check(trainer: LoopView, num_batches: int, autocast: Any = contextlib.nullcontext) -> int:
     """Run ``validation_step`` on this rank's first ``num_batches`` validation batches, as an
     evaluation would (eval mode, no_grad, autocast), and forget what it returned or logged: a
     broken validation raises here, before the first training step. The random state is restored

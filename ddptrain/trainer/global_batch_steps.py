@@ -33,6 +33,7 @@ from ..config import ConfigError
 from ..data.global_batches import StepShards, epoch_order, step_shards
 from .data import move_to
 from .steps import StepStrategy, ride_in_gradients
+from .view import LoopView
 
 __all__ = ["GlobalBatchSteps", "GlobalStep", "SharedBatchSteps"]
 
@@ -53,7 +54,7 @@ class GlobalBatchSteps(StepStrategy):
     per micro-batch by position, of which this rank computes the shards ``mine``; see the module
     docstring. Subclasses implement ``forward_backward`` and ``take_votes``."""
 
-    def __init__(self, trainer: Any, votes: Callable[[], list[float]], shards_per_micro_batch: int, mine: range):
+    def __init__(self, trainer: LoopView, votes: Callable[[], list[float]], shards_per_micro_batch: int, mine: range):
         super().__init__(trainer, votes)
         cfg = trainer.config
         self.shards_per_micro_batch = shards_per_micro_batch
@@ -148,7 +149,7 @@ class SharedBatchSteps(GlobalBatchSteps):
             epoch's short last step): every rank takes part in each micro-batch's forward.
     """
 
-    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+    def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         world_size = trainer.world_size
         super().__init__(trainer, votes, world_size, range(trainer.rank, trainer.rank + 1))
         _check_every_rank_has_samples(trainer, len(trainer.train_set))
@@ -173,7 +174,7 @@ class SharedBatchSteps(GlobalBatchSteps):
         return self.trainer.model.take_sideband()
 
 
-def _check_every_rank_has_samples(trainer: Any, dataset_len: int) -> None:
+def _check_every_rank_has_samples(trainer: LoopView, dataset_len: int) -> None:
     """Every micro-batch of every step an epoch runs must give each rank a sample, at the most
     ranks the job can have (an elastic job's ``dist.world_size``)."""
     config = trainer.config

@@ -31,11 +31,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from ..comm.objects import all_gather_object
 from ..data import DistributedSampler
 from .checkpoint import CheckpointError, agree_on_checkpoint, load_checkpoint, model_weights
-from .data import batch_size_of, make_batches, move_to
+from .data import batch_size_of, first_samples, make_batches, move_to
 from .dataloaders import LoaderParts, split_loader
 from .metrics import ExactMean
 
@@ -169,3 +170,18 @@ def gather_in_dataset_order(per_rank: list[Any], length: int) -> Any:
     if isinstance(first, dict):
         return {k: gather_in_dataset_order([p[k] for p in per_rank], length) for k in first}
     return type(first)(gather_in_dataset_order([p[i] for p in per_rank], length) for i in range(len(first)))
+
+
+def run_dev_test(trainer: Any, n: int) -> dict[str, Any]:
+    """``trainer.fast_dev_run``'s test pass: ``test_step`` on ``n`` batches per rank; what ran."""
+    data = trainer.test_dataloader()
+    tested: dict[str, float] = {}
+    if data is not None:
+        if isinstance(data, DataLoader):
+            batch_size = data.batch_size or trainer.config.data.eval_batch_size
+            head = first_samples(data.dataset, n * trainer.world_size * batch_size)
+            data = DataLoader(head, batch_size=batch_size, collate_fn=data.collate_fn)
+        else:
+            data = first_samples(data, n * trainer.world_size * trainer.config.data.eval_batch_size)
+        tested = run_test(trainer, data, None, write=False)
+    return {"fast_dev_run": {"batches": n, "tested": bool(tested)}, **tested}

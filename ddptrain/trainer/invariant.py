@@ -30,15 +30,15 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
 from ..data.global_batches import virtual_ranks_of
 from ..ddp.exact import ExactAllReducer
-from ..preflight import check_world_size_invariant
+from ..modes.builtin import check_virtual_ranks
 from .global_batch_steps import GlobalBatchSteps, GlobalStep
+from .view import LoopView
 
 __all__ = ["InvariantSteps", "shard_seed"]
 
@@ -59,9 +59,9 @@ class InvariantSteps(GlobalBatchSteps):
     """The step strategy of world-size-invariant mode (see the module docstring). The stop votes
     ride in the step's exact sum; :meth:`take_votes` gives their sums."""
 
-    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+    def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         cfg = trainer.config
-        check_world_size_invariant(cfg, trainer.world_size)
+        check_virtual_ranks(cfg, trainer.world_size)  # also for a fit() that no launcher checked
         self.virtual_ranks = cfg.trainer.virtual_ranks
         spread = cfg.trainer.elastic  # an elastic job's world size need not divide the virtual ranks
         mine = virtual_ranks_of(trainer.rank, trainer.world_size, self.virtual_ranks, spread=spread)

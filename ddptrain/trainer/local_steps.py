@@ -40,6 +40,7 @@ from ..ddp.comm_hooks import COMPRESSIONS
 from ..ddp.outer import OuterSync
 from .steps import MicroBatchSteps, accumulate_micro_batches
 from .stopping import NUM_VOTES
+from .view import LoopView
 
 __all__ = ["LocalSteps"]
 
@@ -47,7 +48,7 @@ __all__ = ["LocalSteps"]
 class LocalSteps(MicroBatchSteps):
     """Local steps and an outer step every ``dist.sync_every`` steps (see the module docstring)."""
 
-    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+    def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         super().__init__(trainer, votes)
         dist = trainer.config.dist
         comm_dtype = COMPRESSIONS[dist.grad_compression][0] if dist.grad_compression != "none" else None

@@ -52,9 +52,17 @@ from typing import Any
 
 import torch
 
+from ..ddp import UnusedParametersError
 from .data import batch_size_of, group_micro_batches, move_to, num_batches
+from .view import LoopView
 
-__all__ = ["StepStrategy", "MicroBatchSteps", "DataParallelSteps", "ride_in_gradients"]
+__all__ = [
+    "StepStrategy",
+    "MicroBatchSteps",
+    "DataParallelSteps",
+    "ride_in_gradients",
+    "unused_parameters_named_as_config",
+]
 
 
 class StepStrategy(ABC):
@@ -67,7 +75,7 @@ class StepStrategy(ABC):
             step's backward and summed over ranks in the step's own reduction.
     """
 
-    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+    def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         self.trainer = trainer
         self.votes = votes
 
@@ -111,7 +119,7 @@ class StepStrategy(ABC):
         every optimizer, the per-step schedules, zero every optimizer's gradients."""
         t = self.trainer
         clip = t.config.trainer.grad_clip_norm
-        t.precision.unscale(t.optimizers)  # 16-mixed: true gradients before clipping
+        t.precision.unscale(t.optimizer_set.optimizers)  # 16-mixed: true gradients before clipping
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), clip)
         elif t.config.trainer.log_grad_norm:
@@ -170,7 +178,7 @@ class StepStrategy(ABC):
             )
 
 
-def accumulate_micro_batches(trainer: Any, micro_batches: Sequence[Any], reduce: bool) -> float:
+def accumulate_micro_batches(trainer: LoopView, micro_batches: Sequence[Any], reduce: bool) -> float:
     """Forward and backward of each micro-batch, each loss divided by their number, so ``.grad``
     holds the gradient of their mean. ``reduce``: the last backward all-reduces it over ranks (the
     others run under ``no_sync()``); otherwise every one does and ``.grad`` stays this rank's.
@@ -188,7 +196,7 @@ def accumulate_micro_batches(trainer: Any, micro_batches: Sequence[Any], reduce:
     return step_loss
 
 
-def log_grad_norm(trainer: Any, norm: torch.Tensor) -> None:
+def log_grad_norm(trainer: LoopView, norm: torch.Tensor) -> None:
     """``trainer.log_grad_norm``: the step's global gradient norm (after the reduction over ranks,
     before clipping: the same on every rank) as ``train/grad_norm``, averaged over the logging window."""
     trainer.log("train/grad_norm", norm, on_step=True, on_epoch=False, batch_size=1)
@@ -217,7 +225,7 @@ class DataParallelSteps(MicroBatchSteps):
     """Plain data parallelism through our DDP: gradients accumulated locally under ``no_sync()``
     and averaged over ranks in the last micro-batch's backward."""
 
-    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+    def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         super().__init__(trainer, votes)
         ride_in_gradients(trainer.model, votes)
 
@@ -226,3 +234,13 @@ class DataParallelSteps(MicroBatchSteps):
 
     def take_votes(self) -> list[float] | None:
         return self.trainer.model.take_sideband()
+
+
+@contextlib.contextmanager
+def unused_parameters_named_as_config() -> Iterator[None]:
+    """DDP's refusal of a backward that left parameters without a gradient, with the config key
+    that turns on their detection instead of DDP's keyword."""
+    try:
+        yield
+    except UnusedParametersError as exc:
+        raise UnusedParametersError(exc.names, fix="set dist.find_unused_parameters=true") from None

@@ -40,53 +40,46 @@ import dataclasses
 import json
 import logging
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..comm import CommError
-from ..config import Config, ConfigError, default_output_dir, instantiate, max_time_seconds
-from ..data import DATASET_NAMES, DistributedSampler, prepare_dataset_files
-from ..ddp import DistributedDataParallel, UnusedParametersError
+from ..comm import CommError, ProcessGroup
+from ..config import Config, default_output_dir, max_time_seconds
+from ..data import DistributedSampler
+from ..ddp import DistributedDataParallel
 from ..launch.join import Membership
 from ..logs import follow_rank
 from ..rundir import RunDir
-from .building import agree_on_directory, join_job, wrap_model
+from .building import agree_on_directory, check_plugins_served, join_job, wrap_model
 from .callbacks import Callback
-from .callbacks import from_config as callbacks_from_config
 from .checkpoint import Checkpointer, TrainState
-from .data import default_dataset, first_samples, limit_datasets, make_batches, plan_epochs
+from .data import limit_datasets, make_batches, plan_epochs
 from .dataloaders import resolve_data_hooks
 from .dev_run import dev_run_batches, dev_run_config, remove_dev_run_dir
-from .elastic import ElasticTraining, MembershipChangeDue
+from .elastic import ElasticTraining, MembershipChange, MembershipChangeDue
 from .ema import EmaWeights
 from .evaluation import sanity_check, validation_pass
-from .global_batch_steps import SharedBatchSteps
-from .inference import run_predict, run_test
-from .invariant import InvariantSteps
-from .local_steps import LocalSteps
+from .hooks import TrainingHooks
+from .inference import run_dev_test, run_predict, run_test
 from .metrics import LoggedMetrics, SmokeCheckError, SmokeProbe, TrainingMetrics
-from .optimizers import OptimizerSet, build_optimizer, build_scheduler
+from .optimizers import OptimizerSet
 from .precision import Precision
 from .profiling import StepPhases
 from .rng import seed_everything, use_deterministic_algorithms
-from .steps import DataParallelSteps, StepStrategy
+from .steps import StepStrategy, unused_parameters_named_as_config
 from .stopping import GracefulStop
 from .summary import model_summary
-from .zero_steps import ZeroSteps
 
 __all__ = ["Trainer", "TrainState", "SmokeCheckError"]
 
 log = logging.getLogger("ddptrain.trainer")
 
 
-class Trainer:
+class Trainer(TrainingHooks):
     """Distributed data-parallel training of one model; subclass it for your task.
 
     The defaults build the model from ``config.model['_target_']``, the data from
@@ -144,116 +137,6 @@ class Trainer:
         self.phases = StepPhases()  # each step's phases, announced to listeners (ddptrain doctor)
         self._reset()
 
-    # == hooks for subclasses =====================================================================
-    @classmethod
-    def prepare_data(cls, config: Config) -> None:
-        """Make the data available once, before any worker starts (locate, decompress, fail early).
-
-        Runs in the launching process (or on every rank under an external launcher, so it must be
-        safe to run concurrently). The default finds and checks the files of the splits of
-        ``config.data.name`` that the default data hooks would read, without loading them
-        (``ddptrain.data.prepare_dataset_files``): a subclass that overrides ``train_dataloader``
-        (or ``val_dataloader``) brings its own data, and nothing is looked for.
-        """
-        for train, hooks in ((True, ("train_dataloader", "train_dataset")), (False, ("val_dataloader", "val_dataset"))):
-            if any(_overrides(cls, hook) for hook in hooks):
-                continue
-            if config.data.name not in DATASET_NAMES:
-                raise ConfigError(
-                    f"data.name={config.data.name!r} is not one of ddptrain's datasets ({', '.join(DATASET_NAMES)}); "
-                    f"to train on other data, override {hooks[1]} or {hooks[0]} in {cls.__name__}"
-                )
-            prepare_dataset_files(config.data.name, config.data.root, train=train, download=config.data.download)
-
-    def configure_model(self) -> nn.Module:
-        """The model to train (on CPU; ``fit`` moves it). Default: ``config.model['_target_'](**rest)``."""
-        return instantiate(self.config.model, "model", f"override {type(self).__name__}.configure_model")
-
-    def configure_optimizers(self, model: nn.Module):
-        """An optimizer, or ``(optimizer, scheduler)`` with a scheduler stepped per optimizer step.
-
-        Also accepted: several optimizers (each steps and zeroes its own parameters every step) and
-        Lightning's dict ``{"optimizer": ..., "lr_scheduler": {"scheduler": ..., "interval":
-        "step" | "epoch", "monitor": ...}}`` (``ReduceLROnPlateau`` included); see
-        :mod:`ddptrain.trainer.optimizers`. Anything else is refused with a ConfigError.
-        """
-        optimizer = build_optimizer(self.config.optimizer, model.parameters())
-        return optimizer, build_scheduler(self.config.optimizer, optimizer, self.total_steps)
-
-    def train_dataloader(self) -> Dataset | DataLoader:
-        """The training data: a Dataset, which every rank builds whole (ddptrain's
-        ``DistributedSampler`` picks this rank's share), or a DataLoader, whose sampler is replaced;
-        the rule is in :mod:`.dataloaders`. Default: ``config.data``'s training split."""
-        if _overrides(type(self), "train_dataset"):
-            return self.train_dataset()  # the name this hook had before 0.2
-        return default_dataset(self.config.data, train=True)
-
-    def val_dataloader(self) -> Dataset | DataLoader | None:
-        """The validation data, as ``train_dataloader`` (``None``: no evaluation). Default:
-        ``config.data``'s evaluation split (for MNIST its test split)."""
-        if _overrides(type(self), "val_dataset"):
-            return self.val_dataset()
-        return default_dataset(self.config.data, train=False)
-
-    def training_step(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """The loss of one micro-batch (a scalar). ``model`` is the DDP wrapper: call it.
-
-        The smoke check (``trainer.smoke_check``) also calls it with the bare module, in eval mode
-        and under ``no_grad``, to measure the loss on fixed samples before and after training.
-        """
-        inputs, targets = batch
-        return F.cross_entropy(model(inputs), targets)
-
-    def validation_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        """Per-sample metrics of one batch: ``{name: tensor of shape [batch]}``.
-
-        The Trainer drops padding duplicates and averages each metric over exactly the whole
-        validation set across ranks. ``model`` is the bare module, in eval mode, under no_grad.
-        """
-        inputs, targets = batch
-        logits = model(inputs)
-        return {
-            "loss": F.cross_entropy(logits, targets, reduction="none"),
-            "accuracy": (logits.argmax(dim=1) == targets).float(),
-        }
-
-    def test_dataloader(self) -> Dataset | DataLoader | None:
-        """The data of ``test()`` without an argument. Default: ``val_dataloader()``."""
-        if _overrides(type(self), "test_dataset"):
-            return self.test_dataset()
-        return self.val_dataloader()
-
-    def test_step(self, model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
-        """Per-sample metrics of one test batch, ``{name: tensor of shape [batch]}``. Default: ``validation_step``."""
-        return self.validation_step(model, batch)
-
-    def predict_step(self, model: nn.Module, batch: Any) -> Any:
-        """The outputs of one batch, one row per sample (a tensor, or a tuple/list/dict of tensors).
-
-        Default: ``model(inputs)``, the inputs being the batch's first entry when it is a tuple or list.
-        """
-        return model(batch[0] if isinstance(batch, (tuple, list)) else batch)
-
-    def configure_step_strategy(self, votes: Callable[[], list[float]]) -> StepStrategy:
-        """How a step's micro-batches become a parameter update (:mod:`.steps`), given this rank's
-        stop votes to carry in the step's reduction. Default: invariant mode's shards and exact sums
-        under ``trainer.world_size_invariant``, a global batch the members present share in an
-        elastic job (``trainer.elastic``), local SGD / DiLoCo under ``dist.sync``, ZeRO's
-        sharded optimizer under ``dist.zero_stage`` 1 or 2, else plain DDP. Called once per fit,
-        after the model, data and optimizers are built, and again in an elastic job after each
-        membership change (for the new group)."""
-        if self.config.trainer.world_size_invariant:
-            return InvariantSteps(self, votes)
-        if self.config.trainer.elastic:  # normal mode: the members present share each global batch
-            return SharedBatchSteps(self, votes)
-        if self.config.dist.sync != "every_step":
-            return LocalSteps(self, votes)
-        return ZeroSteps(self, votes) if self.config.dist.zero_stage else DataParallelSteps(self, votes)
-
-    def configure_callbacks(self) -> list[Callback]:
-        """The built-in callbacks the config asks for: progress, TensorBoard, checkpoints."""
-        return callbacks_from_config(self.config.trainer)
-
     # == the loop =================================================================================
     def fit(self) -> dict[str, Any]:
         """Train to the end; the final metrics on every rank.
@@ -280,7 +163,10 @@ class Trainer:
             self.setup()  # model in DDP, data, optimizer, callbacks; resumed if asked
             joined_late = self.elastic is not None and self.elastic.joined_late
             if joined_late:  # admitted into a running elastic job: the state comes from a peer
-                self._go_on_from_agreed_state(None, time.monotonic(), "newcomers waiting", regroup=False)
+                change = self.elastic.go_on_from_agreed_state(
+                    self, None, time.monotonic(), "newcomers waiting", regroup=False
+                )
+                self._after_membership_change(change)
             self._call("on_fit_start")
             if not joined_late:  # (the members it joins are past these collectives)
                 self._sanity_check()  # a few validation batches: a broken validation_step fails now
@@ -293,12 +179,13 @@ class Trainer:
                 except (CommError, MembershipChangeDue) as exc:
                     if self.elastic is None:
                         raise
-                    self._change_membership(exc)  # then the epoch goes on from the agreed step
+                    change = self.elastic.change_membership(self, exc, self._step_started)
+                    self._after_membership_change(change)  # then the epoch goes on from the agreed step
             final = self._finish(time.perf_counter() - fit_start)
             if self.elastic is not None and self.is_main:
                 self.elastic.membership.finish()  # a restarted worker still waiting to be admitted leaves
             if dev_run_batches(self.config):
-                final.update(self._dev_run_test())
+                final.update(run_dev_test(self, dev_run_batches(self.config)))
                 remove_dev_run_dir(self.config)  # a dev run that worked leaves nothing (each rank its own)
             return final
         except BaseException as exc:
@@ -323,7 +210,7 @@ class Trainer:
         self.model.train()
         for micro_batches in self.phases.batches(self.strategy.batches()):  # phases: profiler labels, the doctor
             self._step_started = time.monotonic()  # an elastic change counts the seconds lost from here
-            with self.phases.span("forward_backward"), _unused_parameters_named_as_config():
+            with self.phases.span("forward_backward"), unused_parameters_named_as_config():
                 loss = self.forward_backward(micro_batches)
             with self.phases.span("optimizer_step"):
                 self.optimizer_step()
@@ -358,8 +245,6 @@ class Trainer:
         invariant mode: this rank's shards). The strategy's
         (:meth:`.steps.StepStrategy.forward_backward`): plain DDP averages the micro-batches'
         gradients in the last one's backward."""
-        if self._old_train_step:
-            return self.train_step(micro_batches)  # the name this seam had before 0.2
         return self.strategy.forward_backward(micro_batches)
 
     def optimizer_step(self) -> None:
@@ -479,9 +364,7 @@ class Trainer:
         self.optimizers, self.optimizer = self.optimizer_set.optimizers, self.optimizer_set.optimizer
         self.scheduler = self.optimizer_set.scheduler
         self.callbacks = [*self.configure_callbacks(), *self.extra_callbacks]
-        _check_implemented(cfg, self.callbacks, type(self).__name__)
-        _warn_renamed_hooks(type(self))
-        self._old_train_step = _overrides(type(self), "train_step")  # looked up once, not every step
+        check_plugins_served(cfg, self.callbacks, type(self).__name__)
         self.strategy = self.configure_step_strategy(self._stop_votes)  # picked once; the loop never asks which
         self.checkpointer = Checkpointer.of(self)
         if self.elastic is None or not self.elastic.joined_late:  # a newcomer gets the state from a peer
@@ -493,36 +376,7 @@ class Trainer:
             self.smoke_probe.start(self.metrics, self.state.step, self.model.module)
 
     # == elastic jobs (trainer.elastic; the sequence: ddptrain/trainer/elastic.py) =================
-    def _change_membership(self, cause: BaseException) -> None:
-        """A survivor's side of a membership change: keep the state in memory, agree on the new
-        generation, bind to its group, go on from the agreed state. The seconds lost count from
-        the start of the step in flight (a failure), or from now (newcomers admitted)."""
-        started = self._step_started if isinstance(cause, CommError) else time.monotonic()
-        mine = self.elastic.with_membership(self.checkpointer.state_dict(gather_rng=False))  # before any rebinding
-        reason = str(cause).splitlines()[0][:200] if str(cause) else type(cause).__name__
-        self._go_on_from_agreed_state(mine, started, reason, regroup=True)
-
-    def _go_on_from_agreed_state(self, mine: dict[str, Any] | None, started: float, reason: str, regroup: bool) -> None:
-        """Regroup (unless this member was just admitted, its group bound by ``setup``), bind to
-        the new group, take the agreed state. A member lost during the change itself (a
-        ``CommError`` in the new group's collectives) ends that generation too: the members agree
-        on the next one, as often as it takes. ``mine`` is a copy, so a rebinding cut short
-        leaves it as it was; on a newcomer (None) the agreed state overwrites what it built."""
-        while True:
-            try:
-                if regroup:
-                    self._bind_to_group(self.elastic.regroup())  # Fenced: this member was left out, and exits
-                self._take_state(mine, started, reason)
-                return
-            except CommError as exc:
-                log.warning(
-                    "elastic: generation %d broke up during the change (%s); agreeing on the next",
-                    self.elastic.generation.number,
-                    str(exc).splitlines()[0][:200],
-                )
-                regroup = True
-
-    def _bind_to_group(self, group) -> None:
+    def bind_to_group(self, group: ProcessGroup) -> None:
         """Rebuild what belongs to the old group for ``group``: the ranks, the run directory's
         agreement, the DDP wrapper, the samplers and step counts, the step strategy, the
         checkpointer. The collectives are ``setup``'s, in its order (a newcomer runs ``setup``)."""
@@ -540,18 +394,12 @@ class Trainer:
         self.checkpointer.keep_step_checkpoints(old.steps_dir, old.keep_last)
         self.checkpointer.last_saved = old.last_saved
 
-    def _take_state(self, mine: dict[str, Any] | None, started: float, reason: str) -> None:
-        """Every member of a new generation: load the state the members agreed on (collective),
-        record the change (in the history that came with the state), tell the callbacks."""
-        state, source = self.elastic.agree_on_state(self.process_group, mine)
-        self.checkpointer.load_state_dict(state, f"<rank {source}'s memory>", allow_world_size_change=True)
-        self.metrics.start_window()  # a window of the old group's steps would be summed unevenly
-        change = self.elastic.record(state, self.state.step, reason, round(time.monotonic() - started, 3))
-        if self.is_main:
-            log.warning("%s", change.describe())
+    def _after_membership_change(self, change: MembershipChange) -> None:
+        """Tell the callbacks; below ``dist.min_world_size``, stop with a checkpoint (the CLI exits
+        1, saying how to resume)."""
         self._call("on_membership_change", change)
         minimum = self.config.dist.min_world_size
-        if self.world_size < minimum:  # fit ends now, with a checkpoint (the CLI exits 1, saying how to resume)
+        if self.world_size < minimum:
             self.stopped_by = "dist.min_world_size"
             if self.is_main:
                 log.error(
@@ -753,20 +601,6 @@ class Trainer:
             if self.is_main:
                 log.info("sanity check: validation_step ran on %d batch(es) per rank", done)
 
-    def _dev_run_test(self) -> dict[str, Any]:
-        """``trainer.fast_dev_run``'s test pass: ``test_step`` on N batches per rank; what ran."""
-        n, data = dev_run_batches(self.config), self.test_dataloader()
-        tested: dict[str, float] = {}
-        if data is not None:
-            if isinstance(data, DataLoader):
-                batch_size = data.batch_size or self.config.data.eval_batch_size
-                head = first_samples(data.dataset, n * self.world_size * batch_size)
-                data = DataLoader(head, batch_size=batch_size, collate_fn=data.collate_fn)
-            else:
-                data = first_samples(data, n * self.world_size * self.config.data.eval_batch_size)
-            tested = run_test(self, data, None, write=False)
-        return {"fast_dev_run": {"batches": n, "tested": bool(tested)}, **tested}
-
     def _evaluate_once(self) -> dict[str, float]:
         """The evaluation of the current step: the one already done (``eval_every_steps``), else a new one."""
         if self.metrics.last_eval_step == self.state.step:
@@ -780,79 +614,3 @@ class Trainer:
         scalars.update(self.optimizer_set.learning_rates())  # every optimizer's and group's, when several
         self.callback_metrics.update(scalars)
         return scalars
-
-    # == the hooks' names before 0.2 (see _RENAMED_HOOKS): the defaults, for super() calls ======
-    def train_dataset(self) -> Dataset:
-        """Old name of :meth:`train_dataloader`; its default (``config.data``'s training split)."""
-        return default_dataset(self.config.data, train=True)
-
-    def val_dataset(self) -> Dataset | None:
-        """Old name of :meth:`val_dataloader`; its default."""
-        return default_dataset(self.config.data, train=False)
-
-    def test_dataset(self) -> Dataset | DataLoader | None:
-        """Old name of :meth:`test_dataloader`; its default (``val_dataloader()``)."""
-        return self.val_dataloader()
-
-    def train_step(self, micro_batches: Any) -> float:
-        """Old name of :meth:`forward_backward`; its default (the strategy's)."""
-        return self.strategy.forward_backward(micro_batches)
-
-
-@contextlib.contextmanager
-def _unused_parameters_named_as_config() -> Iterator[None]:
-    """DDP's refusal of a backward that left parameters without a gradient, with the config key
-    that turns on their detection instead of DDP's keyword."""
-    try:
-        yield
-    except UnusedParametersError as exc:
-        raise UnusedParametersError(exc.names, fix="set dist.find_unused_parameters=true") from None
-
-
-# Config keys whose work a plug-in callback does (``Callback.implements``); the runner adds them.
-_PLUGGED_KEYS = {
-    "trainer.doctor": lambda cfg: cfg.trainer.doctor,
-    "trainer.lr_find": lambda cfg: cfg.trainer.lr_find,
-    "dist.bucket_cap_mb=auto": lambda cfg: cfg.dist.bucket_cap_mb == "auto",
-}
-
-
-def _check_implemented(config: Config, callbacks: Sequence[Callback], trainer_name: str) -> None:
-    """Refuse a config that asks for a plug-in (``trainer.doctor``...) none of ``callbacks`` implements."""
-    served = {key for callback in callbacks for key in getattr(callback, "implements", ())}
-    missing = [key for key, asked in _PLUGGED_KEYS.items() if asked(config) and key not in served]
-    if missing:
-        raise ConfigError(
-            f"{' and '.join(missing)}: plug-in callbacks do that; ddptrain.run and the command line add "
-            f"them. Calling fit() yourself, pass them: {trainer_name}(config, "
-            "callbacks=ddptrain.plugin_callbacks(config))"
-        )
-
-
-# == the names hooks had before 0.2 ================================================================
-# A subclass that still overrides an old name keeps working (the new hook calls it) and is told
-# the new name once; the old names on Trainer serve ``super().<old name>()`` calls.
-_RENAMED_HOOKS = {
-    "train_dataset": "train_dataloader",
-    "val_dataset": "val_dataloader",
-    "test_dataset": "test_dataloader",
-    "train_step": "forward_backward",
-}
-_warned_classes: set[type] = set()
-
-
-def _overrides(cls: type, hook: str) -> bool:
-    return getattr(cls, hook) is not getattr(Trainer, hook)
-
-
-def _warn_renamed_hooks(cls: type) -> None:
-    old = [name for name in _RENAMED_HOOKS if _overrides(cls, name)]
-    if old and cls not in _warned_classes:
-        _warned_classes.add(cls)
-        renames = ", ".join(f"{name}() is now {_RENAMED_HOOKS[name]}()" for name in old)
-        warnings.warn(
-            f"{cls.__name__} overrides the old hook name(s): {renames} (a data hook may return a Dataset "
-            "or a DataLoader). It still works; rename the method(s).",
-            FutureWarning,
-            stacklevel=3,
-        )

@@ -27,6 +27,7 @@ from ..config import ConfigError
 from ..ddp.comm_hooks import COMPRESSIONS
 from ..ddp.zero import ZeroOptimizer
 from .steps import DataParallelSteps, log_grad_norm
+from .view import LoopView
 
 __all__ = ["ZeroSteps"]
 
@@ -36,18 +37,20 @@ log = logging.getLogger("ddptrain.trainer")
 class ZeroSteps(DataParallelSteps):
     """Plain DDP's forward and backward, a ZeRO update (see the module docstring)."""
 
-    def __init__(self, trainer: Any, votes: Callable[[], list[float]]):
+    def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         super().__init__(trainer, votes)
         dist = trainer.config.dist
-        if len(trainer.optimizers) != 1:
+        if len(trainer.optimizer_set.optimizers) != 1:
             raise ConfigError(
                 f"dist.zero_stage={dist.zero_stage} shards one optimizer, and configure_optimizers returned "
-                f"{len(trainer.optimizers)}: return a single optimizer (parameter groups may differ in "
+                f"{len(trainer.optimizer_set.optimizers)}: return a single optimizer (parameter groups may differ in "
                 "hyper-parameters), or train with dist.zero_stage=0"
             )
         try:
             reduce_dtype = COMPRESSIONS[dist.grad_compression][0] if dist.grad_compression != "none" else None
-            self.zero = ZeroOptimizer(trainer.model, trainer.optimizer, dist.zero_stage, dist.algorithm, reduce_dtype)
+            self.zero = ZeroOptimizer(
+                trainer.model, trainer.optimizer_set.optimizer, dist.zero_stage, dist.algorithm, reduce_dtype
+            )
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         held = sum(hi - lo for ranges in self.zero.shard_gradient_elements().values() for lo, hi in ranges)

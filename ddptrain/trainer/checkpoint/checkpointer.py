@@ -56,6 +56,7 @@ from ..optimizers import OptimizerSet
 from ..precision import Precision
 from ..rng import capture_rng_state, restore_rng_state, seed_everything
 from ..steps import StepStrategy
+from ..view import LoopView
 from .files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -225,7 +226,7 @@ class Checkpointer:
         self._saved_position: tuple[int, int, int] | None = None  # the position last_saved holds
 
     @classmethod
-    def of(cls, trainer: Any) -> Checkpointer:
+    def of(cls, trainer: LoopView) -> Checkpointer:
         """The checkpointer of a ``Trainer`` whose ``setup`` built its model, data and optimizer."""
         return cls(
             model=trainer.model.module,

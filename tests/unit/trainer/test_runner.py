@@ -74,7 +74,7 @@ def test_an_elastic_job_under_another_launcher_is_refused_where_that_launcher_wo
     ):
         run(Config.from_dict(store))
     _as_mpi_rank(monkeypatch)  # mpirun ends the whole job when one rank dies
-    with pytest.raises(ConfigError, match=r"trainer.elastic=true cannot run under mpirun: MPI ends the whole job"):
+    with pytest.raises(ConfigError, match=r"elastic=true cannot be combined with mpirun: an MPI job cannot lose"):
         run(Config.from_dict(store))
     _outside_any_launcher(monkeypatch)
     with pytest.raises(
@@ -110,7 +110,7 @@ def test_a_dataset_name_the_default_data_hooks_cannot_read_is_refused_before_any
     with pytest.raises(
         ConfigError,
         match=r"data.name='cifar10' is not one of ddptrain's datasets \(mnist, fashion_mnist, synthetic\); "
-        r"to train on other data, override train_dataset or train_dataloader in Trainer",
+        r"to train on other data, override train_dataloader in Trainer",
     ):
         run(config)
 

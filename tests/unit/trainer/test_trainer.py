@@ -170,44 +170,6 @@ def test_a_launcher_without_a_rendezvous_address_is_a_config_error(tmp_path, mon
     assert not comm.is_initialized()
 
 
-def test_the_hooks_old_names_still_work_and_say_the_new_ones_once(tmp_path):
-    """A subclass written against the names before 0.2 (train_dataset, val_dataset, train_step,
-    each calling super()) trains on its own data through its own seam, and is told once."""
-
-    class OldNames(Trainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.seen = []
-
-        def train_dataset(self):
-            self.seen.append("train_dataset")
-            return _task(20, 0)
-
-        def val_dataset(self):
-            self.seen.append("val_dataset")
-            return _task(13, 1)
-
-        def train_step(self, micro_batches):
-            self.seen.append("train_step")
-            return super().train_step(micro_batches)
-
-    with pytest.warns(FutureWarning) as caught:
-        metrics = OldNames(_config(tmp_path / "a", epochs=1)).fit()
-    messages = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
-    assert len(messages) == 1, messages
-    renamed = {"train_dataset": "train_dataloader", "val_dataset": "val_dataloader", "train_step": "forward_backward"}
-    for old, new in renamed.items():
-        assert f"{old}() is now {new}()" in messages[0], messages[0]
-    assert metrics["step"] == 2 and "eval/accuracy" in metrics  # 20 samples in steps of 10, evaluated on 13
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", FutureWarning)  # told once per class
-        trainer = OldNames(_config(tmp_path / "b", epochs=1))
-        trainer.fit()
-    assert trainer.seen.count("train_step") == 2 and {"train_dataset", "val_dataset"} <= set(trainer.seen)
-
-
 class ZeroLrTrainer(TinyTrainer):
     """Learns nothing: its optimizer has learning rate 0 (``validate`` refuses that in a config)."""
 
