@@ -23,7 +23,8 @@ def _layers() -> list[tuple[str, list[str]]]:
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) == 3 and cells[1].startswith("`ddptrain"):
             paths = re.findall(r"`(ddptrain[\w/.]*)`", cells[1])
-            rows.append((cells[0], [p.rstrip("/").removesuffix(".py").replace("/", ".") for p in paths]))
+            names = [p.rstrip("/").removesuffix(".py").replace("/", ".").removesuffix(".__init__") for p in paths]
+            rows.append((cells[0], names))
     return rows
 
 
@@ -53,7 +54,9 @@ def test_no_module_imports_a_layer_above_its_own():
         mine = level[_owner(module)]
         for target in _imports(module, tree, known):
             if level[_owner(target)] < mine:
-                upward.append(f"{module} ({_layers()[mine][0]}) imports {target} ({_layers()[level[_owner(target)]][0]})")
+                upward.append(
+                    f"{module} ({_layers()[mine][0]}) imports {target} ({_layers()[level[_owner(target)]][0]})"
+                )
     assert upward == [], "\n".join(sorted(upward))
 
 
