@@ -20,7 +20,8 @@ from typing import Any
 
 from torch import nn
 
-from .config import Config, ConfigError, locate
+from .config import Config, ConfigError
+from .objects import locate
 from .trainer.checkpoint import find_checkpoint, load_checkpoint, model_weights
 
 __all__ = ["load_model", "find_checkpoint", "model_weights"]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from .config import Config, ConfigError, check_fields, check_precision
+from .config import Config, ConfigError, check_device_name, check_fields
 from .modes import check_config
 
 __all__ = [
@@ -24,18 +24,22 @@ __all__ = [
 ]
 
 
-def validate(config: Config, world_size: int) -> None:
-    """Check the config against the job (world size, machine) before any process starts.
+def validate(config: Config, world_size: int, local_world_size: int | None = 1) -> None:
+    """Check the config against the job (``world_size`` ranks, ``local_world_size`` of them on
+    this machine) before any process starts: every field's rule, every mode's and feature's
+    rules, the batch split, the device. :func:`ddptrain.run` calls it once per job, in the
+    process that starts the ranks (or in each rank, under an external launcher).
+    ``local_world_size=None``: leave the device to each rank's join (``join_job`` checks it there).
 
     Raises:
         ConfigError: the first problem found, naming the knob and the fix.
     """
     check_fields(config)
     _positive("dist.world_size", world_size)  # the job's: an external launcher's wins over the key
-    check_precision(config.trainer.precision, config.trainer.device)
     check_config(config, world_size)  # every mode's and feature's rules, each written by its owner
     per_rank_batch_size(config, world_size)
-    check_device(config)
+    if local_world_size is not None:
+        check_device(config, local_world_size)
 
 
 def job_world_size(config: Config, launcher_world_size: int | None) -> int:
@@ -97,11 +101,7 @@ def check_device(config: Config, local_world_size: int = 1) -> None:
                 "use dist.backend=gloo for CPU training"
             )
         return
-    if device != "cuda":
-        raise ConfigError(
-            f"trainer.device={device!r}: use 'cpu' or 'cuda' (each rank then takes "
-            "cuda:{local_rank % device_count}; pick GPUs with CUDA_VISIBLE_DEVICES)"
-        )
+    check_device_name(device)  # the field's rule: a script's fit() may not have run check_fields
     import torch
 
     if not torch.cuda.is_available():

@@ -22,14 +22,15 @@ from pathlib import Path
 from typing import Any
 
 from . import envvars
-from .config import Config, ConfigError, default_output_dir, locate
+from .config import Config, ConfigError, default_output_dir
 from .launch import MpiexecNotFoundError, WorkerFailedError, forkserver, launch
 from .launch.env import ClusterEnvironment, detect_environment, threads_per_rank
 from .launch.spawn import spawn_elastic, spawn_workers
 from .logs import setup_logging
 from .modes import refuse
 from .modes.builtin import ELASTIC_REFUSES_MPI
-from .preflight import check_device, job_world_size, resolve_backend, validate
+from .objects import locate
+from .preflight import job_world_size, resolve_backend, validate
 from .rundir import RunDir
 
 __all__ = ["run", "prepare_job", "load_trainer_class", "plugin_callbacks"]
@@ -72,13 +73,12 @@ def run(config: Config) -> dict[str, Any] | None:
     """
     env = detect_environment()
     if env.is_launched_externally():
+        validate(config, job_world_size(config, env.world_size), None)  # the device: as the rank joins
         from .trainer.dev_run import dev_run_config
 
         cls = load_trainer_class(config)
         config = dev_run_config(config)
         _check_launcher(config, env)
-        validate(config, job_world_size(config, env.world_size))
-        check_device(config, env.local_world_size)
         cls.prepare_data(config)  # every rank: dataset caches are written atomically
         return (_run_elastic_rank if config.trainer.elastic else _run_rank)(env.rank, env.world_size, config)
     if config.launcher.name != "local":
@@ -94,6 +94,7 @@ def run(config: Config) -> dict[str, Any] | None:
             "the local launcher serves the elastic job's store itself. Drop dist.elastic_store, or start the workers "
             "with torchrun (one per host, --nnodes=1) or srun"
         )
+    validate(config, config.dist.world_size, config.dist.world_size)  # here: torch-free, before any fork
     config = _checked_in_a_preloaded_process(config)
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
     if config.trainer.elastic:  # a lost worker is restarted alone, and rejoins the others
@@ -118,8 +119,9 @@ def run(config: Config) -> dict[str, Any] | None:
 
 
 def prepare_job(config: Config) -> Config:
-    """Everything the local launcher checks and prepares before it starts the workers; the
-    config the workers get (``trainer.fast_dev_run``'s limits, the run directory filled in).
+    """Everything the local launcher checks and prepares before it starts the workers, past the
+    config's own rules (:func:`run` validated it); the config the workers get
+    (``trainer.fast_dev_run``'s limits, the run directory filled in).
 
     Loads the trainer class and the model's class (a typo fails here, once, not once per rank),
     checks the device and the checkpoint to resume from, and runs the trainer's ``prepare_data``
@@ -137,8 +139,6 @@ def prepare_job(config: Config) -> Config:
         )
     setup_logging(None, config.trainer.output_dir)  # what the checks log goes to the run's log too
     world_size = config.dist.world_size
-    validate(config, world_size)
-    check_device(config, world_size)
     if config.model.get("_target_"):
         locate(config.model["_target_"], "model._target_")
     from .trainer.checkpoint import preflight_resume

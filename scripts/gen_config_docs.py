@@ -1,4 +1,4 @@
-"""Write docs/configuration.md from the schema (``ddptrain/config.py``'s dataclasses and their
+"""Write docs/configuration.md from the schema (``ddptrain/config/``'s dataclasses and their
 attribute docstrings). ``tests/unit/cli/test_configuration_doc.py`` fails when it is out of date.
 
     .venv/bin/python scripts/gen_config_docs.py

@@ -453,7 +453,6 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
         )
         return _error(message, EXIT_BAD_CONFIG), True
     from ..config import ConfigError
-    from ..preflight import job_world_size, validate
     from .app import to_config
 
     full_error = envvars.get_flag("DDPTRAIN_FULL_ERROR") or os.environ.get("HYDRA_FULL_ERROR") == "1"
@@ -462,9 +461,6 @@ def _run_job(cfg: Any, run_dir: str | None, sweep: bool, argv: list[str]) -> tup
     before_start = not env.is_launched_externally()
     try:
         config = to_config(cfg, run_dir)
-        # The config's own rules first, before torch is imported: a value error answers in a
-        # fraction of a second. run() checks again, for callers of the Python API.
-        validate(config, job_world_size(config, env.world_size if env.is_launched_externally() else None))
     except ConfigError as exc:
         if full_error:
             raise

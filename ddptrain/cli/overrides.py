@@ -221,7 +221,7 @@ def configuration_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from the schema (`ddptrain/config.py`) by `.venv/bin/python scripts/gen_config_docs.py`;",
+        "Generated from the schema (`ddptrain/config/`) by `.venv/bin/python scripts/gen_config_docs.py`;",
         "a test fails when it is out of date. The same text, for one key or section, comes from",
         "`python -m ddptrain --help trainer.max_steps` or `python -m ddptrain --help trainer`. Defaults are",
         "the schema's; a recipe (`recipe=mnist`) may change them: `python -m ddptrain recipe=mnist --cfg job`",

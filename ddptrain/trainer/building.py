@@ -9,13 +9,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
 from ..comm.objects import broadcast_object
 from ..comm.process_group import ProcessGroup
 from ..comm.ring import RingAllReducer
-from ..config import Config, ConfigError
+from ..config import DEFAULT_BUCKET_CAP_MB, Config, ConfigError, DistConfig
 from ..ddp import DistributedDataParallel, ring_allreduce_hook
 from ..ddp.comm_hooks import COMPRESSIONS
 from ..launch.env import detect_environment
@@ -24,7 +25,7 @@ from ..logs import setup_logging
 from ..preflight import check_device, resolve_backend
 from .callbacks import Callback
 
-__all__ = ["join_job", "agree_on_directory", "wrap_model", "check_plugins_served"]
+__all__ = ["join_job", "agree_on_directory", "ddp_options", "wrap_model", "check_plugins_served"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -73,6 +74,17 @@ def agree_on_directory(process_group: ProcessGroup, mine: str) -> Path:
     return chosen
 
 
+def ddp_options(dist: DistConfig) -> dict[str, Any]:
+    """The keyword arguments of ``DistributedDataParallel`` that the ``dist.*`` settings choose."""
+    return {
+        "bucket_cap_mb": DEFAULT_BUCKET_CAP_MB if dist.bucket_cap_mb == "auto" else float(dist.bucket_cap_mb),
+        # local_sgd/diloco: no collective per forward; buffers are averaged at each outer step
+        "broadcast_buffers": dist.broadcast_buffers and dist.sync == "every_step",
+        "find_unused_parameters": dist.find_unused_parameters,
+        "gradient_as_bucket_view": dist.gradient_as_bucket_view,
+    }
+
+
 def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -> DistributedDataParallel:
     """``module`` (already on its device, compiled in place under ``trainer.compile``) in our DDP,
     with the ring comm hook if ``dist.algorithm=ring``
@@ -82,7 +94,7 @@ def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -
     if config.trainer.compile:
         module.compile()  # in place: forward is compiled, parameters and state dict keys stay the module's
         log.info("model compiled with torch.compile (trainer.compile); the first steps include the compilation")
-    model = DistributedDataParallel(module, process_group=process_group, **dist.ddp_options())
+    model = DistributedDataParallel(module, process_group=process_group, **ddp_options(dist))
     if dist.zero_stage:
         return model
     if dist.algorithm == "ring":

@@ -17,9 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..config import Config, ConfigError, instantiate
+from ..config import Config, ConfigError
 from ..data import DATASET_NAMES, prepare_dataset_files
 from ..modes import mode_of
+from ..objects import instantiate
 from .callbacks import Callback
 from .callbacks import from_config as callbacks_from_config
 from .data import default_dataset

@@ -30,7 +30,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from ..config import OPTIMIZERS, ConfigError, OptimizerConfig
+from ..config import OPTIMIZERS, ConfigError, OptimizerConfig, check_betas
 from .monitoring import missing_metric_error
 
 __all__ = ["OptimizerSet", "Schedule", "INTERVALS", "build_optimizer", "build_scheduler"]
@@ -278,9 +278,7 @@ def build_optimizer(config: OptimizerConfig, params: Iterable[torch.nn.Parameter
         return torch.optim.SGD(
             params, lr=config.lr, momentum=config.momentum, nesterov=config.nesterov, weight_decay=config.weight_decay
         )
-    betas = tuple(float(b) for b in config.betas)
-    if len(betas) != 2:
-        raise ConfigError(f"optimizer.betas={list(config.betas)} must hold two numbers")
+    betas = check_betas("optimizer.betas", config.betas)  # the field's rule (a script may not have validated)
     if config.name == "adam":
         return torch.optim.Adam(params, lr=config.lr, betas=betas, weight_decay=config.weight_decay)
     if config.name == "adamw":

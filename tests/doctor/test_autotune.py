@@ -9,6 +9,7 @@ from ddptrain.ddp.buckets import MB
 from ddptrain.doctor.autotune import STEPS_PER_CAP, BucketAutotune, candidate_caps
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
+from ddptrain.trainer.building import ddp_options
 from tests.doctor.tasks import DoctorTask, doctor_config
 
 
@@ -76,7 +77,7 @@ def test_bucket_cap_accepts_auto_and_numbers_and_refuses_the_rest():
         config = Config.from_dict({"dist": {"bucket_cap_mb": value}})
         validate(config, 2)
         expected = 25.0 if value == "auto" else float(value)
-        assert config.dist.ddp_options()["bucket_cap_mb"] == expected
+        assert ddp_options(config.dist)["bucket_cap_mb"] == expected
     for value in ("fast", -1, True):
         with pytest.raises(ConfigError, match="dist.bucket_cap_mb=.* must be a number of MiB >= 0, or auto"):
             validate(Config.from_dict({"dist": {"bucket_cap_mb": value}}), 2)

@@ -174,9 +174,10 @@ def _session_processes(sid: int) -> list[str]:
 
 
 def _start_tiny_job(tmp_path: Path, steps: int = 100_000) -> subprocess.Popen:
-    # Far more steps than the test waits for: the signal must land before the job could end.
+    # Far more steps (and epochs: TINY's epoch is 4 steps) than the test waits for: the signal must
+    # land before the job could end.
     return subprocess.Popen(
-        [PYTHON, "-m", "ddptrain", *TINY, f"trainer.max_steps={steps}"],
+        [PYTHON, "-m", "ddptrain", *TINY, f"trainer.max_steps={steps}", f"trainer.epochs={steps}"],
         cwd=tmp_path,
         env=cli_env(),
         stdout=subprocess.PIPE,

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from ddptrain import Config, ConfigError, Trainer
-from ddptrain.config import instantiate
+from ddptrain.objects import instantiate
 from ddptrain.testing import run_threaded
 from tests.conftest import merged
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from ...config import ConfigError, TrainerConfig, instantiate
+from ...config import ConfigError, TrainerConfig
+from ...objects import instantiate
 from .base import Callback, TrainerView
 from .best import BestCheckpoints
 from .checkpoint import CheckpointCallback

@@ -18,7 +18,7 @@ def test_a_key_shows_its_type_default_and_docstring():
 
 def test_a_section_lists_every_key_nested_sections_included():
     text, _ = describe_topic("optimizer", OPTIONS)
-    assert "optimizer.betas (list, default: [0.9, 0.999])" in text
+    assert "optimizer.betas (list, two numbers in [0, 1), default: [0.9, 0.999])" in text
     assert "optimizer.scheduler.warmup_steps (int, >= 0, default: 0)" in text
     assert "Options (optimizer=<name>, each sets several keys): adamw, sgd." in text
 
