@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from ddptrain.config import Config, ConfigError, TrainerConfig, check_fields, max_time_seconds
+from ddptrain.config import Config, ConfigError, TrainerConfig, check_fields, field_type_text, max_time_seconds
 from ddptrain.preflight import per_rank_batch_size, resolve_backend, validate
 
 
@@ -215,3 +215,26 @@ def test_a_batch_limit_outside_its_range_is_refused_with_the_rule(value):
     rule = r"must be a number of batches \(an integer >= 1\), a fraction of the epoch in \(0, 1\]"
     with pytest.raises(ConfigError, match=rule):
         _trainer_check(limit_train_batches=value)
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({"optimizer": {"betas": [0.9]}}, r"optimizer.betas=\[0.9\] must hold two numbers in \[0, 1\)"),
+        ({"optimizer": {"betas": [1.0, 0.999]}}, r"optimizer.betas=\[1.0, 0.999\] must hold two numbers"),
+        ({"trainer": {"device": "tpu"}}, r"trainer.device='tpu': use 'cpu' or 'cuda'"),
+        ({"trainer": {"precision": "8-mixed"}}, r"trainer.precision='8-mixed' is not one of 32, bf16-mixed"),
+        ({"trainer": {"precision": "16-mixed"}}, r"trainer.precision=16-mixed needs trainer.device=cuda"),
+    ],
+)
+def test_the_rules_of_precision_device_and_betas_sit_on_their_fields(section, message):
+    """check_fields alone (the schema, no job) refuses them: each rule is written on its field."""
+    with pytest.raises(ConfigError, match=message):
+        check_fields(Config.from_dict(section))
+
+
+def test_a_checked_fields_rule_is_shown_with_its_type():
+    fields = {f.name: f for f in dataclasses.fields(TrainerConfig)}
+    assert field_type_text(fields["precision"]) == "str, 32, bf16-mixed or 16-mixed (CUDA)"
+    assert field_type_text(fields["device"]) == "str, cpu or cuda"
+    check_fields(Config.from_dict({"trainer": {"precision": "bf16"}, "optimizer": {"betas": [0.0, 0.5]}}))
