@@ -1,17 +1,20 @@
-"""What ``Trainer.fit`` builds before its first step: its place in the job, the run directory,
-the model inside our DDP.
+"""What ``Trainer.fit`` builds before its first step: its place in the job, this rank's seed
+and precision, the run directory, the model inside our DDP, the datasets of the data hooks.
 
-Functions here take the trainer (or its parts) and return what it stores; they hold no state.
+Functions here take the trainer's parts and return what it stores; they hold no state.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from ..comm.objects import broadcast_object
 from ..comm.process_group import ProcessGroup
@@ -24,8 +27,23 @@ from ..launch.join import Membership, RendezvousError, join_process_group
 from ..logs import setup_logging
 from ..preflight import check_device, resolve_backend
 from .callbacks import Callback
+from .data import limit_datasets
+from .dataloaders import resolve_data_hooks
+from .precision import Precision
+from .rng import seed_everything, use_deterministic_algorithms
+from .summary import model_summary
 
-__all__ = ["join_job", "agree_on_directory", "ddp_options", "wrap_model", "check_plugins_served"]
+__all__ = [
+    "join_job",
+    "prepare_rank",
+    "agree_on_directory",
+    "ddp_options",
+    "wrap_model",
+    "build_model",
+    "FitData",
+    "load_data",
+    "check_plugins_served",
+]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -123,3 +141,47 @@ def check_plugins_served(config: Config, callbacks: Sequence[Callback], trainer_
             f"them. Calling fit() yourself, pass them: {trainer_name}(config, "
             "callbacks=ddptrain.plugin_callbacks(config))"
         )
+
+
+def prepare_rank(config: Config, device: torch.device, rank: int) -> Precision:
+    """This rank's determinism (``trainer.deterministic``) and seed (``trainer.seed + rank``: the
+    dropout masks differ per rank, DDP makes the weights equal), and its precision policy
+    (autocast, the gradient scaler), before anything random is built."""
+    if config.trainer.deterministic:
+        use_deterministic_algorithms(device)
+    seed_everything(config.trainer.seed + rank)
+    return Precision(config.trainer.precision, device)
+
+
+def build_model(
+    module: nn.Module, config: Config, device: torch.device, process_group: ProcessGroup, is_main: bool
+) -> DistributedDataParallel:
+    """``module`` on ``device``, in our DDP (:func:`wrap_model`); rank 0 logs its summary
+    (``trainer.model_summary``), one record per line so that every line of train.log keeps its prefix."""
+    model = wrap_model(module.to(device), config, process_group)
+    if config.trainer.model_summary and is_main:
+        for line in ["model summary:", *model_summary(model.module).splitlines()]:
+            log.info("%s", line)
+    return model
+
+
+@dataclass(frozen=True)
+class FitData:
+    """The datasets of the data hooks, as a fit trains and validates on them."""
+
+    train_set: Dataset
+    train_options: Any
+    """What a ``train_dataloader`` DataLoader asked for (collate_fn, workers...), or None."""
+    val_set: Dataset | None
+    val_options: Any
+    val_batch_size: int
+
+
+def load_data(train: Any, val: Any, config: Config, world_size: int) -> FitData:
+    """What ``train_dataloader()`` and ``val_dataloader()`` returned (``train``, ``val``), taken
+    apart (:mod:`.dataloaders`) and cut by ``trainer.overfit_batches`` / ``limit_val_batches``
+    (counted in batches per rank of ``world_size`` ranks)."""
+    train_parts, val_parts = resolve_data_hooks(train, val, config, world_size)
+    val_batch_size = val_parts.batch_size or config.data.eval_batch_size
+    train_set, val_set = limit_datasets(config, train_parts.dataset, val_parts.dataset, world_size, val_batch_size)
+    return FitData(train_set, train_parts.options, val_set, val_parts.options, val_batch_size)

@@ -103,8 +103,8 @@ class Regrouping(LoopView, Protocol):
 
     checkpointer: Checkpointer
 
-    def bind_to_group(self, group: ProcessGroup) -> None:
-        """Rebuild what belongs to the old group (DDP, samplers, strategy...) for ``group``."""
+    def bind_to_group(self, membership: Membership) -> None:
+        """Rebuild what belongs to the old group (DDP, samplers, strategy...) for the new one."""
 
 
 class ElasticTraining:
@@ -126,6 +126,7 @@ class ElasticTraining:
         self.joined_late = False
         """True for a member admitted into a running job (it gets the state from a peer)."""
         self._asked_at = 0.0
+        self._joined: Membership | None = None  # this process's place, as join() found it
 
     @property
     def generation(self) -> Generation:
@@ -149,13 +150,18 @@ class ElasticTraining:
             group.rank(),
             group.size(),
         )
-        return Membership(group, device, env, created=True)
+        self._joined = Membership(group, device, env, created=True)
+        return self._joined
 
-    def regroup(self) -> ProcessGroup:
+    def regroup(self, output_dir: str | os.PathLike) -> Membership:
         """Agree with the other members on the next generation and form its group (see the
-        module docstring). Raises ``Fenced`` when this member was left out: it must exit."""
+        module docstring); this process's membership in it. Its log lines then carry the new rank
+        (rank 0's go to ``output_dir``'s train.log). Raises ``Fenced`` when this member was left
+        out: it must exit."""
         self.membership.regroup(timeout_s=self.config.dist.timeout_s, max_world_size=self.config.dist.world_size)
-        return self._form_group()
+        group = self._form_group()
+        follow_rank(group.rank(), output_dir)
+        return dataclasses.replace(self._joined, process_group=group)
 
     def _form_group(self) -> ProcessGroup:
         while True:
@@ -190,7 +196,7 @@ class ElasticTraining:
         while True:
             try:
                 if regroup:
-                    loop.bind_to_group(self.regroup())  # Fenced: this member was left out, and exits
+                    loop.bind_to_group(self.regroup(loop.output_dir))  # Fenced: left out, this member exits
                 return self._take_state(loop, mine, started, reason)
             except CommError as exc:
                 log.warning(

@@ -47,18 +47,24 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..comm import CommError, ProcessGroup
+from ..comm import CommError
 from ..config import Config, default_output_dir, max_time_seconds
 from ..data import DistributedSampler
 from ..ddp import DistributedDataParallel
 from ..launch.join import Membership
-from ..logs import follow_rank
 from ..rundir import RunDir
-from .building import agree_on_directory, check_plugins_served, join_job, wrap_model
+from .building import (
+    agree_on_directory,
+    build_model,
+    check_plugins_served,
+    join_job,
+    load_data,
+    prepare_rank,
+    wrap_model,
+)
 from .callbacks import Callback
 from .checkpoint import Checkpointer, TrainState
-from .data import limit_datasets, make_batches, plan_epochs
-from .dataloaders import resolve_data_hooks
+from .data import make_batches, plan_epochs
 from .dev_run import dev_run_batches, dev_run_config, remove_dev_run_dir
 from .elastic import ElasticTraining, MembershipChange, MembershipChangeDue
 from .ema import EmaWeights
@@ -67,12 +73,9 @@ from .hooks import TrainingHooks
 from .inference import run_dev_test, run_predict, run_test
 from .metrics import LoggedMetrics, SmokeCheckError, SmokeProbe, TrainingMetrics
 from .optimizers import OptimizerSet
-from .precision import Precision
 from .profiling import StepPhases
-from .rng import seed_everything, use_deterministic_algorithms
 from .steps import StepStrategy, unused_parameters_named_as_config
 from .stopping import GracefulStop
-from .summary import model_summary
 
 __all__ = ["Trainer", "TrainState", "SmokeCheckError"]
 
@@ -348,15 +351,9 @@ class Trainer(TrainingHooks):
     def setup(self) -> None:
         """Build what a fit needs, then resume if asked: model in DDP, data, optimizer, callbacks."""
         cfg = self.config
-        if cfg.trainer.deterministic:
-            use_deterministic_algorithms(self.device)
-        seed_everything(cfg.trainer.seed + self.rank)  # per-rank seed (dropout); DDP syncs weights
-        self.precision = Precision(cfg.trainer.precision, self.device)  # autocast, gradient scaler
+        self.precision = prepare_rank(cfg, self.device, self.rank)  # seed, determinism, autocast
         self.output_dir = agree_on_directory(self.process_group, str(self.output_dir))  # rank 0's choice
-        self._build_model()
-        if cfg.trainer.model_summary and self.is_main:
-            for line in ["model summary:", *model_summary(self.model.module).splitlines()]:
-                log.info("%s", line)  # one record per line: every line of train.log keeps its prefix
+        self.model = build_model(self.configure_model(), cfg, self.device, self.process_group, self.is_main)
         if cfg.trainer.ema.decay is not None:
             self.ema = EmaWeights(self.model.module, cfg.trainer.ema)
         self._setup_data()  # datasets, samplers, batch sizes, step counts
@@ -376,13 +373,12 @@ class Trainer(TrainingHooks):
             self.smoke_probe.start(self.metrics, self.state.step, self.model.module)
 
     # == elastic jobs (trainer.elastic; the sequence: ddptrain/trainer/elastic.py) =================
-    def bind_to_group(self, group: ProcessGroup) -> None:
-        """Rebuild what belongs to the old group for ``group``: the ranks, the run directory's
-        agreement, the DDP wrapper, the samplers and step counts, the step strategy, the
-        checkpointer. The collectives are ``setup``'s, in its order (a newcomer runs ``setup``)."""
-        self._membership = dataclasses.replace(self._membership, process_group=group)
+    def bind_to_group(self, membership: Membership) -> None:
+        """Rebuild what belongs to the old group for the new ``membership``: the ranks, the run
+        directory's agreement, the DDP wrapper, the samplers and step counts, the step strategy,
+        the checkpointer. The collectives are ``setup``'s, in its order (a newcomer runs ``setup``)."""
+        self._membership, group = membership, membership.process_group
         self.process_group, self.rank, self.world_size = group, group.rank(), group.size()
-        follow_rank(self.rank, self.output_dir)  # the log's stamp and rank 0's train.log move with the number
         self.metrics.process_group = group
         self.output_dir = agree_on_directory(group, str(self.output_dir))
         self.model.reducer.remove_hooks()  # the old wrapper lets go of the parameters
@@ -408,9 +404,6 @@ class Trainer(TrainingHooks):
                     minimum,
                 )
 
-    def _build_model(self) -> None:
-        self.model = wrap_model(self.configure_model().to(self.device), self.config, self.process_group)
-
     def _stop_votes(self) -> list[float]:
         """This rank's votes for the step's reduction: the stop votes, then (elastic) rank 0's
         vote to admit newcomers."""
@@ -426,13 +419,9 @@ class Trainer(TrainingHooks):
 
     def _load_data(self, world_size: int) -> None:
         """The datasets of the data hooks, cut by ``trainer.overfit_batches`` / ``limit_val_batches``."""
-        train, val = resolve_data_hooks(self.train_dataloader(), self.val_dataloader(), self.config, world_size)
-        self.train_set, self.train_loader_options = train.dataset, train.options
-        self.val_set, self.val_loader_options = val.dataset, val.options
-        self.val_batch_size = val.batch_size or self.config.data.eval_batch_size
-        self.train_set, self.val_set = limit_datasets(
-            self.config, self.train_set, self.val_set, world_size, self.val_batch_size
-        )
+        data = load_data(self.train_dataloader(), self.val_dataloader(), self.config, world_size)
+        self.train_set, self.train_loader_options = data.train_set, data.train_options
+        self.val_set, self.val_loader_options, self.val_batch_size = data.val_set, data.val_options, data.val_batch_size
         self._data_loaded = True
 
     def _plan_data(self) -> None:
