@@ -15,14 +15,14 @@ rank 0 only. Like torchtitan's trainer it runs over seams that a subclass overri
 and the flag ``should_stop``, which any hook or callback may set (e.g. ``EarlyStopping``): the
 ranks agree on it, so every rank stops at the same step;
 
-and the user hooks (Lightning's names) ``configure_model``, ``configure_optimizers``,
-``train_dataloader``, ``val_dataloader``, ``training_step``, ``validation_step``,
-``configure_callbacks``, ``test_dataloader`` / ``test_step`` / ``predict_step`` and the class
-method ``prepare_data`` (runs once, before workers start). The rest lives in objects of its own:
-joining in :mod:`ddptrain.launch.join`, how a step becomes an update in :mod:`.steps`, checkpoint
-state and files in :mod:`.checkpoint`, logging, final metrics and the smoke check in :mod:`.metrics`,
-``test`` / ``predict`` in :mod:`.inference`. The epoch and the position in it belong to the
-training sampler; the loop reports each step's samples to it (``advance``).
+and the user hooks (Lightning's names: ``configure_model``, ``training_step``...), inherited from
+:class:`.hooks.TrainingHooks`, where they are documented. The rest lives in objects of its own:
+set-up in :mod:`.building`, how a step becomes an update in the step strategy that
+:func:`ddptrain.modes.mode_of` picks (:mod:`.steps`; it sees the loop as a :class:`.view.LoopView`),
+checkpoint state and files in :mod:`.checkpoint`, logging, final metrics and the smoke check in
+:mod:`.metrics`, ``test`` / ``predict`` in :mod:`.inference`, membership changes of an elastic
+job in :mod:`.elastic`. The epoch and the position in it belong to the training sampler; the loop
+reports each step's samples to it (``advance``).
 
 Synchronisation points (every rank must reach them together, which the loop guarantees because
 all ranks run the same number of steps): DDP's construction and every synchronised backward;
