@@ -235,6 +235,7 @@ PLAIN = register(
         way_back="",
         strategy="ddptrain.trainer.steps:DataParallelSteps",
         priority=0,
+        fallback=True,
     )
 )
 

@@ -4,7 +4,7 @@ A **mode** is one way of turning a step's micro-batches into a parameter update:
 local SGD / DiLoCo, world-size-invariant shards, an elastic job's shared batches. Each is a
 :class:`Mode`: when it applies, its step strategy class (``ddptrain.trainer.steps.StepStrategy``)
 and its rules. One mode trains a run: the one that applies with the highest ``priority``; plain
-DDP applies to every config, at priority 0.
+DDP is the fallback: it applies to every config, at the lowest priority.
 
 A **feature** is a setting with rules of its own that any mode may meet (the doctor, the bucket
 autotuner, gradient compression, elastic membership): a :class:`Feature`. A mode is a feature
@@ -92,14 +92,17 @@ class Mode(Feature):
     Attributes:
         strategy: the ``StepStrategy`` subclass, or its import path ``"package.module:Class"``;
             built as ``strategy(loop, votes)`` (``ddptrain.trainer.steps.StepStrategy``).
-        priority: when several modes apply, the highest wins; two that apply at the same
-            priority, or that no ``refuses`` rule tells apart, are refused.
+        priority: when several modes apply, the highest wins (two that no ``refuses`` rule tells
+            apart are refused before that).
+        fallback: the mode of every config that asks for no other (plain DDP); it meets the
+            others without a conflict.
         whole_global_batches: the strategy walks each epoch by global batch, whatever the world
             size (the epoch's step count is then its number of global batches).
     """
 
     strategy: str | type = ""
     priority: int = 0
+    fallback: bool = False
     whole_global_batches: bool = False
 
     def strategy_class(self) -> type:
@@ -143,7 +146,7 @@ def features() -> list[Feature]:
 def mode_of(config: Config) -> Mode:
     """The mode that trains ``config``: of those that apply, the one of highest priority."""
     modes = [f for f in _FEATURES if isinstance(f, Mode) and f.active(config)]
-    return max(modes, key=lambda m: m.priority)  # plain DDP applies to every config
+    return max(modes, key=lambda m: m.priority)  # the fallback (plain DDP) applies to every config
 
 
 def check_config(config: Config, world_size: int) -> None:
@@ -167,7 +170,7 @@ def check_config(config: Config, world_size: int) -> None:
                 if needing is not lacking and capability in lacking.lacks:
                     why = f"{need}, and {lacking.lacks[capability]}"
                     refuse(lacking.setting(config), needing.setting(config), why, lacking.way_back)
-    modes = sorted((f for f in active if isinstance(f, Mode) and f.priority > 0), key=lambda m: -m.priority)
+    modes = sorted((f for f in active if isinstance(f, Mode) and not f.fallback), key=lambda m: -m.priority)
     if len(modes) > 1:
         first, second = modes[0], modes[1]
         raise ConfigError(

@@ -142,3 +142,26 @@ def test_the_state_a_survivor_keeps_is_a_copy_that_rebinding_cannot_change():
         weights.weight.add_(1.0)  # what the broadcast of rank 0's weights does in place
     assert torch.equal(kept["model"]["weight"], before)
     assert kept["elastic"] == {"members": ["0.0", "1.0"], "changes": []}
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_an_elastic_epoch_counts_global_batches_whatever_the_world_size(invariant):
+    """100 samples in global batches of 10 are 10 steps at any world size: the members present
+    share each global batch. Counted by this rank's padded share instead (34 samples in per-rank
+    batches of 4 at W=3) the epoch would be 9 steps, and the last global batch never trained."""
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from ddptrain.trainer.data import plan_epochs
+
+    raw = {"data": {"global_batch_size": 10}, "trainer": {"elastic": True, "world_size_invariant": invariant}}
+    samples = TensorDataset(torch.zeros(100, 1))
+    for world_size in (1, 2, 3, 4):
+        plan = plan_epochs(Config.from_dict(raw), samples, None, world_size, 0)
+        assert plan.steps_per_epoch == 10, (world_size, plan.steps_per_epoch)
+
+
+def test_a_min_world_size_equal_to_the_starting_size_is_accepted():
+    validate(Config.from_dict({**ELASTIC, "dist": {"min_world_size": 4}}), 4)
+    with pytest.raises(ConfigError, match=r"dist.min_world_size=5.*the job starts with 4 rank"):
+        validate(Config.from_dict({**ELASTIC, "dist": {"min_world_size": 5}}), 4)
