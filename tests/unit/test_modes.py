@@ -158,3 +158,14 @@ def test_each_built_in_mode_is_picked_by_its_setting_and_names_a_strategy(overri
     picked = mode_of(Config.from_dict(override))
     assert picked.name == mode
     assert picked.strategy_class().__name__ == strategy and issubclass(picked.strategy_class(), StepStrategy)
+
+
+def test_plain_ddp_counts_an_epoch_by_this_ranks_share():
+    """With data.drop_last, 10 samples over 3 ranks are 3 per rank: 3 steps of 3 samples (the tenth
+    is dropped). Counted by global batches, as the elastic and invariant modes do, it would be 4."""
+    from ddptrain.trainer.data import plan_epochs
+
+    config = Config.from_dict({"data": {"global_batch_size": 3, "drop_last": True}})
+    assert not mode_of(config).whole_global_batches
+    plan = plan_epochs(config, TensorDataset(torch.zeros(10, 1)), None, 3, 0)
+    assert plan.steps_per_epoch == 3
