@@ -164,6 +164,13 @@ class CheckpointConfig:
     full state and no rank holding more than its shard; the checkpoint file holds the rest. Reading
     it puts the shards together, so it still resumes at any world size, with ZeRO or in plain DDP,
     and ``ddptrain.load_model`` reads it. ``false``: one consolidated file (docs/zero.md)."""
+    async_save: bool = False
+    """Write the step checkpoints in the background: the step copies the state to host memory
+    (pinned on CUDA) and training goes on while a thread of rank 0 writes it. At most one save is
+    in flight (the next waits, and the log says so); a file appears only when whole, so a kill
+    mid-write leaves the previous checkpoint as the latest. The end of training, a signal and
+    ``trainer.max_time`` wait for the save in flight. Costs one copy of the checkpoint in host
+    memory while it is written. Best checkpoints (``monitor``) are written in the foreground."""
 
 
 @dataclass

@@ -262,6 +262,23 @@ register(
 
 register(
     Feature(
+        name="async_checkpoints",
+        active=lambda c: c.trainer.checkpoint.async_save,
+        setting=lambda c: "trainer.checkpoint.async_save=true",
+        way_back="set trainer.checkpoint.async_save=false",
+        refuses=[
+            Refusal(
+                lambda c: c.trainer.checkpoint.sharded,
+                "trainer.checkpoint.sharded=true",
+                "every rank's shard must be on disk before rank 0's file appears, which takes a collective "
+                "after the writes, and a background write cannot join one",
+            ),
+        ],
+    )
+)
+
+register(
+    Feature(
         name="doctor",
         active=lambda c: c.trainer.doctor,
         setting=lambda c: "trainer.doctor=true",

@@ -386,6 +386,7 @@ class Trainer(TrainingHooks):
         self._plan_data()
         self.strategy.close()
         self.strategy = self.configure_step_strategy(self._stop_votes)
+        self.checkpointer.finish()  # a background save of the old group's state completes first
         old, self.checkpointer = self.checkpointer, Checkpointer.of(self)
         self.checkpointer.keep_step_checkpoints(old.steps_dir, old.keep_last)
         self.checkpointer.last_saved = old.last_saved
@@ -538,6 +539,7 @@ class Trainer(TrainingHooks):
         if self.is_main:
             self.run_dir.metrics.write_text(json.dumps(final, indent=2) + "\n")
         self._call("on_fit_end", final)
+        self.checkpointer.finish()  # trainer.checkpoint.async_save: the last checkpoint is whole before fit returns
         if self.smoke_probe is not None and not stopped:
             passed = self.smoke_probe.check(self.metrics, module, final)
             if self.is_main:

@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +57,7 @@ from ..precision import Precision
 from ..rng import capture_rng_state, restore_rng_state, seed_everything
 from ..steps import StepStrategy
 from ..view import LoopView
+from .background import BackgroundWriter, host_snapshot
 from .files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -224,6 +225,8 @@ class Checkpointer:
         """The step checkpoint that holds the current state: the one resumed from, or the last
         :meth:`save_step` wrote; ``None`` while the state is in no file."""
         self._saved_position: tuple[int, int, int] | None = None  # the position last_saved holds
+        # trainer.checkpoint.async_save: rank 0 writes step checkpoints in a thread (.background)
+        self._writer = BackgroundWriter() if config.trainer.checkpoint.async_save else None
 
     @classmethod
     def of(cls, trainer: LoopView) -> Checkpointer:
@@ -318,11 +321,24 @@ class Checkpointer:
             seed_everything(self.config.trainer.seed + rank + 1_000_003 * checkpoint["step"])
 
     # == writing ==================================================================================
-    def save(self, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        path: str | Path,
+        extra: dict[str, Any] | None = None,
+        *,
+        background: bool = False,
+        then: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Write a checkpoint plus ``extra`` entries to ``path``; returns ``path``. Collective: rank 0
-        writes, atomically, with its digest (:func:`.files.save_checkpoint`). A strategy that shards
-        the optimizer state to files (``trainer.checkpoint.sharded``) has every rank write its own
-        first, so the checkpoint appears only once all of them are on disk."""
+        writes, atomically, with its digest (:func:`.files.save_checkpoint`), then calls
+        ``then(path)``. A strategy that shards the optimizer state to files
+        (``trainer.checkpoint.sharded``) has every rank write its own first, so the checkpoint
+        appears only once all of them are on disk.
+
+        ``background``: under ``trainer.checkpoint.async_save``, rank 0 snapshots the state to host
+        memory and writes it (and runs ``then``) in its writer thread while training goes on
+        (:mod:`.background`); otherwise, and for a foreground save, any save in flight is waited
+        for first, so files appear in the order they were asked for."""
         checkpoint = {**self.state_dict(), **(extra or {})}
         path = Path(path)
         shard = None if self.strategy is None else self.strategy.optimizer_shard()
@@ -330,10 +346,33 @@ class Checkpointer:
             pg = self.process_group
             save_checkpoint(optimizer_shard_path(path, pg.rank(), pg.size()), shard)
             pg.barrier().wait()
-        if self.is_main:
-            save_checkpoint(path, checkpoint)
-            log.info("checkpoint saved: %s (step %d)", path, self.state.step)
+        if not self.is_main:
+            return path
+        step = self.state.step
+
+        def write(state: dict[str, Any]) -> None:
+            save_checkpoint(path, state)
+            log.info("checkpoint saved: %s (step %d%s)", path, step, ", in the background" if background else "")
+            if then is not None:
+                then(path)
+
+        if background and self._writer is not None:
+            snapshot = host_snapshot(checkpoint)  # the live tensors change with the next step
+            self._writer.submit(path.name, lambda: write(snapshot))
+        else:
+            self.finish()
+            write(checkpoint)
         return path
+
+    def finish(self) -> None:
+        """Wait for the background save in flight, if any (rank 0; a no-op elsewhere). The fit
+        calls it before it ends, stops for a signal, or rebuilds for a new group.
+
+        Raises:
+            CheckpointError: that save failed, naming the file and the cause.
+        """
+        if self._writer is not None:
+            self._writer.wait()
 
     def keep_step_checkpoints(self, directory: str | Path | None = None, keep_last: int = 0) -> None:
         """Where the step checkpoints go (``None``: the run's ``checkpoints/``) and how many of them
@@ -352,12 +391,15 @@ class Checkpointer:
         position = self.state.position()
         if self.last_saved is not None and self._saved_position == position:
             return None
-        path = self.save(self.steps_dir / checkpoint_name(self.state.step))
-        self.last_saved, self._saved_position = path, position
-        if self.is_main:
-            load_checkpoint(path)  # verify what reached the disk before deleting anything older
-            for old in prune_checkpoints(self.steps_dir, self.keep_last):
+        steps_dir, keep_last = self.steps_dir, self.keep_last
+
+        def keep_newest(written: Path) -> None:
+            load_checkpoint(written)  # verify what reached the disk before deleting anything older
+            for old in prune_checkpoints(steps_dir, keep_last):
                 _files_log.debug("deleted old checkpoint %s", old)
+
+        path = self.save(steps_dir / checkpoint_name(self.state.step), background=True, then=keep_newest)
+        self.last_saved, self._saved_position = path, position
         return path
 
     def save_at_stop(self) -> Path:
@@ -365,6 +407,7 @@ class Checkpointer:
         unless the state is already in a file; the path either way, so a stopped run always
         leaves something to resume from."""
         written = self.save_step()
+        self.finish()  # the process ends next: the file must be whole
         return self.last_saved if written is None else written
 
     def save_best(self, directory: str | Path, monitor: dict[str, Any]) -> Path:

@@ -1,0 +1,110 @@
+"""Checkpoints written in the background (``trainer.checkpoint.async_save``): the same files as a
+foreground save, a failure that surfaces with the file's name, and what it cannot combine with.
+A process killed in the middle of a background write: tests/e2e/test_async_checkpoint_kill.py."""
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ddptrain import Config, ConfigError, Trainer
+from ddptrain.errors import CheckpointError
+from ddptrain.preflight import validate
+from ddptrain.testing import run_threaded
+from ddptrain.trainer.checkpoint import list_checkpoints, load_checkpoint
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Task(Trainer):
+    def configure_model(self):
+        model = torch.nn.Sequential(torch.nn.Linear(8, 50_000), torch.nn.Tanh(), torch.nn.Linear(50_000, 3))
+        g = torch.Generator().manual_seed(0)  # the rank threads share the global RNG
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        return model
+
+    def train_dataloader(self):
+        x = torch.randn(192, 8, generator=torch.Generator().manual_seed(1))
+        return TensorDataset(x, x[:, :3].argmax(1))
+
+    def val_dataloader(self):
+        return None
+
+
+def _config(out, async_save, **checkpoint):
+    return Config.from_dict(
+        {
+            "data": {"global_batch_size": 16},
+            "optimizer": {"name": "adamw", "lr": 0.01},
+            "trainer": {
+                "max_steps": 9,
+                "progress": False,
+                "loggers": {"tensorboard": False, "csv": False},
+                "output_dir": str(out),
+                "checkpoint": {"every_steps": 2, "keep_last": 2, "async_save": async_save, **checkpoint},
+            },
+        }
+    )
+
+
+def _fit(rank, world_size, out, async_save):
+    task = Task(_config(out, async_save))
+    task.fit()
+    return [p.detach().clone() for p in task.model.module.parameters()]
+
+
+def _entries(path):
+    """What a checkpoint holds, but the config (whose async_save and output_dir differ)."""
+    return {k: v for k, v in load_checkpoint(path).items() if k != "config"}
+
+
+def _assert_same(a, b, where=""):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_background_saves_write_the_checkpoints_a_foreground_save_writes(tmp_path):
+    """The snapshot is the state of its step, though training changed the live tensors meanwhile;
+    the newest keep_last stay, each verified, and the fit ends with the last one on disk."""
+    plain = run_threaded(_fit, 2, tmp_path / "plain", False, timeout_s=60)
+    background = run_threaded(_fit, 2, tmp_path / "background", True, timeout_s=60)
+    assert all(torch.equal(a, b) for a, b in zip(plain[0], background[0]))
+    names = [p.name for p in list_checkpoints(tmp_path / "background" / "checkpoints")]
+    assert names == [p.name for p in list_checkpoints(tmp_path / "plain" / "checkpoints")]
+    assert names == ["step_000000008.pt", "step_000000009.pt"]  # every 2 steps, the end, keep_last=2
+    for name in names:
+        _assert_same(
+            _entries(tmp_path / "plain" / "checkpoints" / name),
+            _entries(tmp_path / "background" / "checkpoints" / name),
+            name,
+        )
+
+
+def test_a_background_save_that_fails_fails_the_fit_naming_the_file(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("a file where the checkpoints directory goes")
+    with pytest.raises(CheckpointError, match=r"the background save of step_000000002.pt failed: .*checkpoints"):
+        run_threaded(_fit, 2, tmp_path / "run", True, timeout_s=60)
+
+
+def test_background_saves_refuse_sharded_optimizer_files():
+    config = Config.from_dict(
+        {"dist": {"zero_stage": 1}, "trainer": {"checkpoint": {"async_save": True, "sharded": True}}}
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainer.checkpoint.async_save=true cannot be combined with "
+        r"trainer.checkpoint.sharded=true: every rank's shard must be on disk",
+    ):
+        validate(config, 2)
