@@ -1,10 +1,10 @@
 """A job killed in the middle of a background checkpoint write resumes from the previous complete
 checkpoint, bitwise (``trainer.checkpoint.async_save=true``).
 
-The kill is aimed from outside, at the write itself: the digest of a checkpoint is written first
-(``step_N.pt.sha256``), then its data (about 80 MB here). The test polls for the digest of a
-checkpoint after the first and sends SIGKILL to the whole job (launcher and ranks) as soon as it
-appears, while the data is being written. What must hold: no ``step_N.pt`` of the cut checkpoint
+The kill is aimed from outside, at the write itself: a checkpoint's data (about 80 MB here) is
+written to a temporary file, ``.step_N.pt.<random>.tmp``, renamed when whole. The test polls for
+that file for a checkpoint after the first and sends SIGKILL to the whole job (launcher and ranks)
+as soon as it appears, while the data is being written. What must hold: no ``step_N.pt`` of the cut checkpoint
 (a writer that wrote in place would leave half a file under that name), every checkpoint left
 loads and verifies, and ``trainer.resume=latest`` ends with the bits of the uninterrupted run.
 """
@@ -62,9 +62,9 @@ def _kill_mid_write(run_dir, deadline_s: float = 120) -> int:
     deadline = time.monotonic() + deadline_s
     try:
         while time.monotonic() < deadline and proc.poll() is None:
-            for digest in checkpoints.glob("step_*.pt.sha256") if checkpoints.is_dir() else ():
-                step = int(digest.name[5:14])
-                if step > 2:  # its digest is on disk: its data is being written
+            for partial in checkpoints.glob(".step_*.pt.*.tmp") if checkpoints.is_dir() else ():
+                step = int(partial.name[6:15])
+                if step > 2:  # its data is being written
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(timeout=30)
                     return step
@@ -96,3 +96,4 @@ def test_a_kill_during_a_background_write_resumes_from_the_previous_checkpoint_b
         in (run_dir / "train.log").read_text()
     )
     assert _digest(run_dir) == _digest(tmp_path / "whole")
+    assert not list((run_dir / "checkpoints").glob(".*.tmp"))  # the cut write's leftover, rewritten

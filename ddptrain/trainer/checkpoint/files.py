@@ -4,8 +4,10 @@ A checkpoint is ``step_<step>.pt`` (``torch.save`` of plain types and tensors, s
 ``torch.load(weights_only=True)``) plus ``step_<step>.pt.sha256`` in ``sha256sum`` format
 (``sha256sum -c`` verifies it by hand). Both are written to temporary files and renamed, the
 digest first: a crash leaves either the previous state or a complete pair, never a half file
-under the final name. ``torch.load`` alone notices truncation but not a flipped byte inside a
-tensor; the digest catches both.
+under the final name (a killed write leaves ``.step_<step>.pt.*.tmp``, which nothing reads and the
+next write of that name deletes).
+``torch.load`` alone notices truncation but not a flipped byte inside a tensor; the digest
+catches both.
 
 A checkpoint of a ZeRO run with ``trainer.checkpoint.sharded=true`` also has one file per rank
 beside it, ``step_<step>.pt.optim-<rank>-of-<world size>`` (with its digest), holding that rank's
@@ -85,19 +87,49 @@ def _write_atomic(path: Path, data: bytes) -> None:
 def save_checkpoint(path: PathLike, state: dict[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically, with its SHA-256 digest beside it.
 
+    The serialization streams into a temporary file and the digest at once (no second copy of the
+    checkpoint in memory); the digest is written under its final name first, then the data file
+    is renamed into place, so a checkpoint under its final name always has its digest.
+
     Returns:
         The path written.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    data = buffer.getvalue()
-    digest = hashlib.sha256(data).hexdigest()
-    # Digest first: a checkpoint under its final name always has its digest.
-    _write_atomic(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
-    _write_atomic(path, data)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # a killed write of this name
+        stale.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            hashed = _HashingWriter(f)
+            torch.save(state, hashed)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        _write_atomic(path.with_name(path.name + ".sha256"), f"{hashed.hexdigest()}  {path.name}\n".encode())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     return path
+
+
+class _HashingWriter(io.RawIOBase):
+    """A write-only file that hashes what passes through it on its way to ``file``."""
+
+    def __init__(self, file: Any):
+        super().__init__()
+        self._file, self._sha = file, hashlib.sha256()
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._sha.update(data)
+        return self._file.write(data)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
 
 
 def optimizer_shard_path(path: PathLike, rank: int, world_size: int) -> Path:
