@@ -156,3 +156,20 @@ MODELS = {
     "aliased": AliasedGradsNet,
     "two_path": TwoPathNet,
 }
+
+
+def seeded_mlp(inputs: int, hidden: int, outputs: int, seed: int = 0, scale: float = 0.3) -> nn.Module:
+    """``Linear -> Tanh -> Linear`` with weights drawn from a generator of its own: the rank threads
+    of ``run_threaded`` share torch's global RNG, so every rank builds the same weights only this way."""
+    model = nn.Sequential(nn.Linear(inputs, hidden), nn.Tanh(), nn.Linear(hidden, outputs))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def argmax_task(samples: int, inputs: int, seed: int = 1) -> torch.utils.data.TensorDataset:
+    """Random inputs labelled by which of their first three features is largest: learnable, no files."""
+    x = torch.randn(samples, inputs, generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.TensorDataset(x, x[:, :3].argmax(1))

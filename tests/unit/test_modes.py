@@ -11,6 +11,7 @@ from ddptrain.modes import Feature, Mode, Refusal, features, mode_of, register, 
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.steps import DataParallelSteps, StepStrategy
+from tests.models import argmax_task, seeded_mlp
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,16 +45,10 @@ SIGN_SGD = Mode(
 
 class Task(Trainer):
     def configure_model(self):
-        model = torch.nn.Sequential(torch.nn.Linear(6, 9), torch.nn.Tanh(), torch.nn.Linear(9, 3))
-        g = torch.Generator().manual_seed(0)  # the rank threads share the global RNG
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        return model
+        return seeded_mlp(6, 9, 3)
 
     def train_dataloader(self):
-        x = torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
-        return TensorDataset(x, x[:, :3].argmax(1))
+        return argmax_task(64, 6)
 
     def val_dataloader(self):
         return None

@@ -4,29 +4,23 @@ A process killed in the middle of a background write: tests/e2e/test_async_check
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from ddptrain import Config, ConfigError, Trainer
 from ddptrain.errors import CheckpointError
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.checkpoint import list_checkpoints, load_checkpoint
+from tests.models import argmax_task, seeded_mlp
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class Task(Trainer):
     def configure_model(self):
-        model = torch.nn.Sequential(torch.nn.Linear(8, 50_000), torch.nn.Tanh(), torch.nn.Linear(50_000, 3))
-        g = torch.Generator().manual_seed(0)  # the rank threads share the global RNG
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        return model
+        return seeded_mlp(8, 50_000, 3)  # wide: a write takes long enough for the next steps to run
 
     def train_dataloader(self):
-        x = torch.randn(192, 8, generator=torch.Generator().manual_seed(1))
-        return TensorDataset(x, x[:, :3].argmax(1))
+        return argmax_task(192, 8)
 
     def val_dataloader(self):
         return None
