@@ -22,7 +22,8 @@ What the rest of the trainer sees:
   one (:meth:`end_fit`); a stop for a signal, ``max_time`` or ``stop_after_steps`` does not, so
   that its resume continues the round exactly.
 
-What cannot be combined with it is refused before any process starts (:mod:`ddptrain.preflight`).
+What cannot be combined with it is refused before any process starts, by its mode's rules
+(``LOCAL_STEPS`` in :mod:`ddptrain.modes.builtin`).
 """
 
 from __future__ import annotations

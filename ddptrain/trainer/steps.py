@@ -1,7 +1,9 @@
 """Step strategies: how one optimizer step's micro-batches become a parameter update.
 
-The Trainer picks its strategy once, in ``setup``, and its loop never asks
-which one it has. Per optimizer step it calls, in this order:
+The Trainer builds its strategy once, in ``setup``: the one of the config's mode
+(:func:`ddptrain.modes.mode_of`; a new mode registers its own, docs/architecture.md: Adding a
+mode), and its loop never asks which one it has. A strategy sees the loop as a
+:class:`.view.LoopView`. Per optimizer step the loop calls, in this order:
 
 1. :meth:`StepStrategy.batches` (once per epoch): the rest of the epoch, one item per step;
 2. :meth:`StepStrategy.forward_backward`: forward and backward of the step's micro-batches, with
@@ -18,7 +20,7 @@ State a strategy keeps across steps goes into checkpoints through
 schedules' entries through :meth:`StepStrategy.optimizer_state_dict` /
 :meth:`StepStrategy.load_optimizer_state_dict` (a sharded optimizer consolidates them there).
 
-Five strategies exist:
+Five strategies come with ddptrain (their modes and rules: :mod:`ddptrain.modes.builtin`):
 
 - :class:`DataParallelSteps`: plain DDP. All micro-batches but the last run under ``no_sync()``;
   the last one's backward all-reduces the gradients in buckets, and the stop votes ride in that

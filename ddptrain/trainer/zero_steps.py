@@ -13,7 +13,8 @@ but the last; the stop votes ride in the reduction, in an all-reduce of their ow
 
 The trainer's ``optimizer`` keeps its ``param_groups`` (what schedulers and ``train/lr`` use) but
 never holds state: the shards' optimizer does. Refused here: more than one optimizer. What the
-config cannot combine with ZeRO is refused before any process starts (:mod:`ddptrain.preflight`).
+config cannot combine with ZeRO is refused before any process starts, by its mode's rules
+(``ZERO`` in :mod:`ddptrain.modes.builtin`).
 """
 
 from __future__ import annotations
