@@ -291,7 +291,8 @@ class TrainerConfig:
     and step start fresh. ``trainer.resume``, when it finds a checkpoint, wins (a restarted fine-tune continues)."""
     allow_world_size_change: bool = False
     """Accept a checkpoint written by another number of ranks (the epoch continues from the same
-    global sample position)."""
+    global sample position; the bits then differ from an uninterrupted run's). World-size-invariant
+    runs (``world_size_invariant``) resume exactly at any world size without it."""
     output_dir: str | None = None
     """Directory for checkpoints, TensorBoard logs and metrics; the CLI sets Hydra's run dir.
     ``None``: ``outputs/<recipe.name>/<YYYY-MM-DD_HH-MM-SS>`` under the working directory, the

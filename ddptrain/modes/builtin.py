@@ -58,6 +58,7 @@ INVARIANT = register(
         strategy="ddptrain.trainer.invariant:InvariantSteps",
         priority=40,
         whole_global_batches=True,
+        same_bits_at_any_world_size=True,
     )
 )
 

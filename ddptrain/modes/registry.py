@@ -98,12 +98,15 @@ class Mode(Feature):
             others without a conflict.
         whole_global_batches: the strategy walks each epoch by global batch, whatever the world
             size (the epoch's step count is then its number of global batches).
+        same_bits_at_any_world_size: training takes the same bits at every world size, so a
+            checkpoint resumes exactly at another one (no ``trainer.allow_world_size_change``).
     """
 
     strategy: str | type = ""
     priority: int = 0
     fallback: bool = False
     whole_global_batches: bool = False
+    same_bits_at_any_world_size: bool = False
 
     def strategy_class(self) -> type:
         """The strategy class (imported now when given by path)."""

@@ -243,12 +243,12 @@ def _stop_then_resume(rank, world_size, config):
 
 
 def test_stop_at_2_ranks_mid_epoch_then_resume_at_4_continues_bitwise(tmp_path):
+    """No trainer.allow_world_size_change: invariant mode's bits do not depend on the world size."""
     model = "ddptrain.recipes.mnist.Net"
     whole = run_threaded(_fit, 2, ImagesTrainer, _config(tmp_path / "whole", model), timeout_s=120)[0]
     first = _config(tmp_path / "run", model, stop_after_steps=10, checkpoint={"at_end": True})
     run_threaded(_fit, 2, ImagesTrainer, first, timeout_s=120)  # epoch 2, step 3 of 7
-    resume = {"resume": str(tmp_path / "run"), "allow_world_size_change": True}
-    second = _config(tmp_path / "run", model, **resume)
+    second = _config(tmp_path / "run", model, resume=str(tmp_path / "run"))
     digest, losses = run_threaded(_stop_then_resume, 4, second, timeout_s=120)[0]
     assert digest == whole[0] and losses == whole[1]
 

@@ -28,8 +28,9 @@ checkpoints: :meth:`Checkpointer.save_step`, also the one taken at a stop signal
 steps or epochs and at the end; :class:`~ddptrain.trainer.BestCheckpoints`: the top k by a metric).
 
 Which file ``trainer.resume`` / ``trainer.init_from`` mean: :mod:`.resolve`. A checkpoint of
-another world size is refused unless ``trainer.allow_world_size_change`` (:func:`check_world_size`),
-in the workers and, before they start, in the launcher (:func:`preflight_resume`).
+another world size is refused unless ``trainer.allow_world_size_change``, or the mode's bits do not
+depend on the world size (invariant mode; :func:`check_world_size`), in the workers and, before
+they start, in the launcher (:func:`preflight_resume`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from ...comm.process_group import ProcessGroup
 from ...config import Config
 from ...data import DistributedSampler
 from ...data.sampler import world_size_change_refused
+from ...modes import mode_of
 from ...rundir import RunDir
 from ..metrics import TrainingMetrics
 from ..optimizers import OptimizerSet
@@ -115,18 +117,27 @@ class TrainState:
         return (self.step, self.epoch, self.samples_in_epoch)
 
 
+def world_size_change_allowed(config: Config) -> bool:
+    """Whether a checkpoint of another world size resumes: ``trainer.allow_world_size_change``, or
+    a mode whose bits do not depend on the world size (world-size-invariant training), which
+    resumes exactly at any."""
+    return config.trainer.allow_world_size_change or mode_of(config).same_bits_at_any_world_size
+
+
 def check_world_size(saved: int, current: int, allow: bool, path: str | Path) -> None:
-    """Refuse a checkpoint of another world size unless ``trainer.allow_world_size_change``."""
+    """Refuse a checkpoint of another world size unless ``allow`` (:func:`world_size_change_allowed`)."""
     if saved != current and not allow:
+        refusal = world_size_change_refused(
+            f"checkpoint {path}",
+            saved,
+            current,
+            f"Relaunch with dist.world_size={saved}",
+            "set trainer.allow_world_size_change=true",
+            with_rng=True,
+        )
         raise CheckpointError(
-            world_size_change_refused(
-                f"checkpoint {path}",
-                saved,
-                current,
-                f"Relaunch with dist.world_size={saved}",
-                "set trainer.allow_world_size_change=true",
-                with_rng=True,
-            )
+            f"{refusal} In this mode the bits of training depend on the world size; with "
+            "trainer.world_size_invariant=true a run resumes exactly at any world size, without the switch."
         )
 
 
@@ -162,7 +173,7 @@ def preflight_resume(config: Config, world_size: int) -> None:
         path = resolve_checkpoint(resume, checkpoints, recipe=config.recipe.name) if resume else None
         if path is not None:
             checkpoint = load_checkpoint(path)
-            check_world_size(checkpoint["world_size"], world_size, config.trainer.allow_world_size_change, path)
+            check_world_size(checkpoint["world_size"], world_size, world_size_change_allowed(config), path)
         elif init_from:
             load_checkpoint(resolve_checkpoint(init_from, checkpoints, "trainer.init_from"))
 
@@ -292,9 +303,9 @@ class Checkpointer:
         self, checkpoint: dict[str, Any], path: str | Path = "<checkpoint>", *, allow_world_size_change: bool = False
     ) -> None:
         """Restore weights, optimizer, schedule, sampler position, step, metrics and this rank's RNG.
-        A state of another world size is refused unless ``trainer.allow_world_size_change`` or
+        A state of another world size is refused unless :func:`world_size_change_allowed` or
         ``allow_world_size_change`` (an elastic job's state, whose membership changed)."""
-        allow = self.config.trainer.allow_world_size_change or allow_world_size_change
+        allow = world_size_change_allowed(self.config) or allow_world_size_change
         rank, world_size = self.process_group.rank(), self.process_group.size()
         check_world_size(checkpoint["world_size"], world_size, allow, path)
         self.model.load_state_dict(checkpoint["model"])

@@ -50,8 +50,20 @@ def test_world_size_rule_names_both_sizes_and_the_ways_out():
         "RNG state",
         "dist.world_size=2",
         "trainer.allow_world_size_change=true",
+        "the bits of training depend on the world size",
+        "trainer.world_size_invariant=true a run resumes exactly at any world size",
     ):
         assert words in message
+
+
+def test_only_invariant_mode_resumes_at_another_world_size_without_the_switch():
+    from ddptrain import Config
+    from ddptrain.trainer.checkpoint.checkpointer import world_size_change_allowed
+
+    assert world_size_change_allowed(Config.from_dict({"trainer": {"world_size_invariant": True}}))
+    assert world_size_change_allowed(Config.from_dict({"trainer": {"allow_world_size_change": True}}))
+    for plain in ({}, {"dist": {"zero_stage": 1}}, {"dist": {"sync": "diloco"}}, {"trainer": {"elastic": True}}):
+        assert not world_size_change_allowed(Config.from_dict(plain)), plain
 
 
 def test_a_torchrun_restart_resumes_from_the_latest_checkpoint(monkeypatch):
