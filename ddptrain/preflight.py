@@ -29,7 +29,8 @@ def validate(config: Config, world_size: int, local_world_size: int | None = 1) 
     this machine) before any process starts: every field's rule, every mode's and feature's
     rules, the batch split, the device. :func:`ddptrain.run` calls it once per job, in the
     process that starts the ranks (or in each rank, under an external launcher).
-    ``local_world_size=None``: leave the device to each rank's join (``join_job`` checks it there).
+    ``local_world_size=None``: the device is checked elsewhere, where torch may be imported (the
+    local launcher's checker process, or each rank as it joins).
 
     Raises:
         ConfigError: the first problem found, naming the knob and the fix.

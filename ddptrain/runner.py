@@ -27,10 +27,9 @@ from .launch import MpiexecNotFoundError, WorkerFailedError, forkserver, launch
 from .launch.env import ClusterEnvironment, detect_environment, threads_per_rank
 from .launch.spawn import spawn_elastic, spawn_workers
 from .logs import setup_logging
-from .modes import refuse
 from .modes.builtin import ELASTIC_REFUSES_MPI
 from .objects import locate
-from .preflight import job_world_size, resolve_backend, validate
+from .preflight import check_device, job_world_size, resolve_backend, validate
 from .rundir import RunDir
 
 __all__ = ["run", "prepare_job", "load_trainer_class", "plugin_callbacks"]
@@ -73,12 +72,12 @@ def run(config: Config) -> dict[str, Any] | None:
     """
     env = detect_environment()
     if env.is_launched_externally():
-        validate(config, job_world_size(config, env.world_size), None)  # the device: as the rank joins
         from .trainer.dev_run import dev_run_config
 
         cls = load_trainer_class(config)
         config = dev_run_config(config)
         _check_launcher(config, env)
+        validate(config, job_world_size(config, env.world_size), None)  # the device: as the rank joins
         cls.prepare_data(config)  # every rank: dataset caches are written atomically
         return (_run_elastic_rank if config.trainer.elastic else _run_rank)(env.rank, env.world_size, config)
     if config.launcher.name != "local":
@@ -94,7 +93,8 @@ def run(config: Config) -> dict[str, Any] | None:
             "the local launcher serves the elastic job's store itself. Drop dist.elastic_store, or start the workers "
             "with torchrun (one per host, --nnodes=1) or srun"
         )
-    validate(config, config.dist.world_size, config.dist.world_size)  # here: torch-free, before any fork
+    # The config's own rules here, torch-free, before any fork; the device in prepare_job's checker.
+    validate(config, config.dist.world_size, None)
     config = _checked_in_a_preloaded_process(config)
     setup_logging(None, config.trainer.output_dir)  # the launcher's own lines (restarts) in the same log
     if config.trainer.elastic:  # a lost worker is restarted alone, and rejoins the others
@@ -139,6 +139,7 @@ def prepare_job(config: Config) -> Config:
         )
     setup_logging(None, config.trainer.output_dir)  # what the checks log goes to the run's log too
     world_size = config.dist.world_size
+    check_device(config, world_size)
     if config.model.get("_target_"):
         locate(config.model["_target_"], "model._target_")
     from .trainer.checkpoint import preflight_resume
@@ -256,7 +257,7 @@ def _check_elastic_launcher(config: Config, env: ClusterEnvironment) -> None:
         "dist.elastic_store=HOST:29400 dist.world_size=<ranks of all hosts>`"
     )
     if env.name == "mpi":
-        refuse("trainer.elastic=true", "mpirun", ELASTIC_REFUSES_MPI, "start it with the local launcher or torchrun")
+        raise ConfigError(f"trainer.elastic=true cannot run under mpirun: {ELASTIC_REFUSES_MPI}")
     if not config.dist.elastic_store:
         raise ConfigError(
             f"trainer.elastic=true under {env.name} needs the job's store, which outlives every rank "

@@ -76,6 +76,8 @@ def test_config_errors_help_and_version_answer_without_importing_torch(tmp_path,
         # found by the checks that need torch, which run in a process forked from the fork server
         (["recipe=synthetic", "trainer.resume=latest"], 2, ["trainer.resume=latest: no checkpoint in"]),
         (["recipe=mnist", "data.root=nowhere", "data.download=false"], 1, ["MNIST was not found", "data.root=<dir>"]),
+        # asking torch whether this machine has CUDA is the checker's job too
+        (["recipe=synthetic", "trainer.device=cuda"], 2, ["torch.cuda.is_available() is False"]),
     ],
 )
 def test_the_local_launcher_trains_and_refuses_without_importing_torch(tmp_path, args, code, words):

@@ -74,7 +74,7 @@ def test_an_elastic_job_under_another_launcher_is_refused_where_that_launcher_wo
     ):
         run(Config.from_dict(store))
     _as_mpi_rank(monkeypatch)  # mpirun ends the whole job when one rank dies
-    with pytest.raises(ConfigError, match=r"elastic=true cannot be combined with mpirun: an MPI job cannot lose"):
+    with pytest.raises(ConfigError, match=r"elastic=true cannot run under mpirun: an MPI job cannot lose a process"):
         run(Config.from_dict(store))
     _outside_any_launcher(monkeypatch)
     with pytest.raises(
