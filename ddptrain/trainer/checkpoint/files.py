@@ -22,6 +22,7 @@ file a ``trainer.resume`` value means.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import io
@@ -29,8 +30,9 @@ import os
 import re
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, BinaryIO, Union
 
 import torch
 
@@ -70,11 +72,15 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:09d}.pt"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+@contextlib.contextmanager
+def _atomic_file(path: Path) -> Iterator[BinaryIO]:
+    """A temporary file beside ``path`` to write into; when the block ends cleanly it is synced,
+    made 0644 and renamed to ``path``, otherwise deleted. A killed process leaves the temporary
+    file, never a half file under ``path``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
@@ -88,8 +94,8 @@ def save_checkpoint(path: PathLike, state: dict[str, Any]) -> Path:
     """Write ``state`` to ``path`` atomically, with its SHA-256 digest beside it.
 
     The serialization streams into a temporary file and the digest at once (no second copy of the
-    checkpoint in memory); the digest is written under its final name first, then the data file
-    is renamed into place, so a checkpoint under its final name always has its digest.
+    checkpoint in memory); the digest is renamed under its final name before the data file is, so
+    a checkpoint under its final name always has its digest.
 
     Returns:
         The path written.
@@ -98,19 +104,11 @@ def save_checkpoint(path: PathLike, state: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):  # a killed write of this name
         stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            hashed = _HashingWriter(f)
-            torch.save(state, hashed)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        _write_atomic(path.with_name(path.name + ".sha256"), f"{hashed.hexdigest()}  {path.name}\n".encode())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with _atomic_file(path) as f:
+        hashed = _HashingWriter(f)
+        torch.save(state, hashed)
+        with _atomic_file(path.with_name(path.name + ".sha256")) as digest:
+            digest.write(f"{hashed.hexdigest()}  {path.name}\n".encode())
     return path
 
 

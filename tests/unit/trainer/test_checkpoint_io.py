@@ -185,3 +185,17 @@ def test_checkpoint_carrying_pickled_code_is_refused(tmp_path):
     torch.save({"format_version": 1, "model": {}, "evil": _Payload()}, path)
     with pytest.raises(CheckpointError, match=r"carries pickled Python objects .*never runs code"):
         load_checkpoint(path)
+
+
+def test_a_checkpoint_and_its_digest_are_readable_by_others_like_any_file(tmp_path):
+    """The temporary file they are written to is private (mkstemp: 0600); what it becomes is 0644,
+    so another user of a shared file system (an evaluation job, a colleague) can read it."""
+    path = save_checkpoint(tmp_path / "step_000000001.pt", _state(1))
+    assert os.stat(path).st_mode & 0o777 == 0o644
+    assert os.stat(f"{path}.sha256").st_mode & 0o777 == 0o644
+
+
+def test_a_write_that_fails_leaves_nothing_behind(tmp_path):
+    with pytest.raises(Exception, match="lambda"):
+        save_checkpoint(tmp_path / "step_000000001.pt", {"step": 1, "fn": lambda: 0})  # cannot be pickled
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
