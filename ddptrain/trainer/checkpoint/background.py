@@ -65,11 +65,6 @@ class BackgroundWriter:
         self._what = ""
         self._error: BaseException | None = None
 
-    @property
-    def busy(self) -> bool:
-        """A write is in flight."""
-        return self._thread is not None and self._thread.is_alive()
-
     def submit(self, what: str, write: Callable[[], None]) -> float:
         """Run ``write()`` in the writer thread once the previous write is done; the seconds this
         call waited for it. ``what`` names the write in errors and log lines.

@@ -2,6 +2,9 @@
 foreground save, a failure that surfaces with the file's name, and what it cannot combine with.
 A process killed in the middle of a background write: tests/e2e/test_async_checkpoint_kill.py."""
 
+import logging
+import time
+
 import pytest
 import torch
 
@@ -102,3 +105,30 @@ def test_background_saves_refuse_sharded_optimizer_files():
         r"trainer.checkpoint.sharded=true: every rank's shard must be on disk",
     ):
         validate(config, 2)
+
+
+def test_the_writer_runs_one_write_at_a_time_and_the_next_one_says_it_waited(caplog):
+    from ddptrain.trainer.checkpoint.background import BackgroundWriter
+
+    writer, done = BackgroundWriter(), []
+    writer.submit("step_1.pt", lambda: (time.sleep(0.3), done.append(1)))
+    with caplog.at_level(logging.INFO, logger="ddptrain.trainer"):
+        waited = writer.submit("step_2.pt", lambda: done.append(2))
+    assert done[0] == 1 and waited > 0.1  # the second started only once the first had finished
+    assert "step_2.pt waited" in caplog.text and "for the previous background save" in caplog.text
+    assert writer.wait() < 0.1 and done == [1, 2]
+    assert writer.wait() == 0.0  # nothing in flight
+
+
+def test_a_failed_write_is_raised_at_the_next_submit_which_does_not_start():
+    from ddptrain.trainer.checkpoint.background import BackgroundWriter
+
+    writer, started = BackgroundWriter(), []
+
+    def fail():
+        raise OSError("No space left on device")
+
+    writer.submit("step_4.pt", fail)
+    with pytest.raises(CheckpointError, match=r"the background save of step_4.pt failed: No space left on device"):
+        writer.submit("step_6.pt", lambda: started.append(6))
+    assert started == [] and writer.wait() == 0.0  # the failure is reported once
