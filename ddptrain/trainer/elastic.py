@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..comm import CommError
 from ..comm.elastic import ElasticMembership, Generation
@@ -44,8 +44,10 @@ from ..launch.env import detect_environment
 from ..launch.join import Membership, claim_device
 from ..logs import follow_rank
 from ..preflight import resolve_backend
-from .checkpoint import Checkpointer
 from .view import LoopView
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
 
 __all__ = ["ElasticTraining", "MembershipChange", "MembershipChangeDue", "TrainingStateLost"]
 

@@ -177,8 +177,9 @@ class Trainer(TrainingHooks):
             self.metrics.start_training()  # the first logging window's time and bytes start here
             while self.state.epoch < self.config.trainer.epochs and not self._stopping():
                 try:
-                    if not self.train_epoch():
-                        break  # stopped mid-epoch (max_steps / stop_after_steps / max_time)
+                    with unused_parameters_named_as_config():  # DDP's error, in config keys
+                        if not self.train_epoch():
+                            break  # stopped mid-epoch (max_steps / stop_after_steps / max_time)
                 except (CommError, MembershipChangeDue) as exc:
                     if self.elastic is None:
                         raise
@@ -187,8 +188,9 @@ class Trainer(TrainingHooks):
             final = self._finish(time.perf_counter() - fit_start)
             if self.elastic is not None and self.is_main:
                 self.elastic.membership.finish()  # a restarted worker still waiting to be admitted leaves
-            if dev_run_batches(self.config):
-                final.update(run_dev_test(self, dev_run_batches(self.config)))
+            dev_batches = dev_run_batches(self.config)
+            if dev_batches:
+                final.update(run_dev_test(self, dev_batches))
                 remove_dev_run_dir(self.config)  # a dev run that worked leaves nothing (each rank its own)
             return final
         except BaseException as exc:
@@ -213,7 +215,7 @@ class Trainer(TrainingHooks):
         self.model.train()
         for micro_batches in self.phases.batches(self.strategy.batches()):  # phases: profiler labels, the doctor
             self._step_started = time.monotonic()  # an elastic change counts the seconds lost from here
-            with self.phases.span("forward_backward"), unused_parameters_named_as_config():
+            with self.phases.span("forward_backward"):
                 loss = self.forward_backward(micro_batches)
             with self.phases.span("optimizer_step"):
                 self.optimizer_step()
