@@ -174,14 +174,11 @@ def gather_in_dataset_order(per_rank: list[Any], length: int) -> Any:
 
 def run_dev_test(trainer: Any, n: int) -> dict[str, Any]:
     """``trainer.fast_dev_run``'s test pass: ``test_step`` on ``n`` batches per rank; what ran."""
-    data = trainer.test_dataloader()
+    parts = split_loader(trainer.test_dataloader(), "test_dataloader")
     tested: dict[str, float] = {}
-    if data is not None:
-        if isinstance(data, DataLoader):
-            batch_size = data.batch_size or trainer.config.data.eval_batch_size
-            head = first_samples(data.dataset, n * trainer.world_size * batch_size)
-            data = DataLoader(head, batch_size=batch_size, collate_fn=data.collate_fn)
-        else:
-            data = first_samples(data, n * trainer.world_size * trainer.config.data.eval_batch_size)
+    if parts.dataset is not None:
+        batch_size = parts.batch_size or trainer.config.data.eval_batch_size
+        head = first_samples(parts.dataset, n * trainer.world_size * batch_size)
+        data = head if parts.options is None else DataLoader(head, batch_size=batch_size, **parts.options)
         tested = run_test(trainer, data, None, write=False)
     return {"fast_dev_run": {"batches": n, "tested": bool(tested)}, **tested}
