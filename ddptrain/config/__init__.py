@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .data import DataConfig
-from .dist import DEFAULT_BUCKET_CAP_MB, LAUNCHERS, DistConfig, LauncherConfig
-from .optimizer import OPTIMIZERS, SCHEDULERS, OptimizerConfig, SchedulerConfig, check_betas
-from .schema import ConfigError, check_fields, choices, field_type_text
+from .dist import DEFAULT_BUCKET_CAP_MB, DistConfig, LauncherConfig
+from .optimizer import OPTIMIZERS, OptimizerConfig, SchedulerConfig, check_betas
+from .schema import ConfigError, check_fields, field_type_text
 from .trainer import (
     MONITOR_MODES,
     PRECISIONS,
@@ -71,15 +71,12 @@ __all__ = [
     "check_betas",
     "check_device_name",
     "check_precision",
-    "choices",
     "field_type_text",
     "max_time_seconds",
     "default_output_dir",
     "DEFAULT_BUCKET_CAP_MB",
     "PRECISIONS",
-    "LAUNCHERS",
     "OPTIMIZERS",
-    "SCHEDULERS",
     "MONITOR_MODES",
 ]
 

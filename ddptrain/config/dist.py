@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .schema import ConfigError, bounded, checked, choices, one_of
+from .schema import ConfigError, bounded, checked, one_of
 
-__all__ = ["DistConfig", "LauncherConfig", "DEFAULT_BUCKET_CAP_MB", "LAUNCHERS"]
+__all__ = ["DistConfig", "LauncherConfig", "DEFAULT_BUCKET_CAP_MB"]
 
 # DDP's gradient bucket size when none is given (torch's too); dist.bucket_cap_mb=auto starts
 # here and tunes from it. Owned here because the config must be read before torch is imported.
@@ -118,6 +118,3 @@ class LauncherConfig:
     """Elastic jobs (``trainer.elastic``), local launcher: start this many workers more than
     ``dist.world_size``. They load their data and wait; when a member is lost, one takes its place
     at once (no process start), and a restarted worker becomes the next spare."""
-
-
-LAUNCHERS = choices(LauncherConfig, "name")

@@ -7,7 +7,7 @@ from typing import Any
 
 from .schema import ConfigError, bounded, checked, choices, one_of
 
-__all__ = ["OptimizerConfig", "SchedulerConfig", "OPTIMIZERS", "SCHEDULERS", "check_betas"]
+__all__ = ["OptimizerConfig", "SchedulerConfig", "OPTIMIZERS", "check_betas"]
 
 
 def check_betas(key: str, betas: Any, _optimizer: Any = None) -> tuple[float, float]:
@@ -59,4 +59,3 @@ class OptimizerConfig:
 
 
 OPTIMIZERS = choices(OptimizerConfig, "name")
-SCHEDULERS = choices(SchedulerConfig, "name")

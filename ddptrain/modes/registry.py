@@ -30,11 +30,11 @@ names its strategy class directly; the built-in ones by import path, imported wh
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..config import Config, ConfigError
+from ..objects import locate
 
 __all__ = ["Refusal", "Feature", "Mode", "register", "registered", "mode_of", "check_config", "features", "refuse"]
 
@@ -112,8 +112,7 @@ class Mode(Feature):
         """The strategy class (imported now when given by path)."""
         if not isinstance(self.strategy, str):
             return self.strategy
-        module, _, name = self.strategy.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return locate(self.strategy.replace(":", "."), f"the strategy of mode {self.name}")
 
 
 _FEATURES: list[Feature] = []  # in registration order: the order in which rules are checked

@@ -123,7 +123,7 @@ def wrap_model(module: nn.Module, config: Config, process_group: ProcessGroup) -
     return model
 
 
-PLUGGED_KEYS = {
+_PLUGGED_KEYS = {
     "trainer.doctor": lambda cfg: cfg.trainer.doctor,
     "trainer.lr_find": lambda cfg: cfg.trainer.lr_find,
     "dist.bucket_cap_mb=auto": lambda cfg: cfg.dist.bucket_cap_mb == "auto",
@@ -134,7 +134,7 @@ PLUGGED_KEYS = {
 def check_plugins_served(config: Config, callbacks: Sequence[Callback], trainer_name: str) -> None:
     """Refuse a config that asks for a plug-in (``trainer.doctor``...) none of ``callbacks`` implements."""
     served = {key for callback in callbacks for key in getattr(callback, "implements", ())}
-    missing = [key for key, asked in PLUGGED_KEYS.items() if asked(config) and key not in served]
+    missing = [key for key, asked in _PLUGGED_KEYS.items() if asked(config) and key not in served]
     if missing:
         raise ConfigError(
             f"{' and '.join(missing)}: plug-in callbacks do that; ddptrain.run and the command line add "

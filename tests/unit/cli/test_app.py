@@ -62,7 +62,7 @@ def test_the_default_options_give_the_dataclass_defaults():
     differ = {
         k: (composed[k], defaults[k]) for k in defaults if composed[k] != defaults[k] and not k.startswith("recipe.")
     }
-    assert differ == {}, "composed defaults that disagree with ddptrain/config.py"
+    assert differ == {}, "composed defaults that disagree with ddptrain/config/"
     assert set(DEFAULT_OPTIONS.values()) <= {p.stem for g in DEFAULT_OPTIONS for p in (CONF / g).glob("*.yaml")}
 
 
