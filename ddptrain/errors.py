@@ -18,6 +18,7 @@ __all__ = [
     "DatasetNotFoundError",
     "DatasetCorruptError",
     "CheckpointError",
+    "CheckpointWarning",
     "NothingToResumeError",
     "SmokeCheckError",
     "DATA_SOURCES_ENV",
@@ -90,6 +91,10 @@ class DatasetCorruptError(ValueError):
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, truncated, corrupt, or does not fit this run."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (e.g. corrupt) and an older one used instead, or cannot be verified."""
 
 
 class NothingToResumeError(ConfigError, CheckpointError):

@@ -30,6 +30,7 @@ from .config import ConfigError
 from .loading import find_checkpoint, model_weights
 from .rundir import BEST_DIR, CHECKPOINTS_DIR
 from .trainer.checkpoint import CheckpointError, load_checkpoint
+from .trainer.checkpoint.dcp import is_dcp_checkpoint
 
 __all__ = ["bare_weights", "export", "main"]
 
@@ -50,7 +51,7 @@ def default_output(source: str | Path, fmt: str, ema: bool) -> Path:
     """``<run dir>/export/model[-ema].<suffix>``; the run directory of a checkpoint file or of
     ``checkpoints/`` (``best/``) is the one above them."""
     path = Path(source).expanduser()
-    path = path if path.is_dir() else path.parent
+    path = path if path.is_dir() and not is_dcp_checkpoint(path) else path.parent  # a run, or a checkpoint in it
     if path.name == BEST_DIR and path.parent.name == CHECKPOINTS_DIR:
         path = path.parent
     if path.name == CHECKPOINTS_DIR:

@@ -4,19 +4,19 @@
 A model of about 50M parameters with AdamW (a checkpoint of about 0.6 GB: weights and two
 moments), 2 ranks on this machine, one checkpoint every ``--every`` steps. Each run records, on
 rank 0, the wall time between the ends of consecutive steps (a step that checkpoints includes what
-the save cost it) and the process's peak resident memory. Three runs, in the same invocation:
+the save cost it) and the process's peak resident memory. Five runs, in the same invocation:
 
 - ``none``: no checkpoint (the anchor);
-- ``sync``: ``trainer.checkpoint.async_save=false``, today's single-file format, written in the step;
-- ``async``: ``trainer.checkpoint.async_save=true``, the same file written by a thread of rank 0.
+- ``sync``: ``trainer.checkpoint.async_save=false``, the single-file ``torch`` format, written in the step;
+- ``async``: ``trainer.checkpoint.async_save=true``, the same file written by a thread of rank 0;
+- ``dcp``: ``trainer.checkpoint.format=dcp``, each rank writing its part in the step;
+- ``dcp-async``: the same, each rank writing its part in a thread.
 
 Printed: the median step time without a checkpoint, the stall (the checkpointing step's time
 minus that median, median over the checkpoints), the steady step time (median of the other
 steps) as a ratio to ``none``'s, and rank 0's peak RSS. Usage::
 
     .venv/bin/python scripts/bench_checkpoint.py [--steps 40] [--every 10]
-
-DCP (``torch.distributed.checkpoint``) is not measured: ddptrain does not write it yet (issue 51).
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def run(mode: str, steps: int, every: int, out: Path) -> dict:
         "trainer.checkpoint.every_epochs=0",
         "trainer.checkpoint.at_end=false",
         f"trainer.checkpoint.every_steps={0 if mode == 'none' else every}",
-        f"trainer.checkpoint.async_save={'true' if mode == 'async' else 'false'}",
+        f"trainer.checkpoint.async_save={'true' if mode.endswith('async') else 'false'}",
+        f"trainer.checkpoint.format={'dcp' if mode.startswith('dcp') else 'torch'}",
         f"trainer.output_dir={out}",
         f"hydra.run.dir={out}",
     ]
@@ -137,11 +138,11 @@ def main() -> None:
     )
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as tmp:
-        for mode in ("none", "sync", "async"):
+        for mode in ("none", "sync", "async", "dcp", "dcp-async"):
             results[mode] = run(mode, args.steps, args.every, Path(tmp) / mode)
     anchor = statistics.median(results["none"]["steady"])
     print(
-        f"{'mode':<6} {'steady step s':>14} {'vs none':>8} {'stall s (median)':>17} "
+        f"{'mode':<9} {'steady step s':>14} {'vs none':>8} {'stall s (median)':>17} "
         f"{'stall / sync':>13} {'peak RSS MiB':>13}"
     )
     sync_stall = None
@@ -153,7 +154,7 @@ def main() -> None:
             sync_stall = stall
         ratio = f"{stall / sync_stall:.3f}" if sync_stall and mode != "none" else "-"
         print(
-            f"{mode:<6} {steady:>14.3f} {steady / anchor:>8.3f} {stall:>17.3f} {ratio:>13} {r['peak_rss_mib']:>13.0f}"
+            f"{mode:<9} {steady:>14.3f} {steady / anchor:>8.3f} {stall:>17.3f} {ratio:>13} {r['peak_rss_mib']:>13.0f}"
         )
 
 

@@ -158,12 +158,20 @@ class CheckpointConfig:
     """``min`` (lower is better, e.g. a loss) or ``max`` (e.g. an accuracy) for ``monitor``."""
     save_top_k: int = bounded(1, at_least=1)
     """How many best checkpoints ``monitor`` keeps (exactly these; ties keep the earlier step)."""
+    format: str = one_of("torch", ("torch", "dcp"))
+    """``torch``: each checkpoint is one file, ``step_<N>.pt`` (``torch.save``), written by rank 0.
+    ``dcp``: a directory, ``step_<N>.dcp/``, in torch's distributed checkpoint format: every rank
+    writes its part (the replicated weights once, spread over the ranks; under ZeRO each rank its
+    own optimizer shard, never gathered), and ``torch.distributed.checkpoint.load`` reads the model
+    from it without ddptrain (docs/outputs-and-checkpoints.md). Resuming, ``ddptrain.load_model`` and
+    ``ddptrain.export`` read both formats, whichever this run writes."""
     sharded: bool = False
     """ZeRO only (``dist.zero_stage=1|2``): each rank writes its own shard of the optimizer state
     to a file beside the checkpoint (``step_<N>.pt.optim-<rank>-of-<W>``), with no gather of the
     full state and no rank holding more than its shard; the checkpoint file holds the rest. Reading
     it puts the shards together, so it still resumes at any world size, with ZeRO or in plain DDP,
-    and ``ddptrain.load_model`` reads it. ``false``: one consolidated file (docs/zero.md)."""
+    and ``ddptrain.load_model`` reads it. ``false``: one consolidated file (docs/zero.md). With
+    ``format=dcp`` the shards are always each rank's own, inside the checkpoint directory."""
     async_save: bool = False
     """Write the step checkpoints in the background: the step copies the state to host memory
     (pinned on CUDA) and training goes on while a thread of rank 0 writes it. At most one save is
@@ -171,6 +179,12 @@ class CheckpointConfig:
     mid-write leaves the previous checkpoint as the latest. The end of training, a signal and
     ``trainer.max_time`` wait for the save in flight. Costs one copy of the checkpoint in host
     memory while it is written. Best checkpoints (``monitor``) are written in the foreground."""
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Whether a ZeRO run's checkpoint keeps each rank's optimizer shard apart (``sharded``, or
+        ``format=dcp``) instead of gathering the whole state."""
+        return self.sharded or self.format == "dcp"
 
 
 @dataclass

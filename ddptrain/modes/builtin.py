@@ -280,6 +280,19 @@ register(
 
 register(
     Feature(
+        name="dcp_checkpoints",
+        active=lambda c: c.trainer.checkpoint.format == "dcp",
+        setting=lambda c: "trainer.checkpoint.format=dcp",
+        way_back="set trainer.checkpoint.format=torch",
+        needs={
+            "fixed_group": "every rank writes its part of a DCP checkpoint, so a rank lost during a save would "
+            "leave it incomplete (the torch format is written by rank 0 alone)"
+        },
+    )
+)
+
+register(
+    Feature(
         name="doctor",
         active=lambda c: c.trainer.doctor,
         setting=lambda c: "trainer.doctor=true",

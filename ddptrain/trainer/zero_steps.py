@@ -81,13 +81,13 @@ class ZeroSteps(DataParallelSteps):
 
     def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
         entries = optimizers.state_dict()  # the wrapped optimizer holds no state: only its groups
-        if self.trainer.config.trainer.checkpoint.sharded:  # the state goes to each rank's own file
+        if self.trainer.config.trainer.checkpoint.shards_optimizer_state:  # each rank saves its own shard
             groups = entries["optimizer"]["param_groups"]
             return {**entries, "optimizer": {"param_groups": groups, "shards": self.trainer.world_size}}
         return {**entries, "optimizer": self.zero.state_dict()}
 
     def optimizer_shard(self) -> dict[str, Any] | None:
-        return self.zero.shard_state_dict() if self.trainer.config.trainer.checkpoint.sharded else None
+        return self.zero.shard_state_dict() if self.trainer.config.trainer.checkpoint.shards_optimizer_state else None
 
     def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
         optimizers.load_state_dict(checkpoint)  # the full state into the trainer's optimizer, schedules

@@ -7,7 +7,10 @@
 - :mod:`.resolve`: which file ``latest`` / ``auto`` / ``best`` / a directory / a file means, for
   the Checkpointer, the launcher and ``ddptrain.load_model`` alike.
 - :mod:`.files`: one checkpoint file on disk: its name, the atomic write with its SHA-256, the
-  verified load, listing and pruning a directory of them.
+  verified load, listing and pruning a directory of them (of either format).
+- :mod:`.dcp`: ``trainer.checkpoint.format=dcp``: a checkpoint directory in torch's distributed
+  format, each rank writing its part; read back as the same dict a ``.pt`` file holds.
+- :mod:`.background`: ``trainer.checkpoint.async_save``: the host snapshot and the writer thread.
 
 The run directory's layout (``checkpoints/``, ``checkpoints/best/``) is :class:`ddptrain.rundir.RunDir`'s.
 The callbacks decide only *when* to save (:class:`~ddptrain.trainer.CheckpointCallback`,

@@ -60,6 +60,7 @@ from ..rng import capture_rng_state, restore_rng_state, seed_everything
 from ..steps import StepStrategy
 from ..view import LoopView
 from .background import BackgroundWriter, host_snapshot
+from .dcp import DcpWrite, plan_dcp, sharded_optimizer_entry
 from .files import (
     FORMAT_VERSION,
     CheckpointError,
@@ -236,7 +237,9 @@ class Checkpointer:
         """The step checkpoint that holds the current state: the one resumed from, or the last
         :meth:`save_step` wrote; ``None`` while the state is in no file."""
         self._saved_position: tuple[int, int, int] | None = None  # the position last_saved holds
-        # trainer.checkpoint.async_save: rank 0 writes step checkpoints in a thread (.background)
+        self.format = config.trainer.checkpoint.format
+        """``trainer.checkpoint.format``: ``torch`` (rank 0 writes one file) or ``dcp`` (every rank writes its part)."""
+        # trainer.checkpoint.async_save: step checkpoints are written in a thread (.background)
         self._writer = BackgroundWriter() if config.trainer.checkpoint.async_save else None
 
     @classmethod
@@ -344,15 +347,18 @@ class Checkpointer:
         writes, atomically, with its digest (:func:`.files.save_checkpoint`), then calls
         ``then(path)``. A strategy that shards the optimizer state to files
         (``trainer.checkpoint.sharded``) has every rank write its own first, so the checkpoint
-        appears only once all of them are on disk.
+        appears only once all of them are on disk. With ``trainer.checkpoint.format=dcp`` every
+        rank writes its part of a directory that rank 0 makes visible once all have (:mod:`.dcp`).
 
-        ``background``: under ``trainer.checkpoint.async_save``, rank 0 snapshots the state to host
-        memory and writes it (and runs ``then``) in its writer thread while training goes on
+        ``background``: under ``trainer.checkpoint.async_save``, the state is snapshot to host
+        memory and written (and ``then`` run) in a writer thread while training goes on
         (:mod:`.background`); otherwise, and for a foreground save, any save in flight is waited
-        for first, so files appear in the order they were asked for."""
+        for first, so checkpoints appear in the order they were asked for."""
         checkpoint = {**self.state_dict(), **(extra or {})}
         path = Path(path)
         shard = None if self.strategy is None else self.strategy.optimizer_shard()
+        if self.format == "dcp":
+            return self._save_dcp(path, checkpoint, shard, background, then)
         if shard is not None:
             pg = self.process_group
             save_checkpoint(optimizer_shard_path(path, pg.rank(), pg.size()), shard)
@@ -375,8 +381,45 @@ class Checkpointer:
             write(checkpoint)
         return path
 
+    def _save_dcp(
+        self,
+        path: Path,
+        checkpoint: dict[str, Any],
+        shard: dict[str, Any] | None,
+        background: bool,
+        then: Callable[[Path], None] | None,
+    ) -> Path:
+        """:meth:`save` in the DCP format: planned together, written by every rank (in its writer
+        thread, for a background save), made visible by rank 0 (:class:`.dcp.DcpWrite`)."""
+        pg = self.process_group
+        if shard is not None:  # each rank's own elements, in place of the gathered state
+            checkpoint["optimizer"] = sharded_optimizer_entry(pg, checkpoint["optimizer"], shard)
+        background = background and self._writer is not None
+        if not background:
+            self.finish()
+        planned = plan_dcp(path, checkpoint, pg)
+        step, main = self.state.step, self.is_main
+
+        def committed() -> None:
+            log.info("checkpoint saved: %s (step %d%s)", path, step, ", in the background" if background else "")
+            if then is not None:
+                then(path)
+
+        if background:
+            planned.snapshot()  # the live tensors change with the next step
+            rank, world_size, timeout_s = pg.rank(), pg.size(), pg.timeout.total_seconds()
+            self._writer.submit(
+                path.name, lambda: _write_dcp_in_background(planned, rank, world_size, timeout_s, committed)
+            )
+            return path
+        everyone = all_gather_object(pg, planned.write())
+        if main:
+            planned.commit(everyone)
+            committed()
+        return path
+
     def finish(self) -> None:
-        """Wait for the background save in flight, if any (rank 0; a no-op elsewhere). The fit
+        """Wait for the background save in flight, if any (a no-op without one). The fit
         calls it before it ends, stops for a signal, or rebuilds for a new group.
 
         Raises:
@@ -409,7 +452,7 @@ class Checkpointer:
             for old in prune_checkpoints(steps_dir, keep_last):
                 _files_log.debug("deleted old checkpoint %s", old)
 
-        path = self.save(steps_dir / checkpoint_name(self.state.step), background=True, then=keep_newest)
+        path = self.save(steps_dir / checkpoint_name(self.state.step, self.format), background=True, then=keep_newest)
         self.last_saved, self._saved_position = path, position
         return path
 
@@ -425,7 +468,7 @@ class Checkpointer:
         """The current step's checkpoint as a best one, ``<directory>/step_<step>.pt`` with
         ``monitor`` (``{"name", "mode", "value"}``) inside (collective). Rank 0 verifies it on disk
         before returning, so the caller may then delete the one it pushes out (:meth:`delete`)."""
-        path = self.save(Path(directory) / checkpoint_name(self.state.step), extra={"monitor": monitor})
+        path = self.save(Path(directory) / checkpoint_name(self.state.step, self.format), extra={"monitor": monitor})
         if self.is_main:
             load_checkpoint(path)  # verify what reached the disk before anything is deleted
         return path
@@ -505,3 +548,20 @@ def _stateful(callbacks: Sequence[Any]) -> dict[str, Any]:
                 n += 1
             found[key] = callback
     return found
+
+
+def _write_dcp_in_background(
+    planned: DcpWrite, rank: int, world_size: int, timeout_s: float, committed: Callable[[], None]
+) -> None:
+    """A writer thread's DCP save: write this rank's part and say so in the checkpoint's temporary
+    directory; rank 0's thread then waits for every rank's word, commits, and calls ``committed``.
+    The word travels through the file system, not a collective: the training thread owns those."""
+    try:
+        written = planned.write()
+    except BaseException as exc:  # rank 0 must hear of it, not wait for the timeout; this thread fails too
+        planned.publish(rank, exc)
+        raise
+    planned.publish(rank, written)
+    if rank == 0:
+        planned.commit(planned.gather_published(world_size, timeout_s))
+        committed()

@@ -15,6 +15,10 @@ shard of the optimizer state; the checkpoint's ``optimizer`` entry then holds th
 and ``"shards": <world size>``. :func:`load_checkpoint` reads them back into the consolidated
 format, so every reader sees one layout; :func:`remove_checkpoint` deletes them with it.
 
+With ``trainer.checkpoint.format=dcp`` a checkpoint is a directory, ``step_<step>.dcp/``, in
+torch's distributed format (:mod:`.dcp`); :func:`load_checkpoint`, :func:`list_checkpoints`,
+:func:`monitor_entry` and :func:`remove_checkpoint` take both kinds, so readers need not know.
+
 These are primitives on paths, with no collectives and no knowledge of a run: the
 :class:`~.checkpointer.Checkpointer` decides what to write where, and :mod:`.resolve` which
 file a ``trainer.resume`` value means.
@@ -28,6 +32,7 @@ import hashlib
 import io
 import os
 import re
+import shutil
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -37,7 +42,9 @@ from typing import Any, BinaryIO, Union
 import torch
 
 from ...config import ConfigError
-from ...errors import CheckpointError, NothingToResumeError
+from ...errors import CheckpointError, CheckpointWarning, NothingToResumeError
+from .dcp import SUFFIX as DCP_SUFFIX
+from .dcp import is_dcp_checkpoint, load_dcp
 
 __all__ = [
     "CheckpointError",
@@ -59,17 +66,15 @@ __all__ = [
 FORMAT_VERSION = 1
 """Version of the dictionary layout written by :meth:`.checkpointer.Checkpointer.state_dict`."""
 REQUIRED_KEYS = ("format_version", "step", "epoch", "world_size", "model", "optimizer", "sampler", "rng")
-_NAME = re.compile(r"^step_(\d+)\.pt$")
+_NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")
+FORMATS = ("torch", "dcp")
+"""``trainer.checkpoint.format``'s values: one ``torch.save`` file, or torch's distributed format."""
 PathLike = Union[str, os.PathLike]  # noqa: UP007 - a runtime alias, usable on Python 3.10
 
 
-class CheckpointWarning(UserWarning):
-    """A checkpoint was skipped (e.g. corrupt) and an older one used instead."""
-
-
-def checkpoint_name(step: int) -> str:
-    """File name of the checkpoint written after ``step`` optimizer steps."""
-    return f"step_{step:09d}.pt"
+def checkpoint_name(step: int, format: str = "torch") -> str:
+    """Name of the checkpoint written after ``step`` optimizer steps, in ``format`` (:data:`FORMATS`)."""
+    return f"step_{step:09d}{DCP_SUFFIX if format == 'dcp' else '.pt'}"
 
 
 @contextlib.contextmanager
@@ -140,7 +145,8 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]
     """Load and verify a checkpoint written by :func:`save_checkpoint`; a sharded optimizer entry
     comes back consolidated, from the shard files beside it (each verified the same way).
 
-    Loads with ``torch.load(weights_only=True)``: no code from the file runs.
+    Loads with ``torch.load(weights_only=True)``: no code from the file runs. A DCP checkpoint
+    directory (:mod:`.dcp`) comes back as the same dict, every tensor whole.
 
     Raises:
         CheckpointError: missing, truncated or corrupt file (digest mismatch, unreadable archive),
@@ -148,7 +154,7 @@ def load_checkpoint(path: PathLike, map_location: Any = "cpu") -> dict[str, Any]
             other checkpoints next to it.
     """
     path = Path(path)
-    state = _load_verified(path, map_location)
+    state = load_dcp(path) if is_dcp_checkpoint(path) else _load_verified(path, map_location)
     if not isinstance(state, dict) or any(k not in state for k in REQUIRED_KEYS):
         missing = [k for k in REQUIRED_KEYS if not isinstance(state, dict) or k not in state]
         raise CheckpointError(f"{path} is not a ddptrain checkpoint: keys {missing} are missing.{_others(path)}")
@@ -252,9 +258,12 @@ def list_checkpoints(directory: PathLike) -> list[Path]:
 
 def monitor_entry(path: PathLike) -> dict[str, Any] | None:
     """The ``monitor`` entry (``{"name", "mode", "value"}``) a best checkpoint stores; ``None`` if
-    it has none or cannot be read. Reads lazily (memory-mapped): no tensor is loaded."""
+    it has none or cannot be read. Reads no tensor (memory-mapped, or a DCP checkpoint's plain values)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if is_dcp_checkpoint(path):
+            state = load_dcp(path, tensors=False)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # unreadable: not a candidate; load_checkpoint says why when it is chosen
         return None
     entry = state.get("monitor") if isinstance(state, dict) else None
@@ -262,10 +271,10 @@ def monitor_entry(path: PathLike) -> dict[str, Any] | None:
 
 
 def load_step(path: PathLike) -> int:
-    """The step in a checkpoint's file name (``step_<step>.pt``)."""
+    """The step in a checkpoint's name (``step_<step>.pt`` or ``step_<step>.dcp``)."""
     match = _NAME.match(Path(path).name)
     if match is None:
-        raise ValueError(f"{path} is not named step_<step>.pt")
+        raise ValueError(f"{path} is not named step_<step>.pt or step_<step>.dcp")
     return int(match.group(1))
 
 
@@ -281,6 +290,9 @@ def prune_checkpoints(directory: PathLike, keep_last: int) -> list[Path]:
 def remove_checkpoint(path: PathLike) -> None:
     """Delete a checkpoint, its optimizer shards and their digests (any may already be gone)."""
     path = Path(path)
+    if is_dcp_checkpoint(path):
+        shutil.rmtree(path, ignore_errors=True)
+        return
     shards = list(path.parent.glob(f"{glob.escape(path.name)}.optim-*")) if path.parent.is_dir() else []
     for p in (*shards, path, path.with_name(path.name + ".sha256")):
         try:

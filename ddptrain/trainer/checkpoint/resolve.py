@@ -16,6 +16,7 @@ from pathlib import Path
 from ...comm.objects import broadcast_object
 from ...comm.process_group import ProcessGroup
 from ...rundir import BEST_DIR, RunDir
+from .dcp import is_dcp_checkpoint
 from .files import (
     CheckpointError,
     CheckpointWarning,
@@ -113,16 +114,17 @@ def resolve_checkpoint(
     if resume == "best":
         return best_checkpoint(Path(checkpoint_dir) / BEST_DIR, f"{key}=best")
     path = Path(resume).expanduser()
-    if path.is_dir():
+    if path.is_dir() and not is_dcp_checkpoint(path):
         if path.name == BEST_DIR:
             return best_checkpoint(path, f"{key}={resume}")
         for directory in (path, RunDir(path).checkpoints):
             if list_checkpoints(directory):
                 return latest_valid_checkpoint(directory)
         raise CheckpointError(
-            f"{key}={resume}: the directory holds no checkpoint (step_*.pt), nor does its checkpoints/ folder"
+            f"{key}={resume}: the directory holds no checkpoint (step_*.pt, step_*.dcp), "
+            "nor does its checkpoints/ folder"
         )
-    if not path.is_file():  # a wrong path is the user's input, like an unknown key: a config error (rc 2)
+    if not path.exists():  # a wrong path is the user's input, like an unknown key: a config error (rc 2)
         raise NothingToResumeError(
             f"{key}={resume}: no such file or directory. Pass a checkpoint file, a run directory, 'latest' or 'best'"
         )
@@ -220,7 +222,7 @@ def find_checkpoint(source: str | Path, which: str = "latest") -> Path:
     if which not in LOAD_MODEL_WHICH:
         raise ValueError(f"which={which!r} must be 'best' or 'latest'")
     path = Path(source).expanduser()
-    if path.is_file():
+    if path.is_file() or (path.is_dir() and is_dcp_checkpoint(path)):
         return path
     if not path.is_dir():
         raise CheckpointError(f"{source}: no such file or directory (pass a run directory or a checkpoint file)")
