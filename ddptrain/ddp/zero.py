@@ -222,12 +222,12 @@ class ZeroOptimizer:
                     shards.append(_Shard(b, g, [piece], view))
         self._shards = shards
         groups = [
-            {**_hyper(group), "params": [s.tensor for s in shards if s.group == g]}
+            {**hyper_parameters(group), "params": [s.tensor for s in shards if s.group == g]}
             for g, group in enumerate(self.optimizer.param_groups)
         ]
         groups = [g for g in groups if g["params"]]
         # A rank whose chunks hold no trained element (tiny models, many ranks) steps nothing.
-        self._shard_optimizer = _same_kind(self.optimizer, groups) if groups else None
+        self._shard_optimizer = optimizer_like(self.optimizer, groups) if groups else None
         self._layout_version = reducer.layout_version
 
     def _readopt_moved_params(self) -> None:
@@ -298,7 +298,7 @@ class ZeroOptimizer:
             return False
         if self._shard_optimizer is not None:
             for shard_group, group in zip(self._shard_optimizer.param_groups, self._groups_in_use()):
-                shard_group.update(_hyper(group))
+                shard_group.update(hyper_parameters(group))
             self._shard_optimizer.step()
         # Every .grad of the wrapped optimizer is None, so for torch's optimizers this steps nothing;
         # its step hooks run, and a learning-rate scheduler sees that the optimizer stepped.
@@ -552,7 +552,7 @@ def consolidate_shards(groups_entry: dict[str, Any], shards: list[dict[str, Any]
     return {"state": state, "param_groups": groups_entry["param_groups"]}
 
 
-def _same_kind(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
+def optimizer_like(optimizer: torch.optim.Optimizer, groups: list[dict]) -> torch.optim.Optimizer:
     """A new optimizer of ``optimizer``'s class over ``groups`` (which carry every hyper-parameter),
     given the constructor arguments its defaults name (AdamW's defaults hold a key its
     constructor does not take)."""
@@ -567,7 +567,7 @@ def _adopt(param: torch.Tensor, slot: torch.Tensor) -> None:
     param.data = slot
 
 
-def _hyper(group: dict) -> dict:
+def hyper_parameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 

@@ -50,6 +50,12 @@ INVARIANT = register(
                 "data.drop_last=true",
                 "it takes every sample once (the last global batch may be short)",
             ),
+            Refusal(
+                lambda c: c.dist.zero_stage == 2,
+                "dist.zero_stage=2",
+                "every rank holds the whole exact gradient, so there are no gradient buckets to shard "
+                "(dist.zero_stage=1 shards the optimizer state, bit for bit)",
+            ),
         ],
         needs={
             "full_precision_gradients": "invariant mode sums exact integer gradients, which half precision would round"
@@ -76,17 +82,12 @@ def _check_sharded_checkpoints(config: Config, world_size: int) -> None:
 ZERO = register(
     Mode(
         name="zero",
-        active=lambda c: bool(c.dist.zero_stage),
+        # In invariant mode its strategy shards the optimizer over whole gradients itself (stage 1).
+        active=lambda c: bool(c.dist.zero_stage) and not c.trainer.world_size_invariant,
         setting=lambda c: f"dist.zero_stage={c.dist.zero_stage}",
         way_back="train with dist.zero_stage=0",
         check=_check_sharded_checkpoints,
         refuses=[
-            Refusal(
-                lambda c: c.trainer.world_size_invariant,
-                "trainer.world_size_invariant=true",
-                "invariant mode sums exact integer gradients on the bare module, outside DDP's buckets, "
-                "so there is no reduce-scatter to shard",
-            ),
             Refusal(
                 lambda c: c.dist.find_unused_parameters,
                 "dist.find_unused_parameters=true",

@@ -128,11 +128,16 @@ class StepStrategy(ABC):
             norm = torch.nn.utils.get_total_norm([p.grad for p in t.model.parameters() if p.grad is not None])
         if t.config.trainer.log_grad_norm:
             log_grad_norm(t, norm)
-        t.optimizer_set.step(t.precision.scaler)
+        self.update_parameters()
         t.precision.update()
         step = t.state.step + 1  # the step being completed
         t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
         t.optimizer_set.zero_grad()
+
+    def update_parameters(self) -> None:
+        """Step every optimizer with the gradients in ``.grad`` (through the gradient scaler under
+        16-mixed): :meth:`optimizer_step`'s update, between clipping and the schedules."""
+        self.trainer.optimizer_set.step(self.trainer.precision.scaler)
 
     @contextlib.contextmanager
     def synchronized_weights(self) -> Iterator[None]:

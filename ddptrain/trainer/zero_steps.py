@@ -30,7 +30,7 @@ from ..ddp.zero import ZeroOptimizer
 from .steps import DataParallelSteps, log_grad_norm
 from .view import LoopView
 
-__all__ = ["ZeroSteps"]
+__all__ = ["ZeroSteps", "single_optimizer", "sharded_optimizer_entries", "sharded_optimizer_shard"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -41,17 +41,10 @@ class ZeroSteps(DataParallelSteps):
     def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         super().__init__(trainer, votes)
         dist = trainer.config.dist
-        if len(trainer.optimizer_set.optimizers) != 1:
-            raise ConfigError(
-                f"dist.zero_stage={dist.zero_stage} shards one optimizer, and configure_optimizers returned "
-                f"{len(trainer.optimizer_set.optimizers)}: return a single optimizer (parameter groups may differ in "
-                "hyper-parameters), or train with dist.zero_stage=0"
-            )
+        optimizer = single_optimizer(trainer)
         try:
             reduce_dtype = COMPRESSIONS[dist.grad_compression][0] if dist.grad_compression != "none" else None
-            self.zero = ZeroOptimizer(
-                trainer.model, trainer.optimizer_set.optimizer, dist.zero_stage, dist.algorithm, reduce_dtype
-            )
+            self.zero = ZeroOptimizer(trainer.model, optimizer, dist.zero_stage, dist.algorithm, reduce_dtype)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         held = sum(hi - lo for ranges in self.zero.shard_gradient_elements().values() for lo, hi in ranges)
@@ -80,15 +73,45 @@ class ZeroSteps(DataParallelSteps):
         self.zero.zero_grad()
 
     def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
-        entries = optimizers.state_dict()  # the wrapped optimizer holds no state: only its groups
-        if self.trainer.config.trainer.checkpoint.shards_optimizer_state:  # each rank saves its own shard
-            groups = entries["optimizer"]["param_groups"]
-            return {**entries, "optimizer": {"param_groups": groups, "shards": self.trainer.world_size}}
-        return {**entries, "optimizer": self.zero.state_dict()}
+        return sharded_optimizer_entries(self.zero, self.trainer, optimizers)
 
     def optimizer_shard(self) -> dict[str, Any] | None:
-        return self.zero.shard_state_dict() if self.trainer.config.trainer.checkpoint.shards_optimizer_state else None
+        return sharded_optimizer_shard(self.zero, self.trainer)
 
     def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
         optimizers.load_state_dict(checkpoint)  # the full state into the trainer's optimizer, schedules
         self.zero.shard_loaded_state()  # ... then cut into this rank's shards
+
+
+def single_optimizer(trainer: LoopView) -> Any:
+    """The fit's one optimizer, which ZeRO shards.
+
+    Raises:
+        ConfigError: ``configure_optimizers`` returned more than one.
+    """
+    optimizers = trainer.optimizer_set.optimizers
+    if len(optimizers) != 1:
+        stage = trainer.config.dist.zero_stage
+        raise ConfigError(
+            f"dist.zero_stage={stage} shards one optimizer, and configure_optimizers returned {len(optimizers)}: "
+            "return a single optimizer (parameter groups may differ in hyper-parameters), or train with "
+            "dist.zero_stage=0"
+        )
+    return optimizers[0]
+
+
+def sharded_optimizer_entries(zero: Any, trainer: LoopView, optimizers: Any) -> dict[str, Any]:
+    """A checkpoint's ``optimizer`` and ``scheduler`` entries when ``zero`` (a
+    :class:`~ddptrain.ddp.zero.ZeroOptimizer` or :class:`~ddptrain.ddp.zero_whole.WholeGradientZero`)
+    holds the state: the consolidated state (collective), or, when each rank saves its own shard
+    (``trainer.checkpoint.sharded`` or ``format=dcp``), the groups and the number of shards."""
+    entries = optimizers.state_dict()  # the wrapped optimizer holds no state: only its groups
+    if trainer.config.trainer.checkpoint.shards_optimizer_state:
+        groups = entries["optimizer"]["param_groups"]
+        return {**entries, "optimizer": {"param_groups": groups, "shards": trainer.world_size}}
+    return {**entries, "optimizer": zero.state_dict()}
+
+
+def sharded_optimizer_shard(zero: Any, trainer: LoopView) -> dict[str, Any] | None:
+    """This rank's shard for a checkpoint that keeps shards apart, else None (:func:`sharded_optimizer_entries`)."""
+    return zero.shard_state_dict() if trainer.config.trainer.checkpoint.shards_optimizer_state else None

@@ -185,11 +185,6 @@ def test_sharded_checkpoints_without_zero_are_refused():
     "override, message",
     [
         (
-            {"trainer": {"world_size_invariant": True}},
-            "dist.zero_stage=2 cannot be combined with trainer.world_size_invariant=true: invariant mode sums "
-            "exact integer gradients on the bare module",
-        ),
-        (
             {"dist": {"find_unused_parameters": True}},
             "dist.zero_stage=2 cannot be combined with dist.find_unused_parameters=true: a parameter without a "
             "gradient would still be stepped",
