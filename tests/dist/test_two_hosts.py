@@ -7,6 +7,7 @@ addresses (10.231.<n>.1/.2, made here and removed afterwards) and loopback are u
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -187,3 +188,72 @@ def test_an_elastic_job_over_two_hosts_goes_on_when_one_hosts_worker_dies(two_ho
     assert sum(len(c["joined"]) for c in changes) >= len(left), changes  # B's restarted workers rejoined
     assert metrics["world_size"] == 4 and metrics["params_agree"], output[-4000:]
     assert metrics["params_sha256"] == uninterrupted, output[-4000:]
+
+
+def _torchrun_on_two_hosts(hosts, disks, run, port, *overrides, succeed=True):
+    """One torchrun per host, each with its own directory mounted at ``run`` (a disk of its own:
+    ``ip netns exec`` gives each its own mount namespace); both outputs, once both have exited
+    (with status 0 if ``succeed``)."""
+    (ns_a, addr_a), (ns_b, _addr_b) = hosts
+    torchrun = [str(BIN / "torchrun"), "--nnodes", "2", "--nproc-per-node", "1"]
+    torchrun += ["--master-addr", addr_a, "--master-port", str(port)]
+    procs = []
+    for node, ns in enumerate((ns_a, ns_b)):
+        command = [*torchrun, "--node-rank", str(node), "-m", "ddptrain", *overrides, f"hydra.run.dir={run}"]
+        script = f"mount --bind {shlex.quote(str(disks[node]))} {shlex.quote(str(run))} && exec {shlex.join(command)}"
+        procs.append(
+            subprocess.Popen(
+                ["ip", "netns", "exec", ns, "sh", "-c", script],
+                cwd=ROOT,
+                env=cli_env(PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            p.kill()
+    for p, out in zip(procs, outputs):
+        assert (p.returncode == 0) == succeed, out[-4000:]
+    return outputs
+
+
+def test_a_job_on_two_hosts_with_node_local_output_resumes_in_place(two_hosts, mnist_root, tmp_path):
+    """trainer.output_dir on each host's own disk: only rank 0's host holds the checkpoints. The job
+    stops at step 20 and resumes in place, rank 0 sending the checkpoint to the other host, and
+    ends with the bits of an uninterrupted 1-rank run (world-size-invariant mode). The DCP format,
+    which every rank writes into one directory, is refused there saying why."""
+    training = (*TRAINING[:2], "trainer.max_steps=40", *TRAINING[3:], f"data.root={mnist_root}")
+    reference = subprocess.run(
+        [PYTHON, "-m", "ddptrain", *training, "dist.world_size=1", f"hydra.run.dir={tmp_path / 'ref'}"],
+        cwd=ROOT,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert reference.returncode == 0, (reference.stdout + reference.stderr)[-3000:]
+    uninterrupted = json.loads((tmp_path / "ref" / "metrics.json").read_text())["params_sha256"]
+    run, disks = tmp_path / "run", (tmp_path / "disk_a", tmp_path / "disk_b")
+    for directory in (run, *disks):
+        directory.mkdir()
+    port = 29700 + os.getpid() % 200
+    _torchrun_on_two_hosts(two_hosts, disks, run, port, *training, "trainer.stop_after_steps=20")
+    assert [p.name for p in (disks[0] / "checkpoints").glob("step_*.pt")] == ["step_000000020.pt"]
+    assert not list(disks[1].glob("checkpoints/step_*")) and not list(run.iterdir())  # B's disk: none; ours: none
+    _torchrun_on_two_hosts(two_hosts, disks, run, port + 1, *training, f"trainer.resume={run}")
+    metrics = json.loads((disks[0] / "metrics.json").read_text())
+    assert metrics["step"] == 40 and metrics["params_agree"]
+    assert metrics["params_sha256"] == uninterrupted
+    assert (
+        "is not on the file system of rank(s) [1] (node-local storage): rank 0 sends it"
+        in (disks[0] / "train.log").read_text()
+    )
+    dcp = (*training, "trainer.max_steps=2", "trainer.checkpoint.format=dcp")
+    outputs = _torchrun_on_two_hosts(two_hosts, disks, run, port + 2, *dcp, succeed=False)
+    assert "rank(s) [1] do not see the directory" in outputs[0] and "do not share" in outputs[0], outputs[0][-3000:]

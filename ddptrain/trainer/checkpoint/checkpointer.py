@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...comm.objects import all_gather_object
+from ...comm.objects import all_gather_object, broadcast_object
 from ...comm.process_group import ProcessGroup
 from ...config import Config
 from ...data import DistributedSampler
@@ -363,6 +363,16 @@ class Checkpointer:
             pg = self.process_group
             save_checkpoint(optimizer_shard_path(path, pg.rank(), pg.size()), shard)
             pg.barrier().wait()
+            world_size = pg.size()
+            if self.is_main and (
+                missing := [r for r in range(world_size) if not optimizer_shard_path(path, r, world_size).is_file()]
+            ):
+                raise CheckpointError(
+                    f"trainer.checkpoint.sharded: rank 0 does not see the optimizer shard files of rank(s) {missing} "
+                    f"beside {path}, so the ranks do not share its file system. Put trainer.output_dir on a file "
+                    "system all ranks share, or set trainer.checkpoint.sharded=false (rank 0 writes the gathered "
+                    "state, and a resume sends it to the other ranks)"
+                )
         if not self.is_main:
             return path
         step = self.state.step
@@ -506,7 +516,7 @@ class Checkpointer:
         path = self.resolve(source, "trainer.init_from")
         if path is None:
             raise CheckpointError(f"trainer.init_from={source}: there is no checkpoint to start from")
-        checkpoint = load_checkpoint(path)
+        checkpoint = self.load_agreed(path)
         try:
             self.model.load_state_dict(checkpoint["model"])
         except RuntimeError as exc:
@@ -518,6 +528,24 @@ class Checkpointer:
         if self.is_main:
             log.info("weights from %s (step %d of its run); training starts at step 0", path, checkpoint["step"])
         return True
+
+    def load_agreed(self, path: str | Path) -> dict[str, Any]:
+        """The checkpoint at ``path`` (rank 0's answer, :meth:`resolve`), on every rank (collective).
+
+        Each rank reads it from its own file system when every rank sees it; when some do not (a
+        ``trainer.output_dir`` on each host's own disk: rank 0 wrote it where the others cannot
+        read), rank 0 reads it and sends it to every rank, so a job on node-local storage resumes
+        in place."""
+        seen = all_gather_object(self.process_group, Path(path).exists())
+        if all(seen):
+            return load_checkpoint(path)
+        if self.is_main:
+            log.info(
+                "checkpoint %s is not on the file system of rank(s) %s (node-local storage): rank 0 sends it",
+                path,
+                [r for r, found in enumerate(seen) if not found],
+            )
+        return broadcast_object(self.process_group, load_checkpoint(path) if self.is_main else None)
 
     def resume(self, resume: str) -> bool:
         """Continue from ``trainer.resume`` (a file, a directory, ``latest`` or ``best``); False if nothing to resume.
@@ -531,7 +559,7 @@ class Checkpointer:
                     "trainer.resume=auto: no checkpoint in %s yet; starting from scratch", self.run_dir.checkpoints
                 )
             return False
-        self.load_state_dict(load_checkpoint(path), path)
+        self.load_state_dict(self.load_agreed(path), path)
         self.last_saved, self._saved_position = Path(path), self.state.position()  # not rewritten by save_step
         if self.is_main:
             log.info("resumed from %s: step %d, epoch %d", path, self.state.step, self.state.epoch + 1)

@@ -346,6 +346,14 @@ def plan_dcp(path: str | os.PathLike, state: dict[str, Any], group: ProcessGroup
     else:
         tmp_name = None
     tmp = path.parent / broadcast_object(group, tmp_name)  # also: no rank writes before the directory exists
+    seen = all_gather_object(group, tmp.is_dir())
+    if not all(seen):
+        raise CheckpointError(
+            f"trainer.checkpoint.format=dcp: rank(s) {[r for r, s in enumerate(seen) if not s]} do not see the "
+            f"directory {tmp} that rank 0 made, so the ranks do not share {path.parent}'s file system, and every rank "
+            "writes its part of a DCP checkpoint there. Put trainer.output_dir on a file system all ranks share, or "
+            "use trainer.checkpoint.format=torch (rank 0 writes it, and a resume sends it to the other ranks)"
+        )
     tensors, skeleton = _flatten(state)
     entries: dict[str, Any] = dict(tensors)
     if rank == 0:
