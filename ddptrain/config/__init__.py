@@ -37,6 +37,7 @@ from .schema import ConfigError, check_fields, field_type_text
 from .trainer import (
     MONITOR_MODES,
     PRECISIONS,
+    BalanceConfig,
     CheckpointConfig,
     DoctorConfig,
     EarlyStoppingConfig,
@@ -63,6 +64,7 @@ __all__ = [
     "DoctorConfig",
     "EarlyStoppingConfig",
     "EmaConfig",
+    "BalanceConfig",
     "CheckpointConfig",
     "ProfilerConfig",
     "LoggersConfig",

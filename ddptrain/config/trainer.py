@@ -111,6 +111,44 @@ class EarlyStoppingConfig:
     """An improvement must beat the best value by more than this."""
 
 
+def _check_balance_shares(key: str, shares: Any, _section: Any = None) -> None:
+    """``trainer.balance.shares``: ``off``, ``auto``, or one positive weight per rank (the count is
+    checked against the world size with the job's other rules)."""
+    if shares in ("off", "auto"):
+        return
+    weights = list(shares) if isinstance(shares, (list, tuple)) else None
+    try:
+        ok = bool(weights) and all(not isinstance(w, bool) and float(w) > 0 for w in weights)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"{key}={shares!r} must be off, auto, or a list of positive weights, one per rank "
+            "(e.g. [2,1]: rank 0 takes two thirds of each global batch)"
+        )
+
+
+@dataclass
+class BalanceConfig:
+    """``trainer.balance.*``: each rank's share of every global batch, by its speed
+    (:mod:`ddptrain.trainer.balance`; docs/balance.md)."""
+
+    shares: Any = checked(_check_balance_shares, "off, auto, or one positive weight per rank", default="off")
+    """``off``: every rank an equal share (plain DDP). ``auto``: each rank's share in proportion to
+    its measured compute speed, re-decided every ``window`` steps. A list of weights (``[2,1]``):
+    fixed shares. Normal mode cuts each micro-batch by share and weights each rank's loss so the
+    gradient is still the per-sample mean; invariant mode deals its fixed shards by share, so the
+    bits do not change."""
+    window: int = bounded(20, at_least=2)
+    """Steps over which ``auto`` measures each rank's compute time per sample before it decides."""
+    min_gain: float = bounded(0.05, at_least=0)
+    """``auto`` changes the shares only when the predicted step time falls by more than this
+    fraction (hysteresis: noise does not make the shares flap)."""
+    max_share: float | None = bounded(None, above=0, fix=", or null for no cap")
+    """The largest fraction of each global batch one rank may take (caps a fast rank's activation
+    memory); at least ``1 / world size``. ``None``: no cap."""
+
+
 @dataclass
 class EmaConfig:
     """``trainer.ema.*``: an exponential moving average of the weights (off by default)."""
@@ -266,6 +304,8 @@ class TrainerConfig:
     ``CUBLAS_WORKSPACE_CONFIG``): the same bits run after run at the same world size. An operation
     without a deterministic version then raises. For the same bits at any world size, see
     ``world_size_invariant``."""
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    """Each rank's share of the global batch: equal, fixed weights, or by measured speed (``auto``)."""
     ema: EmaConfig = field(default_factory=EmaConfig)
     """An exponential moving average of the weights, checkpointed; ``ema.evaluate`` evaluates it."""
     grad_clip_norm: float | None = bounded(None, above=0, fix=", or null for no clipping")

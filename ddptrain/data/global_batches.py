@@ -10,17 +10,32 @@ virtual ranks ``r*V/W .. (r+1)*V/W - 1`` of every micro-batch. Which samples for
 depends only on the seed, the epoch, the step and the shard index, so a shard is the same on 1,
 2 or 8 ranks; only who computes it changes. No sample is padded or repeated.
 
+Shares by speed (``trainer.balance``) use two more cuts: invariant mode deals each micro-batch's
+``V`` shards to the ranks in blocks sized by weight (:func:`virtual_ranks_by_weight`: the shards
+stay the same, only who computes them changes); normal mode cuts each micro-batch into one slice
+per rank sized by weight (``weights`` of :func:`shards_of_step`).
+
 This module is plain arithmetic: it never talks to a process group.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["valid_world_sizes", "virtual_ranks_of", "shard_bounds", "Shard", "epoch_order", "step_shards"]
+__all__ = [
+    "valid_world_sizes",
+    "virtual_ranks_of",
+    "virtual_ranks_by_weight",
+    "split_by_weight",
+    "shard_bounds",
+    "Shard",
+    "epoch_order",
+    "shards_of_step",
+    "step_shards",
+]
 
 
 def valid_world_sizes(virtual_ranks: int) -> list[int]:
@@ -49,6 +64,36 @@ def virtual_ranks_of(rank: int, world_size: int, virtual_ranks: int, *, spread: 
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, {world_size})")
     return range(rank * virtual_ranks // world_size, (rank + 1) * virtual_ranks // world_size)
+
+
+def split_by_weight(total: int, weights: Sequence[float], minimum: int = 1) -> list[int]:
+    """``total`` units dealt in proportion to ``weights``, each at least ``minimum`` (largest
+    remainders first, ties to the lower index): the same answer on every rank.
+
+    Raises:
+        ValueError: fewer than ``minimum`` units per weight.
+    """
+    n = len(weights)
+    if total < minimum * n:
+        raise ValueError(f"{total} units cannot give each of {n} ranks at least {minimum}")
+    whole = sum(weights)
+    exact = [total * w / whole for w in weights]
+    counts = [int(x) for x in exact]
+    for r in sorted(range(n), key=lambda r: (counts[r] - exact[r], r))[: total - sum(counts)]:
+        counts[r] += 1
+    for r in range(n):  # raise the smallest to the minimum, from the largest
+        while counts[r] < minimum:
+            counts[max(range(n), key=lambda q: (counts[q], -q))] -= 1
+            counts[r] += 1
+    return counts
+
+
+def virtual_ranks_by_weight(rank: int, virtual_ranks: int, weights: Sequence[float]) -> range:
+    """The virtual ranks rank ``rank`` computes when each rank takes a block sized by its weight
+    (at least one each; :func:`split_by_weight`)."""
+    counts = split_by_weight(virtual_ranks, weights)
+    start = sum(counts[:rank])
+    return range(start, start + counts[rank])
 
 
 def shard_bounds(num_samples: int, num_shards: int) -> list[tuple[int, int]]:
@@ -97,22 +142,40 @@ class StepShards:
     shards: tuple[Shard, ...]
 
 
+def shards_of_step(
+    start: int,
+    num_samples: int,
+    micro_batches: int,
+    virtual_ranks: int,
+    mine: range,
+    weights: Sequence[float] | None = None,
+) -> StepShards:
+    """The step of ``num_samples`` samples from global position ``start``, with the shards of
+    virtual ranks ``mine``. ``weights`` (one per virtual rank): each micro-batch (a near-equal
+    ``1/micro_batches`` of the step) is cut into slices sized by weight instead of equally."""
+    num_shards = micro_batches * virtual_ranks
+    if weights is None:
+        bounds = shard_bounds(num_samples, num_shards)
+    else:
+        bounds = []
+        for lo, hi in shard_bounds(num_samples, micro_batches):
+            minimum = 1 if hi - lo >= len(weights) else 0
+            for count in split_by_weight(hi - lo, weights, minimum):
+                bounds.append((lo, lo + count))
+                lo += count
+    shards = tuple(
+        Shard(a * virtual_ranks + v, start + bounds[a * virtual_ranks + v][0], start + bounds[a * virtual_ranks + v][1])
+        for a in range(micro_batches)
+        for v in mine
+    )
+    return StepShards(start, num_samples, num_shards, shards)
+
+
 def step_shards(
     start: int, dataset_len: int, global_batch: int, micro_batches: int, virtual_ranks: int, mine: range
 ) -> Iterator[StepShards]:
     """The steps of an epoch from global position ``start`` on, with the shards of virtual ranks ``mine``."""
-    num_shards = micro_batches * virtual_ranks
     while start < dataset_len:
         n = min(global_batch, dataset_len - start)
-        bounds = shard_bounds(n, num_shards)
-        shards = tuple(
-            Shard(
-                a * virtual_ranks + v,
-                start + bounds[a * virtual_ranks + v][0],
-                start + bounds[a * virtual_ranks + v][1],
-            )
-            for a in range(micro_batches)
-            for v in mine
-        )
-        yield StepShards(start, n, num_shards, shards)
+        yield shards_of_step(start, n, micro_batches, virtual_ranks, mine)
         start += n

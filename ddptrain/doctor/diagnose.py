@@ -210,12 +210,15 @@ def _straggler(b, ranks, facts, link, model) -> dict | None:
     extra = slow["own_s"] - others
     if slow["busiest_share"] < STRAGGLER_STEADY:
         return None
+    # Shares by speed: each rank's share of the batch in proportion to 1 / own_s, all done at once.
+    balanced = len(ranks) / sum(1 / r["own_s"] for r in ranks if r["own_s"] > 0) + b["comm_exposed_s"]
     return _cause(
         "straggler",
         extra / b["step_s"],
         f"rank {slow['rank']} works {extra:.3g} s longer per step than the others, who wait for it: remove what "
         "slows that rank (rank-dependent work in training_step, another job or a slower host); if its host is "
-        "slower, run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker)",
+        "slower, run fewer ranks there (dist.world_size) or give them fewer threads (dist.threads_per_worker); "
+        f"or give it less of each batch by its speed, trainer.balance.shares=auto (predicted step {balanced:.3g} s)",
         # the others' own step: their work (and turns on the cores) and the link's time
         statistics.median(_unhurried_busy_s(r, facts) for r in ranks if r is not slow) + b["comm_exposed_s"],
         rank=slow["rank"],

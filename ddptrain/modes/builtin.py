@@ -217,12 +217,64 @@ ELASTIC = register(
     )
 )
 
+
+def _balanced(config: Config) -> bool:
+    return config.trainer.balance.shares != "off"
+
+
+def _check_balance(config: Config, world_size: int) -> None:
+    """``trainer.balance``: one weight per rank, and a cap the shares can add up under."""
+    balance = config.trainer.balance
+    if isinstance(balance.shares, (list, tuple)) and len(balance.shares) != world_size:
+        raise ConfigError(
+            f"trainer.balance.shares={list(balance.shares)} names {len(balance.shares)} weight(s), and the job has "
+            f"{world_size} rank(s) (dist.world_size={world_size}): give one weight per rank, or "
+            "trainer.balance.shares=auto"
+        )
+    if balance.max_share is not None and balance.max_share * world_size < 1 - 1e-9:
+        raise ConfigError(
+            f"trainer.balance.max_share={balance.max_share} is below the fair share of {world_size} rank(s), "
+            f"1/{world_size} = {1 / world_size:.4g}: the shares could not add up to a whole batch. Set it to at "
+            f"least {1 / world_size:.4g}, or null for no cap"
+        )
+
+
+BALANCE = register(
+    Feature(
+        name="balance",
+        active=_balanced,
+        setting=lambda c: f"trainer.balance.shares={c.trainer.balance.shares}",
+        way_back="set trainer.balance.shares=off",
+        check=_check_balance,
+        refuses=[
+            Refusal(
+                lambda c: bool(c.dist.zero_stage) and not c.trainer.world_size_invariant,
+                lambda c: f"dist.zero_stage={c.dist.zero_stage}",
+                "ZeRO's steps cut each micro-batch equally, as plain DDP does (in world-size-invariant mode "
+                "ZeRO-1 and shares compose)",
+            ),
+            Refusal(
+                lambda c: c.dist.sync != "every_step",
+                lambda c: f"dist.sync={c.dist.sync}",
+                "local steps give every rank whole batches of its own between outer steps",
+            ),
+            Refusal(
+                lambda c: c.trainer.elastic and isinstance(c.trainer.balance.shares, (list, tuple)),
+                "trainer.elastic=true",
+                "a list names one weight per rank, and an elastic job's ranks change (trainer.balance.shares=auto "
+                "re-decides after each change)",
+            ),
+        ],
+    )
+)
+
 SHARED_BATCHES = register(
     Mode(
         name="shared_batches",
-        active=lambda c: c.trainer.elastic and not c.trainer.world_size_invariant,  # invariant mode spreads its own
-        setting=lambda c: "trainer.elastic=true",
-        way_back="set trainer.elastic=false",
+        # invariant mode spreads its own shards
+        active=lambda c: (c.trainer.elastic or _balanced(c)) and not c.trainer.world_size_invariant,
+        setting=lambda c: "trainer.elastic=true" if c.trainer.elastic else "trainer.balance.shares",
+        way_back="set trainer.elastic=false and trainer.balance.shares=off",
         strategy="ddptrain.trainer.global_batch_steps:SharedBatchSteps",
         priority=30,
         whole_global_batches=True,

@@ -30,7 +30,8 @@ import torch
 from torch.utils.data import Dataset, TensorDataset, default_collate
 
 from ..config import ConfigError
-from ..data.global_batches import StepShards, epoch_order, step_shards
+from ..data.global_batches import StepShards, epoch_order, shards_of_step
+from .balance import Balancer
 from .data import move_to
 from .steps import StepStrategy, ride_in_gradients
 from .view import LoopView
@@ -63,6 +64,23 @@ class GlobalBatchSteps(StepStrategy):
         self.global_batch = cfg.data.global_batch_size
         # (epoch, samples of that epoch's order the applied steps took); None: take the sampler's.
         self.position: tuple[int, int] | None = None
+        self.balancer: Balancer | None = None
+        """``trainer.balance``: each rank's share (:mod:`.balance`); None: equal shares."""
+
+    def balance_by(self, units: int) -> None:
+        """Take shares from ``trainer.balance`` (when set), cutting a micro-batch in ``units``."""
+        config = self.trainer.config
+        if config.trainer.balance.shares != "off":
+            self.balancer = Balancer(config.trainer.balance, self.trainer.process_group, units, self.global_batch)
+            self.follow_shares()
+
+    def follow_shares(self) -> None:
+        """Apply the balancer's new shares to how steps are cut (a subclass's; called at a step boundary)."""
+
+    @property
+    def slice_weights(self) -> list[float] | None:
+        """Weights to cut each micro-batch's ``shards_per_micro_batch`` slices by (None: equally)."""
+        return None
 
     def batches(self) -> Iterator[GlobalStep]:
         """The rest of this epoch, one :class:`GlobalStep` per optimizer step."""
@@ -71,16 +89,22 @@ class GlobalBatchSteps(StepStrategy):
         start = self._global_position()  # the same for every world size
         sampler.set_consumed(-(-start // world_size))  # this world size's count, as its steps advance it
         order = epoch_order(dataset_len, sampler.seed, sampler.epoch, sampler.shuffle)
-        steps = step_shards(
-            start, dataset_len, self.global_batch, self.micro_batches, self.shards_per_micro_batch, self.mine
-        )
         # Every rank is done setting up (a resume restores the global generator) before any shard
         # draws from it: ranks that are threads (ddptrain.testing.run_threaded) share that generator.
         self.trainer.process_group.barrier().wait()
-        for work in steps:
-            end = work.start + work.num_samples
-            rank_samples = -(-end // world_size) - -(-work.start // world_size)
+        while start < dataset_len:
+            if self.balancer is not None and self.balancer.at_step_boundary(self.trainer.state.step):
+                self.follow_shares()  # every rank at once: the same step boundary, the same decision
+            end = min(start + self.global_batch, dataset_len)
+            work = shards_of_step(
+                start, end - start, self.micro_batches, self.shards_per_micro_batch, self.mine, self.slice_weights
+            )
+            rank_samples = -(-end // world_size) - -(-start // world_size)
+            if self.balancer is not None:  # the shares of this step, for the loggers (TensorBoard, CSV)
+                for r, weight in enumerate(self.balancer.weights):
+                    self.trainer.log(f"balance/share_r{r}", weight, reduce="max", on_step=True, on_epoch=False)
             yield GlobalStep(sampler.epoch, work, order, rank_samples)
+            start = end
 
     def load_shard(self, step: GlobalStep, start: int, end: int) -> Any:
         """The samples at positions ``[start, end)`` of the step's epoch order, as one batch on the
@@ -104,6 +128,10 @@ class GlobalBatchSteps(StepStrategy):
     def samples(self, step: GlobalStep) -> int:
         self.position = (step.epoch, step.work.start + step.work.num_samples)  # the step is applied
         return step.rank_samples
+
+    def final_metrics(self) -> dict[str, Any]:
+        """``balance``: the shares at the end and every change (``trainer.balance``), else nothing."""
+        return {} if self.balancer is None else {"balance": self.balancer.report()}
 
     def steps_done_in_epoch(self) -> int:
         """Every step of an epoch but its last takes a whole global batch."""
@@ -154,12 +182,19 @@ class SharedBatchSteps(GlobalBatchSteps):
         super().__init__(trainer, votes, world_size, range(trainer.rank, trainer.rank + 1))
         _check_every_rank_has_samples(trainer, len(trainer.train_set))
         ride_in_gradients(trainer.model, votes)
+        self.balance_by(self.global_batch // self.micro_batches)
+
+    @property
+    def slice_weights(self) -> list[float] | None:
+        return None if self.balancer is None else self.balancer.weights
 
     def forward_backward(self, step: GlobalStep) -> float:
         """Forward and backward of this rank's shard of each micro-batch, the last one reducing;
         returns this rank's weighted loss (the mean over ranks is the step's per-sample mean)."""
         t, work = self.trainer, step.work
         count, world_size, step_loss = len(work.shards), t.world_size, 0.0
+        if self.balancer is not None:
+            self.balancer.start()
         for i, shard in enumerate(work.shards):
             share = world_size * shard.size / work.num_samples
             with contextlib.nullcontext() if i == count - 1 else t.model.no_sync():
@@ -168,6 +203,9 @@ class SharedBatchSteps(GlobalBatchSteps):
                     loss = t.training_step(t.model, self.load_shard(step, shard.start, shard.end))
                 t.precision.backward(loss, scale=share)
             step_loss += loss.item() * share
+        if self.balancer is not None:  # what this rank computed: the time it waited for the others aside
+            stats = t.model.last_iteration_stats
+            self.balancer.stop(sum(s.size for s in work.shards), 0.0 if stats is None else stats.finalize_wait_s)
         return step_loss
 
     def take_votes(self) -> list[float] | None:

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..config import ConfigError
-from ..data.global_batches import virtual_ranks_of
+from ..data.global_batches import virtual_ranks_by_weight, virtual_ranks_of
 from ..ddp.exact import ExactAllReducer
 from ..ddp.zero_whole import WholeGradientZero
 from ..modes.builtin import check_virtual_ranks
@@ -101,6 +101,7 @@ class InvariantSteps(GlobalBatchSteps):
         self._buffer: tuple[torch.Tensor, list[list[torch.Tensor | None]]] | None = None  # _rows
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark_used(i)) for i, p in enumerate(self.params)]
         self.zero = self._sharded_optimizer(trainer) if cfg.dist.zero_stage else None
+        self.balance_by(self.virtual_ranks)
         threads = cfg.dist.threads_per_worker or 1
         torch.set_num_threads(threads)
         if trainer.is_main:
@@ -133,6 +134,8 @@ class InvariantSteps(GlobalBatchSteps):
         # One fork of the generators for the step's shards (each shard seeds its own): the state
         # the rest of the run draws from is as it was before the step.
         with _SHARD_LOCK, torch.random.fork_rng(devices=_cuda_devices(t.device)):
+            if self.balancer is not None:  # this rank's compute: from here to the exact sum's wait
+                self.balancer.start()
             for shard, row, row_views in zip(shards, contributions, views):
                 self._restore(snapshot)
                 self._grads_into(row_views)
@@ -144,6 +147,8 @@ class InvariantSteps(GlobalBatchSteps):
                 losses[shard.index] = float(loss.detach()) * shard.size
                 self._take_grads(row, row_views, used)
                 self._buffer_state(row, changed, snapshot)
+            if self.balancer is not None:
+                self.balancer.stop(sum(shard.size for shard in shards))
         counts = torch.tensor(used + changed, dtype=torch.int64)
         ran = torch.tensor([1 if shards else 0], dtype=torch.int64)
         ints = [b.detach().reshape(-1).to("cpu", torch.int64) * ran for b in self.int_buffers]  # last shard's
@@ -158,6 +163,11 @@ class InvariantSteps(GlobalBatchSteps):
         self._set_buffers(values, changed, int_values, work)
         loss = sum(extra[: work.num_shards].view(torch.float64).tolist()) / work.num_samples  # shard order: fixed
         return float(torch.tensor(loss, dtype=torch.float32))
+
+    def follow_shares(self) -> None:
+        """Deal each micro-batch's virtual ranks by the balancer's shares: the same shards, other hands."""
+        t = self.trainer
+        self.mine = virtual_ranks_by_weight(t.rank, self.virtual_ranks, self.balancer.weights)
 
     @staticmethod
     def _sharded_optimizer(trainer: LoopView) -> WholeGradientZero:

@@ -139,6 +139,10 @@ class StepStrategy(ABC):
         16-mixed): :meth:`optimizer_step`'s update, between clipping and the schedules."""
         self.trainer.optimizer_set.step(self.trainer.precision.scaler)
 
+    def final_metrics(self) -> dict[str, Any]:
+        """Entries of the strategy's own for ``metrics.json`` (the same on every rank; none by default)."""
+        return {}
+
     @contextlib.contextmanager
     def synchronized_weights(self) -> Iterator[None]:
         """The weights every rank agrees on, in the model for the block: what evaluation, ``test``,

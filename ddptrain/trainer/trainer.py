@@ -536,6 +536,7 @@ class Trainer(TrainingHooks):
         if stopped:
             final.update(stopped_by=self.stopped_by, checkpoint=str(self.checkpointer.save_at_stop()))
         final["stopped_early"] = self.stopped_early
+        final.update(self.strategy.final_metrics())
         if self.elastic is not None:  # the job's history, which travels with the state: the same on every rank
             final["membership_changes"] = [dataclasses.asdict(c) for c in self.elastic.changes]
         if self.is_main:

@@ -1,6 +1,7 @@
 """The rules: synthetic step records of known shape give the cause they were built to show."""
 
 import math
+import re
 
 import pytest
 
@@ -104,6 +105,8 @@ def test_the_others_waiting_is_a_straggler_and_names_the_slow_rank(slow):
     cause, b = _first(_records(ranks=3, forward_s=forward, comm_s=comm), _facts(world_size=3))
     assert (cause["cause"], cause["rank"]) == ("straggler", slow)
     assert cause["predicted_step_s"] == pytest.approx(b["step_s"] - 0.2, rel=0.05)
+    balanced = re.search(r"trainer.balance.shares=auto \(predicted step ([\d.e-]+) s\)", cause["advice"])
+    assert balanced and float(balanced.group(1)) < b["step_s"], cause["advice"]  # shares by speed: faster
 
 
 def _waiting_for_a_core(slow: int, extra_s: float, core_wait_s: float):

@@ -1,0 +1,168 @@
+"""Shares by speed (``trainer.balance``): a slow rank gets less of each global batch.
+
+Synchronous data parallelism runs at the pace of its slowest rank. With ``trainer.balance.shares``
+set, the step strategies that walk global batches by position
+(:mod:`.global_batch_steps`) cut each step by share instead of equally:
+
+- **normal mode** (:class:`.global_batch_steps.SharedBatchSteps`): each micro-batch is cut into
+  one slice per rank, sized by share, and each rank's loss is weighted by its slice's size, so
+  ``.grad`` is still the step's per-sample mean;
+- **invariant mode** (:class:`.invariant.InvariantSteps`): the ``virtual_ranks`` fixed shards of
+  each micro-batch are dealt to the ranks by share; the exact sum does not depend on who computed
+  a shard, so the bits do not change.
+
+``auto`` measures each rank's own compute time per sample (not the time it waits for the others
+in the all-reduce) over ``window`` steps; every ``window`` steps the ranks all-gather their
+measurements and each computes the same new shares, in proportion to speed, capped at
+``max_share``, at least one sample (one shard) per rank and micro-batch. The shares change only
+when the predicted step time falls by more than ``min_gain`` (so noise does not make them flap),
+at a step boundary, on every rank at once. Every change is logged, kept in ``metrics.json``
+(``balance``) and the current shares are logged as ``balance/share_r<r>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ..comm.objects import all_gather_object
+from ..comm.process_group import ProcessGroup
+from ..config import BalanceConfig, ConfigError
+from ..data.global_batches import split_by_weight
+
+__all__ = ["Balancer", "BalanceChange", "capped_proportions"]
+
+log = logging.getLogger("ddptrain.trainer")
+
+
+def capped_proportions(weights: Sequence[float], cap: float | None) -> list[float]:
+    """``weights`` as fractions summing to 1, none above ``cap``: what a capped share gives up
+    goes to the others in proportion to their weights (water-filling)."""
+    fractions = [w / sum(weights) for w in weights]
+    if cap is None:
+        return fractions
+    capped: set[int] = set()
+    while True:
+        over = [r for r, f in enumerate(fractions) if f > cap + 1e-12 and r not in capped]
+        if not over:
+            return fractions
+        capped.update(over)
+        free = [r for r in range(len(weights)) if r not in capped]
+        left = 1.0 - cap * len(capped)
+        free_weight = sum(weights[r] for r in free)
+        fractions = [cap if r in capped else left * weights[r] / free_weight for r in range(len(weights))]
+
+
+@dataclass(frozen=True)
+class BalanceChange:
+    """One change of the shares: at which step, to what, and why (``metrics.json``'s ``balance.changes``)."""
+
+    step: int
+    shares: list[float]
+    """Each rank's fraction of a global batch, after the change."""
+    seconds_per_sample: list[float]
+    """Each rank's measured compute time per sample over the window."""
+    predicted_step_s: float
+    """The compute time of a step with the new shares (the slowest rank's)."""
+    previous_step_s: float
+    """The same with the shares before the change."""
+
+
+class Balancer:
+    """Each rank's share of a global batch (see the module docstring). Every rank holds one and
+    calls it at the same steps, so all decide alike.
+
+    Args:
+        config: ``trainer.balance``.
+        group: the ranks that share the batches.
+        units: how finely a micro-batch is cut (its samples, or invariant mode's ``virtual_ranks``):
+            the predictions round shares to these units, as the cut does.
+        samples_per_step: the samples of a global batch (for predictions in seconds).
+    """
+
+    def __init__(self, config: BalanceConfig, group: ProcessGroup, units: int, samples_per_step: int):
+        self.config, self.group, self.units = config, group, units
+        self.samples_per_unit = samples_per_step / units
+        world_size = group.size()
+        fixed = config.shares if isinstance(config.shares, (list, tuple)) else [1.0] * world_size
+        if len(fixed) != world_size:
+            raise ConfigError(
+                f"trainer.balance.shares={list(fixed)} names {len(fixed)} weight(s), and the job has {world_size} "
+                "rank(s): give one weight per rank, or trainer.balance.shares=auto"
+            )
+        self.weights = capped_proportions([float(w) for w in fixed], config.max_share)
+        """Each rank's fraction of every global batch (the same on every rank)."""
+        self.auto = config.shares == "auto"
+        self.changes: list[BalanceChange] = []
+        self.measured: list[float] | None = None
+        """Each rank's compute seconds per sample over the latest window (``auto``)."""
+        self._compute_s = 0.0
+        self._samples = 0
+        self._steps = 0
+        self._started: float | None = None
+
+    # == measuring (auto) =========================================================================
+    def start(self) -> None:
+        """This rank's compute of a step starts."""
+        self._started = time.perf_counter()
+
+    def stop(self, samples: int, waited_s: float = 0.0) -> None:
+        """This rank's compute of a step ended, over ``samples`` samples; ``waited_s`` of the time
+        since :meth:`start` was spent waiting for the other ranks (the all-reduce), not computing."""
+        if self._started is not None:
+            self._compute_s += max(time.perf_counter() - self._started - waited_s, 0.0)
+            self._samples += samples
+            self._started = None
+
+    # == deciding =================================================================================
+    def at_step_boundary(self, step: int) -> bool:
+        """Called by every rank before each step: every ``window`` steps under ``auto``, gather the
+        measurements (collective) and perhaps change :attr:`weights`. True when they changed."""
+        if not self.auto:
+            return False
+        self._steps += 1
+        if self._steps <= self.config.window:
+            return False
+        measured = all_gather_object(self.group, (self._compute_s, self._samples))
+        self._compute_s, self._samples, self._steps = 0.0, 0, 1
+        if any(n == 0 for _, n in measured):
+            return False  # a rank computed nothing in the window (it cannot be: every rank gets a sample)
+        per_sample = [s / n for s, n in measured]
+        self.measured = per_sample
+        proposed = capped_proportions([1.0 / t for t in per_sample], self.config.max_share)
+        now, then = self.predicted_step_s(self.weights, per_sample), self.predicted_step_s(proposed, per_sample)
+        if then >= now * (1.0 - self.config.min_gain):
+            return False
+        self.weights = proposed
+        change = BalanceChange(step, [round(w, 6) for w in proposed], per_sample, then, now)
+        self.changes.append(change)
+        if self.group.rank() == 0:
+            log.info(
+                "balance: shares %s from step %d (compute per sample %s ms; predicted step %.1f ms, was %.1f ms)",
+                ", ".join(f"{w:.3f}" for w in proposed),
+                step,
+                ", ".join(f"{t * 1e3:.3f}" for t in per_sample),
+                then * 1e3,
+                now * 1e3,
+            )
+        return True
+
+    def predicted_step_s(self, weights: Sequence[float], seconds_per_sample: Sequence[float]) -> float:
+        """A step's compute time with ``weights``, rounded to the units a step is cut in: the
+        slowest rank's."""
+        counts = split_by_weight(self.units, weights)
+        return max(c * self.samples_per_unit * t for c, t in zip(counts, seconds_per_sample))
+
+    def report(self) -> dict[str, Any]:
+        """``metrics.json``'s ``balance`` entry: the shares now, every change, and (``auto``) each
+        rank's compute seconds per sample over the latest window."""
+        report: dict[str, Any] = {
+            "shares": [round(w, 6) for w in self.weights],
+            "changes": [asdict(c) for c in self.changes],
+        }
+        if self.measured is not None:
+            report["seconds_per_sample"] = self.measured
+        return report

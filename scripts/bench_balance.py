@@ -1,0 +1,204 @@
+#!/usr/bin/env python
+"""What shares by speed (``trainer.balance.shares=auto``) gain when one rank is slow.
+
+``recipe=mnist_fast`` on this machine, 2 ranks and then 3. The last rank is made slower per
+sample by a factor (2, then 3): after its ``training_step``, a hook busy-waits (it does not sleep:
+it keeps its core, as a slow GPU would) ``(factor - 1) * c`` seconds per sample of its batch,
+``c`` being a rank's compute per sample measured by a calibration run in the same invocation.
+Each case runs three ways, in one invocation:
+
+- ``off``: plain DDP, every rank an equal share;
+- ``auto``: ``trainer.balance.shares=auto``;
+- ``ideal``: the harmonic balance of the speeds ``auto`` measured: the plain step's time outside
+  compute, plus the global batch divided by the sum of the ranks' speeds.
+
+Printed per case: the median step time (over the steps after the first decision window) of
+``off`` and ``auto``, ``ideal``, ``auto / ideal`` (goal: at most 1.10) and ``off / auto``.
+Then two checks of a healthy job and of a slowdown that comes and goes:
+
+- ``--healthy``: no slow rank; ``off`` and ``auto`` alternate (``--rounds`` each) and the ratio of
+  their median step times is printed (goal: within 2%), with the shares ``auto`` ended with;
+- ``--transient``: the slowdown (factor 3) is on from step 100 to step 300 of 400; the shares at
+  every change are printed, to show they follow it within the window and return.
+
+Usage::
+
+    .venv/bin/python scripts/bench_balance.py [--steps 160] [--worlds 2 3] [--factors 2 3]
+    .venv/bin/python scripts/bench_balance.py --healthy --rounds 3
+    .venv/bin/python scripts/bench_balance.py --transient
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from ddptrain.recipes.mnist_fast import MnistTrainer  # noqa: E402
+from ddptrain.trainer.callbacks import Callback  # noqa: E402
+
+TIMES_FILE = "step_ends.json"
+SLOW_ENV = "BENCH_BALANCE_SLOW"  # "<rank> <seconds per sample> <first step> <last step>"
+
+
+def spin(seconds: float) -> None:
+    """Busy-wait: keep the core, as a slow device keeps its rank busy."""
+    until = time.perf_counter() + seconds
+    while time.perf_counter() < until:
+        pass
+
+
+class StepEnds(Callback):
+    """Rank 0: the end time of every step, written when the fit ends."""
+
+    def __init__(self):
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, trainer, loss) -> None:
+        self.ends.append(time.perf_counter())
+
+    def on_fit_end(self, trainer, metrics) -> None:
+        if trainer.is_main:
+            (Path(trainer.output_dir) / TIMES_FILE).write_text(json.dumps(self.ends))
+
+
+class SlowTrainer(MnistTrainer):
+    """recipe=mnist_fast's trainer; the rank named in ``$BENCH_BALANCE_SLOW`` busy-waits in
+    proportion to its batch after each training step, between the steps named there."""
+
+    def training_step(self, model, batch):
+        loss = super().training_step(model, batch)
+        slow = os.environ.get(SLOW_ENV)
+        if slow:
+            rank, per_sample, first, last = slow.split()
+            if self.rank == int(rank) and int(first) <= self.state.step < int(last):
+                spin(float(per_sample) * len(batch[0]))
+        return loss
+
+    def configure_callbacks(self):
+        return [*super().configure_callbacks(), StepEnds()]
+
+
+def run(out: Path, world_size: int, steps: int, shares: str, slow: str = "", *extra: str) -> dict:
+    overrides = [
+        "recipe=mnist_fast",
+        "recipe.trainer_class=bench_balance.SlowTrainer",
+        f"dist.world_size={world_size}",
+        f"trainer.max_steps={steps}",
+        "trainer.epochs=100",
+        "trainer.eval_every_epochs=0",
+        "trainer.num_sanity_val_steps=0",
+        "trainer.limit_val_batches=1",
+        "trainer.model_summary=false",
+        "trainer.progress=false",
+        "trainer.log_every_steps=0",
+        "trainer.loggers.tensorboard=false",
+        "trainer.loggers.csv=false",
+        "trainer.checkpoint.every_epochs=0",
+        "trainer.checkpoint.at_end=false",
+        f"trainer.balance.shares={shares}",
+        f"trainer.output_dir={out}",
+        f"hydra.run.dir={out}",
+        *extra,
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'scripts'}:{os.environ.get('PYTHONPATH', '')}", SLOW_ENV: slow}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddptrain", *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"{out.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+    ends = json.loads((out / TIMES_FILE).read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    return {"intervals": [b - a for a, b in zip(ends, ends[1:])], "metrics": metrics}
+
+
+def median_after(intervals: list[float], skip: int) -> float:
+    return statistics.median(intervals[skip:])
+
+
+def calibrate(tmp: Path, world_size: int) -> tuple[float, float]:
+    """A rank's compute seconds per sample, and the plain step's median, with no slow rank (an
+    ``auto`` run only measures; its shares stay equal when the ranks are even)."""
+    r = run(tmp / f"cal{world_size}", world_size, 80, "auto", "", "trainer.balance.min_gain=1")
+    per_sample = max(r["metrics"]["balance"]["seconds_per_sample"])
+    return per_sample, median_after(r["intervals"], 20)
+
+
+def gains(args, tmp: Path) -> None:
+    window = 20
+    columns = ("ranks", "factor", "off s", "auto s", "ideal s", "auto/ideal", "off/auto")
+    print(" ".join(f"{c:>{w}}" for c, w in zip(columns, (5, 6, 8, 8, 8, 10, 9))), " shares")
+    for world_size in args.worlds:
+        per_sample, _ = calibrate(tmp, world_size)
+        for factor in args.factors:
+            slow = f"{world_size - 1} {(factor - 1) * per_sample} 0 {10**9}"
+            off = run(tmp / f"off{world_size}x{factor}", world_size, args.steps, "off", slow)
+            auto = run(tmp / f"auto{world_size}x{factor}", world_size, args.steps, "auto", slow)
+            t_off = median_after(off["intervals"], 2 * window)
+            t_auto = median_after(auto["intervals"], 2 * window)
+            balance = auto["metrics"]["balance"]
+            speeds = balance["seconds_per_sample"]
+            batch = 256
+            compute_off = batch / world_size * max(speeds)  # the slowest rank's equal share
+            ideal = t_off - compute_off + batch / sum(1 / t for t in speeds)
+            shares = " ".join(f"{s:.3f}" for s in balance["shares"])
+            print(
+                f"{world_size:>5} {factor:>6} {t_off:>8.4f} {t_auto:>8.4f} {ideal:>8.4f} "
+                f"{t_auto / ideal:>10.3f} {t_off / t_auto:>9.3f}  {shares}",
+                flush=True,
+            )
+
+
+def healthy(args, tmp: Path) -> None:
+    times: dict[str, list[float]] = {"off": [], "auto": []}
+    for i in range(args.rounds):
+        for shares in ("off", "auto"):
+            r = run(tmp / f"healthy{i}{shares}", 2, args.steps, shares)
+            times[shares].append(median_after(r["intervals"], 20))
+            if shares == "auto":
+                print(f"round {i}: auto ended with shares {r['metrics']['balance']['shares']}", flush=True)
+    off, auto = statistics.median(times["off"]), statistics.median(times["auto"])
+    print(
+        f"no slow rank, 2 ranks, {args.rounds} alternating rounds: off {off:.4f} s, auto {auto:.4f} s, "
+        f"auto/off {auto / off:.3f}"
+    )
+
+
+def transient(args, tmp: Path) -> None:
+    per_sample, _ = calibrate(tmp, 2)
+    slow = f"1 {2 * per_sample} 100 300"  # factor 3 from step 100 to step 300
+    r = run(tmp / "transient", 2, 400, "auto", slow)
+    print("slowdown x3 on rank 1 during steps 100-299 of 400; shares at each change:")
+    for change in r["metrics"]["balance"]["changes"]:
+        print(f"  step {change['step']:>4}: {change['shares']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=160)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--factors", type=float, nargs="+", default=[2, 3])
+    parser.add_argument("--healthy", action="store_true")
+    parser.add_argument("--transient", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-balance-") as tmp:
+        if args.healthy:
+            healthy(args, Path(tmp))
+        elif args.transient:
+            transient(args, Path(tmp))
+        else:
+            gains(args, Path(tmp))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Shares by speed (``trainer.balance``, ddptrain/trainer/balance.py) on the threaded group.
+
+The spec: fixed weights cut each micro-batch by share and leave the gradient the per-sample mean
+(normal mode) or the bits unchanged (invariant mode); ``auto`` moves work off a slow rank, at a
+step boundary on every rank, and leaves an even job alone; bad input is refused before training.
+The speed gained is measured in scripts/bench_balance.py, not here.
+"""
+
+import time
+
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from ddptrain import Config, ConfigError, Trainer
+from ddptrain.data.global_batches import split_by_weight, virtual_ranks_by_weight
+from ddptrain.preflight import validate
+from ddptrain.testing import run_threaded
+from ddptrain.trainer.balance import capped_proportions
+from tests.models import seeded_mlp
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Task(Trainer):
+    slow_rank: int | None = None  # this rank sleeps 3 ms per sample in each training step
+    seen: dict | None = None  # rank -> the batch sizes it trained on
+
+    def configure_model(self):
+        return seeded_mlp(8, 16, 3)
+
+    def train_dataloader(self):
+        x = torch.randn(480, 8, generator=torch.Generator().manual_seed(0))
+        return TensorDataset(x, x[:, :3].argmax(1))
+
+    def val_dataloader(self):
+        return None
+
+    def training_step(self, model, batch):
+        if self.seen is not None:
+            self.seen.setdefault(self.rank, []).append(len(batch[0]))
+        if self.rank == self.slow_rank:
+            time.sleep(0.003 * len(batch[0]))
+        return super().training_step(model, batch)
+
+
+def _config(out, shares, invariant=False, **balance):
+    return Config.from_dict(
+        {
+            "data": {"global_batch_size": 32},
+            "optimizer": {"name": "adamw", "lr": 0.01},
+            "trainer": {
+                "epochs": 1,
+                "world_size_invariant": invariant,
+                "virtual_ranks": 16,
+                "progress": False,
+                "loggers": {"tensorboard": False, "csv": False},
+                "checkpoint": {"every_epochs": 0, "at_end": False},
+                "output_dir": str(out),
+                "balance": {"shares": shares, **balance},
+            },
+        }
+    )
+
+
+def _fit(rank, world_size, config, slow_rank=None, seen=None):
+    task = Task(config)
+    task.slow_rank, task.seen = slow_rank, seen
+    final = task.fit()
+    return final, [p.detach().clone() for p in task.model.module.parameters()]
+
+
+def test_units_are_dealt_by_weight_each_rank_at_least_one_and_a_cap_holds():
+    assert split_by_weight(10, [2, 1]) == [7, 3] and split_by_weight(16, [1, 0.5]) == [11, 5]
+    assert split_by_weight(8, [100, 1]) == [7, 1]  # never fewer than one: a slow rank is not removed
+    assert split_by_weight(7, [1, 1, 1]) == [3, 2, 2] and sum(split_by_weight(1000, [0.3, 0.7, 1.9])) == 1000
+    assert [list(virtual_ranks_by_weight(r, 8, [3, 1])) for r in range(2)] == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    assert capped_proportions([3, 1], None) == [0.75, 0.25]
+    assert capped_proportions([8, 1, 1], 0.6) == pytest.approx([0.6, 0.2, 0.2])  # the rest in proportion
+
+
+def test_fixed_weights_cut_each_micro_batch_by_share_and_keep_the_per_sample_mean(tmp_path):
+    seen = {}
+    even = run_threaded(_fit, 2, _config(tmp_path / "even", "off"), timeout_s=60)
+    shared = run_threaded(_fit, 2, _config(tmp_path / "shared", [3, 1]), None, seen, timeout_s=60)
+    assert seen[0][:3] == [24, 24, 24] and seen[1][:3] == [8, 8, 8]  # 3:1 of each global batch of 32
+    for a, b in zip(even[0][1], shared[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # the same gradients, summed in another order
+    assert shared[0][0]["balance"] == {"shares": [0.75, 0.25], "changes": []}
+
+
+def test_in_invariant_mode_any_shares_give_the_same_bits(tmp_path):
+    uniform = run_threaded(_fit, 1, _config(tmp_path / "one", "off", invariant=True), timeout_s=60)[0][0]
+    dealt = run_threaded(_fit, 2, _config(tmp_path / "dealt", [3, 1], invariant=True), timeout_s=60)[0][0]
+    assert dealt["params_sha256"] == uniform["params_sha256"]
+
+
+@pytest.mark.parametrize("invariant", [False, True], ids=["normal", "invariant"])
+def test_auto_moves_work_off_a_slow_rank_at_a_step_boundary(tmp_path, invariant):
+    """Rank 1 sleeps 3 ms per sample: after the first window, rank 0 takes more than 60% of each batch.
+    In invariant mode the run still ends with the uniform run's bits."""
+    seen = {}
+    config = _config(tmp_path / "auto", "auto", invariant, window=3)
+    final = run_threaded(_fit, 2, config, 1, seen, timeout_s=90)[0][0]
+    changes = final["balance"]["changes"]
+    assert changes and changes[0]["step"] == 3, changes  # decided after the window of 3 steps
+    assert changes[0]["shares"][0] > 0.6 and changes[0]["predicted_step_s"] < changes[0]["previous_step_s"]
+    assert final["balance"]["shares"][0] > 0.6
+    if invariant:
+        uniform = run_threaded(_fit, 1, _config(tmp_path / "one", "off", invariant=True), timeout_s=60)[0][0]
+        assert final["params_sha256"] == uniform["params_sha256"]
+    else:
+        first, later = seen[1][0], seen[1][-2]
+        assert first == 16 and later < 16, seen[1]  # rank 1's slices shrank from the fourth step on
+
+
+def test_auto_keeps_equal_shares_unless_the_gain_passes_min_gain(tmp_path):
+    config = _config(tmp_path / "auto", "auto", window=3, min_gain=0.95)
+    final = run_threaded(_fit, 2, config, 1, timeout_s=90)[0][0]
+    assert final["balance"]["shares"] == [0.5, 0.5] and final["balance"]["changes"] == []
+    assert final["balance"]["seconds_per_sample"][1] > final["balance"]["seconds_per_sample"][0]  # measured
+
+
+@pytest.mark.parametrize(
+    ("balance", "message"),
+    [
+        ({"shares": [2, 1, 1]}, r"names 3 weight\(s\), and the job has 2 rank\(s\).*one weight per rank"),
+        ({"shares": [0, 1]}, r"must be off, auto, or a list of positive weights"),
+        ({"shares": [-1, 2]}, r"must be off, auto, or a list of positive weights"),
+        ({"shares": "auto", "max_share": 0.4}, r"max_share=0.4 is below the fair share of 2 rank\(s\), 1/2 = 0.5"),
+    ],
+)
+def test_bad_input_is_refused_before_training_naming_the_rule(balance, message):
+    with pytest.raises(ConfigError, match=message):
+        validate(Config.from_dict({"trainer": {"balance": balance}}), 2)
