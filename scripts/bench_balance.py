@@ -9,8 +9,10 @@ Each case runs three ways, in one invocation:
 
 - ``off``: plain DDP, every rank an equal share;
 - ``auto``: ``trainer.balance.shares=auto``;
-- ``ideal``: the harmonic balance of the speeds ``auto`` measured: the plain step's time outside
-  compute, plus the global batch divided by the sum of the ranks' speeds.
+- ``ideal``: the harmonic balance of the speeds ``auto`` measured: ``auto``'s step time outside
+  the slowest rank's compute (the same code path: communication, the update, the step's
+  bookkeeping), plus the global batch divided by the sum of the ranks' speeds (every rank done
+  at once).
 
 Printed per case: the median step time (over the steps after the first decision window) of
 ``off`` and ``auto``, ``ideal``, ``auto / ideal`` (goal: at most 1.10) and ``off / auto``.
@@ -19,13 +21,19 @@ Then two checks of a healthy job and of a slowdown that comes and goes:
 - ``--healthy``: no slow rank; ``off`` and ``auto`` alternate (``--rounds`` each) and the ratio of
   their median step times is printed (goal: within 2%), with the shares ``auto`` ended with;
 - ``--transient``: the slowdown (factor 3) is on from step 100 to step 300 of 400; the shares at
-  every change are printed, to show they follow it within the window and return.
+  every change are printed, to show they follow it within the window and return;
+- ``--neutral``: what the model learns. One epoch of 2 ranks, the last one slowed by 3, for seeds
+  0, 1, 2: the test accuracy and the last logged loss of ``off`` and ``auto`` (normal mode: the
+  same samples per step, cut otherwise, so equal within the seeds' noise); and one epoch of
+  ``recipe=mnist`` in world-size-invariant mode, uniform and unslowed against ``auto`` slowed:
+  the two ``params_sha256`` (equal).
 
 Usage::
 
     .venv/bin/python scripts/bench_balance.py [--steps 160] [--worlds 2 3] [--factors 2 3]
     .venv/bin/python scripts/bench_balance.py --healthy --rounds 3
     .venv/bin/python scripts/bench_balance.py --transient
+    .venv/bin/python scripts/bench_balance.py --neutral
 """
 
 from __future__ import annotations
@@ -88,9 +96,9 @@ class SlowTrainer(MnistTrainer):
         return [*super().configure_callbacks(), StepEnds()]
 
 
-def run(out: Path, world_size: int, steps: int, shares: str, slow: str = "", *extra: str) -> dict:
+def run(out: Path, world_size: int, steps: int, shares: str, slow: str = "", *extra: str, recipe="mnist_fast") -> dict:
     overrides = [
-        "recipe=mnist_fast",
+        f"recipe={recipe}",
         "recipe.trainer_class=bench_balance.SlowTrainer",
         f"dist.world_size={world_size}",
         f"trainer.max_steps={steps}",
@@ -125,10 +133,16 @@ def median_after(intervals: list[float], skip: int) -> float:
     return statistics.median(intervals[skip:])
 
 
+def global_batch(world_size: int) -> int:
+    """recipe=mnist_fast's 256, or the nearest multiple of the world size below it (plain DDP needs one)."""
+    return 256 // world_size * world_size
+
+
 def calibrate(tmp: Path, world_size: int) -> tuple[float, float]:
     """A rank's compute seconds per sample, and the plain step's median, with no slow rank (an
     ``auto`` run only measures; its shares stay equal when the ranks are even)."""
-    r = run(tmp / f"cal{world_size}", world_size, 80, "auto", "", "trainer.balance.min_gain=1")
+    batch = f"data.global_batch_size={global_batch(world_size)}"
+    r = run(tmp / f"cal{world_size}", world_size, 80, "auto", "", "trainer.balance.min_gain=1", batch)
     per_sample = max(r["metrics"]["balance"]["seconds_per_sample"])
     return per_sample, median_after(r["intervals"], 20)
 
@@ -141,15 +155,16 @@ def gains(args, tmp: Path) -> None:
         per_sample, _ = calibrate(tmp, world_size)
         for factor in args.factors:
             slow = f"{world_size - 1} {(factor - 1) * per_sample} 0 {10**9}"
-            off = run(tmp / f"off{world_size}x{factor}", world_size, args.steps, "off", slow)
-            auto = run(tmp / f"auto{world_size}x{factor}", world_size, args.steps, "auto", slow)
+            batch = global_batch(world_size)
+            size = f"data.global_batch_size={batch}"
+            off = run(tmp / f"off{world_size}x{factor}", world_size, args.steps, "off", slow, size)
+            auto = run(tmp / f"auto{world_size}x{factor}", world_size, args.steps, "auto", slow, size)
             t_off = median_after(off["intervals"], 2 * window)
             t_auto = median_after(auto["intervals"], 2 * window)
             balance = auto["metrics"]["balance"]
             speeds = balance["seconds_per_sample"]
-            batch = 256
-            compute_off = batch / world_size * max(speeds)  # the slowest rank's equal share
-            ideal = t_off - compute_off + batch / sum(1 / t for t in speeds)
+            slowest = max(w * batch * t for w, t in zip(balance["shares"], speeds))  # auto's compute per step
+            ideal = t_auto - slowest + batch / sum(1 / t for t in speeds)
             shares = " ".join(f"{s:.3f}" for s in balance["shares"])
             print(
                 f"{world_size:>5} {factor:>6} {t_off:>8.4f} {t_auto:>8.4f} {ideal:>8.4f} "
@@ -182,6 +197,33 @@ def transient(args, tmp: Path) -> None:
         print(f"  step {change['step']:>4}: {change['shares']}")
 
 
+def neutral(args, tmp: Path) -> None:
+    per_sample, _ = calibrate(tmp, 2)
+    slow = f"1 {2 * per_sample} 0 {10**9}"
+    epoch = ("trainer.max_steps=234", "trainer.limit_val_batches=null", "trainer.log_every_steps=10")
+    print(f"{'seed':>4} {'off acc':>8} {'auto acc':>9} {'off loss':>9} {'auto loss':>10}  auto shares")
+    accuracies: dict[str, list[float]] = {"off": [], "auto": []}
+    for seed in (0, 1, 2):
+        row = {}
+        for shares in ("off", "auto"):
+            r = run(tmp / f"neutral{seed}{shares}", 2, 234, shares, slow, *epoch, f"trainer.seed={seed}")
+            row[shares] = r["metrics"]
+            accuracies[shares].append(r["metrics"]["eval/accuracy"])
+        print(
+            f"{seed:>4} {row['off']['eval/accuracy']:>8.4f} {row['auto']['eval/accuracy']:>9.4f} "
+            f"{row['off']['train/loss_last']:>9.4f} {row['auto']['train/loss_last']:>10.4f}  {row['auto']['balance']['shares']}",
+            flush=True,
+        )
+    for shares, values in accuracies.items():
+        print(f"{shares}: accuracy mean {statistics.mean(values):.4f}, spread {max(values) - min(values):.4f}")
+    invariant = "trainer.world_size_invariant=true"
+    uniform = run(tmp / "inv-off", 2, 300, "off", "", invariant, recipe="mnist")
+    balanced = run(tmp / "inv-auto", 2, 300, "auto", f"1 {2 * per_sample} 0 {10**9}", invariant, recipe="mnist")
+    a, b = uniform["metrics"]["params_sha256"], balanced["metrics"]["params_sha256"]
+    print(f"invariant mode, recipe=mnist, 300 steps: uniform {a[:16]}..., auto slowed {b[:16]}... equal: {a == b}")
+    print(f"  auto's shares: {balanced['metrics']['balance']['shares']}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=160)
@@ -189,6 +231,7 @@ def main() -> None:
     parser.add_argument("--factors", type=float, nargs="+", default=[2, 3])
     parser.add_argument("--healthy", action="store_true")
     parser.add_argument("--transient", action="store_true")
+    parser.add_argument("--neutral", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-balance-") as tmp:
@@ -196,6 +239,8 @@ def main() -> None:
             healthy(args, Path(tmp))
         elif args.transient:
             transient(args, Path(tmp))
+        elif args.neutral:
+            neutral(args, Path(tmp))
         else:
             gains(args, Path(tmp))
 

@@ -141,7 +141,7 @@ class BalanceConfig:
     bits do not change."""
     window: int = bounded(20, at_least=2)
     """Steps over which ``auto`` measures each rank's compute time per sample before it decides."""
-    min_gain: float = bounded(0.05, at_least=0)
+    min_gain: float = bounded(0.1, at_least=0)
     """``auto`` changes the shares only when the predicted step time falls by more than this
     fraction (hysteresis: noise does not make the shares flap)."""
     max_share: float | None = bounded(None, above=0, fix=", or null for no cap")

@@ -13,9 +13,9 @@ its own gradient and state, so the parameters are those of the unsharded step bi
 world size, sharded or not.
 
 **Checkpoints** take the formats of :class:`.zero.ZeroOptimizer`: :meth:`shard_state_dict` (this
-rank's pieces, ``{"params": {k: {"lo", "hi", "shape", "state"}}}``), :meth:`state_dict` (the
-consolidated torch format, collective) and :meth:`load_state_dict` (from the consolidated format of
-any world size, ZeRO or not).
+rank's pieces, ``{"params": {k: {"lo", "hi", "shape", "state"}}}``) and :meth:`state_dict` (the
+consolidated torch format, collective). To load the consolidated format of any world size, ZeRO or
+not: the wrapped optimizer's own ``load_state_dict``, then :meth:`shard_loaded_state`.
 """
 
 from __future__ import annotations
@@ -155,11 +155,6 @@ class WholeGradientZero:
         """The consolidated state, in the wrapped optimizer's ``state_dict`` format. Collective."""
         shards = all_gather_object(self.group, self.shard_state_dict())
         return consolidate_shards({"param_groups": self.optimizer.state_dict()["param_groups"]}, shards)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a consolidated state (any world size, ZeRO or not), keeping this rank's pieces."""
-        self.optimizer.load_state_dict(state_dict)
-        self.shard_loaded_state()
 
     def shard_loaded_state(self) -> None:
         """Move the state the wrapped optimizer holds (after its own ``load_state_dict``) into this

@@ -40,7 +40,9 @@ COMMANDS = _commands(README)
 
 
 def _first_sweep_point(args: list[str]) -> list[str]:
-    return [a.split(",")[0] if "=" in a else a for a in args if a not in ("-m", "--multirun")]
+    # a sweep's values are comma-separated; a list value ([2,1]) is one value
+    first = [a.split(",")[0] if "=" in a and not a.partition("=")[2].startswith("[") else a for a in args]
+    return [a for a in first if a not in ("-m", "--multirun")]
 
 
 def test_the_readme_has_commands():
