@@ -211,7 +211,8 @@ def neutral(args, tmp: Path) -> None:
             accuracies[shares].append(r["metrics"]["eval/accuracy"])
         print(
             f"{seed:>4} {row['off']['eval/accuracy']:>8.4f} {row['auto']['eval/accuracy']:>9.4f} "
-            f"{row['off']['train/loss_last']:>9.4f} {row['auto']['train/loss_last']:>10.4f}  {row['auto']['balance']['shares']}",
+            f"{row['off']['train/loss_last']:>9.4f} {row['auto']['train/loss_last']:>10.4f}  "
+            f"{row['auto']['balance']['shares']}",
             flush=True,
         )
     for shares, values in accuracies.items():

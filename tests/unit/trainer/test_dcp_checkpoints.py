@@ -21,11 +21,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.utils.data import TensorDataset
 
 from ddptrain import Config, Trainer
+from ddptrain.comm import get_process_group
 from ddptrain.export import export
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.callbacks import Callback
 from ddptrain.trainer.checkpoint import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
-from ddptrain.trainer.checkpoint.dcp import DcpWrite, flat_range_chunks
+from ddptrain.trainer.checkpoint.dcp import DcpWrite, flat_range_chunks, save_dcp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,6 +117,7 @@ def test_a_flat_range_becomes_rectangular_chunks_holding_exactly_its_elements_in
             got = [i for o, s in chunks for i in index[tuple(slice(a, a + b) for a, b in zip(o, s))].reshape(-1)]
             assert got == list(range(lo, hi)), (lo, hi, chunks)
             assert len(chunks) <= 2 * len(shape) - 1  # a head and a tail per dimension, whole rows between
+    assert flat_range_chunks(shape, 3, 3) == []  # no element, no chunk
 
 
 def test_a_dcp_checkpoint_holds_what_the_torch_one_holds_written_by_both_ranks_and_resumes_bitwise(tmp_path):
@@ -270,3 +272,12 @@ def test_an_elastic_job_refuses_the_dcp_format_saying_why():
     config = Config.from_dict({"trainer": {"elastic": True, "checkpoint": {"format": "dcp"}}})
     with pytest.raises(ConfigError, match=r"every rank writes its part of a DCP checkpoint, so a rank lost"):
         validate(config, 2)
+
+
+def test_a_model_key_that_would_collide_with_ddptrains_entries_is_refused(tmp_path):
+    def save(rank, world_size):
+        state = {"model": {"ddptrain.skeleton.w": torch.zeros(2)}, "step": 0}
+        save_dcp(tmp_path / "step_000000000.dcp", state, get_process_group())
+
+    with pytest.raises(CheckpointError, match=r"would both be stored as 'ddptrain.skeleton.w'.*must not start with"):
+        run_threaded(save, 1, timeout_s=60)
