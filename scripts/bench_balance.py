@@ -51,10 +51,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ddptrain.recipes.mnist_fast import MnistTrainer  # noqa: E402
-from ddptrain.trainer.callbacks import Callback  # noqa: E402
+from bench_checkpoint import TIMES_FILE, StepClock  # noqa: E402  (the same directory)
 
-TIMES_FILE = "step_ends.json"
+from ddptrain.recipes.mnist_fast import MnistTrainer  # noqa: E402
+
 SLOW_ENV = "BENCH_BALANCE_SLOW"  # "<rank> <seconds per sample> <first step> <last step>"
 
 
@@ -63,20 +63,6 @@ def spin(seconds: float) -> None:
     until = time.perf_counter() + seconds
     while time.perf_counter() < until:
         pass
-
-
-class StepEnds(Callback):
-    """Rank 0: the end time of every step, written when the fit ends."""
-
-    def __init__(self):
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer, loss) -> None:
-        self.ends.append(time.perf_counter())
-
-    def on_fit_end(self, trainer, metrics) -> None:
-        if trainer.is_main:
-            (Path(trainer.output_dir) / TIMES_FILE).write_text(json.dumps(self.ends))
 
 
 class SlowTrainer(MnistTrainer):
@@ -93,7 +79,7 @@ class SlowTrainer(MnistTrainer):
         return loss
 
     def configure_callbacks(self):
-        return [*super().configure_callbacks(), StepEnds()]
+        return [*super().configure_callbacks(), StepClock()]
 
 
 def run(out: Path, world_size: int, steps: int, shares: str, slow: str = "", *extra: str, recipe="mnist_fast") -> dict:
@@ -124,7 +110,7 @@ def run(out: Path, world_size: int, steps: int, shares: str, slow: str = "", *ex
     )
     if proc.returncode != 0:
         raise SystemExit(f"{out.name}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    ends = json.loads((out / TIMES_FILE).read_text())
+    ends = json.loads((out / TIMES_FILE).read_text())["ends"]
     metrics = json.loads((out / "metrics.json").read_text())
     return {"intervals": [b - a for a, b in zip(ends, ends[1:])], "metrics": metrics}
 

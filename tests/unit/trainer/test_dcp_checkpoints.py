@@ -18,7 +18,6 @@ import warnings
 import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.utils.data import TensorDataset
 
 from ddptrain import Config, Trainer
 from ddptrain.comm import get_process_group
@@ -27,6 +26,7 @@ from ddptrain.testing import run_threaded
 from ddptrain.trainer.callbacks import Callback
 from ddptrain.trainer.checkpoint import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from ddptrain.trainer.checkpoint.dcp import DcpWrite, flat_range_chunks, save_dcp
+from tests.models import argmax_task, seeded_mlp
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,16 +35,10 @@ STEP7 = "step_000000007"
 
 class Task(Trainer):
     def configure_model(self):
-        model = torch.nn.Sequential(torch.nn.Linear(8, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
-        g = torch.Generator().manual_seed(0)  # not the global RNG, which the rank threads share
-        with torch.no_grad():
-            for p in model.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-        return model
+        return seeded_mlp(8, 17, 3)  # Sequential(Linear(8, 17), Tanh, Linear(17, 3))
 
     def train_dataloader(self):
-        x = torch.randn(240, 8, generator=torch.Generator().manual_seed(0))
-        return TensorDataset(x, x[:, :3].argmax(1))
+        return argmax_task(240, 8, seed=0)
 
     def val_dataloader(self):
         return None
