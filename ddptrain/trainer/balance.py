@@ -128,10 +128,8 @@ class Balancer:
             return False
         measured = all_gather_object(self.group, (self._compute_s, self._samples))
         self._compute_s, self._samples, self._steps = 0.0, 0, 1
-        if any(n == 0 for _, n in measured):
-            return False  # a rank computed nothing in the window (it cannot be: every rank gets a sample)
         per_sample = [s / n for s, n in measured]
-        self.measured = per_sample
+        self.measured = per_sample  # every rank had a sample in every step of the window: n > 0
         proposed = capped_proportions([1.0 / t for t in per_sample], self.config.max_share)
         now, then = self.predicted_step_s(self.weights, per_sample), self.predicted_step_s(proposed, per_sample)
         if then >= now * (1.0 - self.config.min_gain):

@@ -77,6 +77,8 @@ def test_units_are_dealt_by_weight_each_rank_at_least_one_and_a_cap_holds():
     assert [list(virtual_ranks_by_weight(r, 8, [3, 1])) for r in range(2)] == [[0, 1, 2, 3, 4, 5], [6, 7]]
     assert capped_proportions([3, 1], None) == [0.75, 0.25]
     assert capped_proportions([8, 1, 1], 0.6) == pytest.approx([0.6, 0.2, 0.2])  # the rest in proportion
+    assert capped_proportions([8, 1, 3], 0.6) == pytest.approx([0.6, 0.1, 0.3])
+    assert capped_proportions([5, 5, 1, 1], 0.3) == pytest.approx([0.3, 0.3, 0.2, 0.2])  # two capped
 
 
 def test_fixed_weights_cut_each_micro_batch_by_share_and_keep_the_per_sample_mean(tmp_path):
@@ -96,17 +98,29 @@ def test_in_invariant_mode_any_shares_give_the_same_bits(tmp_path):
 
 
 @pytest.mark.parametrize("invariant", [False, True], ids=["normal", "invariant"])
-def test_auto_moves_work_off_a_slow_rank_at_a_step_boundary(tmp_path, invariant):
-    """Rank 1 sleeps 3 ms per sample: after the first window, rank 0 takes more than 60% of each batch.
-    In invariant mode the run still ends with the uniform run's bits."""
+def test_auto_moves_work_off_a_slow_rank_at_a_step_boundary(tmp_path, invariant, caplog):
+    """Rank 1 sleeps 3 ms per sample: after the first window, rank 0 takes more than 60% of each batch,
+    and the log says so once. In invariant mode the run still ends with the uniform run's bits."""
+    caplog.set_level("INFO", logger="ddptrain.trainer")
     seen = {}
     config = _config(tmp_path / "auto", "auto", invariant, window=3)
     final = run_threaded(_fit, 2, config, 1, seen, timeout_s=90)[0][0]
     changes = final["balance"]["changes"]
     assert changes and changes[0]["step"] == 3, changes  # decided after the window of 3 steps
     assert changes[0]["shares"][0] > 0.6 and changes[0]["predicted_step_s"] < changes[0]["previous_step_s"]
+    # before the change, 16 samples of a 32-sample step on each rank: the slower rank's time
+    assert changes[0]["previous_step_s"] == pytest.approx(16 * max(changes[0]["seconds_per_sample"]))
     assert final["balance"]["shares"][0] > 0.6
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("balance: shares")]
+    first = changes[0]
+    expected = (
+        f"balance: shares {first['shares'][0]:.3f}, {first['shares'][1]:.3f} from step 3 (compute per sample "
+        f"{first['seconds_per_sample'][0] * 1e3:.3f}, {first['seconds_per_sample'][1] * 1e3:.3f} ms; predicted step "
+        f"{first['predicted_step_s'] * 1e3:.1f} ms, was {first['previous_step_s'] * 1e3:.1f} ms)"
+    )
+    assert logged[0] == expected and len(logged) == len(changes), logged  # rank 0 alone, once per change
     if invariant:
+        assert len(seen[1]) < len(seen[0]), {r: len(v) for r, v in seen.items()}  # rank 1 was dealt fewer shards
         uniform = run_threaded(_fit, 1, _config(tmp_path / "one", "off", invariant=True), timeout_s=60)[0][0]
         assert final["params_sha256"] == uniform["params_sha256"]
     else:
