@@ -148,10 +148,12 @@ def test_ctrl_c_stops_an_elastic_job_after_a_change_and_its_resume_ends_bitwise(
     elastic += ["launcher.spares=1", "launcher.max_restarts=2"]
     run_dir = tmp_path / "run"
     proc = _start([PYTHON, "-m", "ddptrain", *JOB, *elastic, f"hydra.run.dir={run_dir}"], tmp_path)
-    member = _wait_for_line(run_dir, proc, r"member 1\.0 started \(slot 1, pid (\d+)\)")
+    # Rank 0's member, which says so: of the 5 members, the first 4 to register are the ranks and
+    # which one waits as the spare is a race, so killing a member by its slot may kill the spare.
+    member = _wait_for_line(run_dir, proc, r"elastic: member (\S+) \(pid (\d+)\) joined generation 0 as rank 0")
     _wait_for_step(run_dir, proc)
-    os.kill(int(member.group(1)), signal.SIGKILL)
-    _wait_for_line(run_dir, proc, r"elastic: generation \d+: lost 1\.0")
+    os.kill(int(member.group(2)), signal.SIGKILL)
+    _wait_for_line(run_dir, proc, rf"elastic: generation \d+: lost {re.escape(member.group(1))}")
     _stop_and_check(proc, lambda: os.killpg(proc.pid, signal.SIGINT), run_dir, "SIGINT", 130)
     log = (run_dir / "train.log").read_text()
     after = log.split("SIGINT: the ranks stop")[1]
