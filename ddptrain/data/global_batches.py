@@ -20,7 +20,7 @@ This module is plain arithmetic: it never talks to a process group.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +34,6 @@ __all__ = [
     "Shard",
     "epoch_order",
     "shards_of_step",
-    "step_shards",
 ]
 
 
@@ -169,13 +168,3 @@ def shards_of_step(
         for v in mine
     )
     return StepShards(start, num_samples, num_shards, shards)
-
-
-def step_shards(
-    start: int, dataset_len: int, global_batch: int, micro_batches: int, virtual_ranks: int, mine: range
-) -> Iterator[StepShards]:
-    """The steps of an epoch from global position ``start`` on, with the shards of virtual ranks ``mine``."""
-    while start < dataset_len:
-        n = min(global_batch, dataset_len - start)
-        yield shards_of_step(start, n, micro_batches, virtual_ranks, mine)
-        start += n

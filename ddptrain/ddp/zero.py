@@ -78,7 +78,7 @@ from ..comm.types import ReduceOp
 from .module import DistributedDataParallel
 from .shards import ALGORITHMS, ShardComm
 
-__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "check_elementwise", "consolidate_shards"]
+__all__ = ["ZeroOptimizer", "ELEMENTWISE_OPTIMIZERS", "check_elementwise", "consolidate_shards", "is_per_element"]
 
 ELEMENTWISE_OPTIMIZERS = ("SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "NAdam", "RAdam", "ASGD")
 
@@ -542,13 +542,13 @@ def consolidate_shards(groups_entry: dict[str, Any], shards: list[dict[str, Any]
         full: dict[str, Any] = {}
         for part in parts:
             for key, value in part["state"].items():
-                if torch.is_tensor(value) and value.dim() > 0:  # element-wise: this piece's slice
+                if is_per_element(value):  # this piece's slice
                     if key not in full:
                         full[key] = torch.empty(numel, dtype=value.dtype)
                     full[key][part["lo"] : part["hi"]] = value
                 else:
                     full.setdefault(key, value)  # the same on every piece of the parameter
-        state[k] = {key: v.view(shape) if torch.is_tensor(v) and v.dim() > 0 else v for key, v in full.items()}
+        state[k] = {key: v.view(shape) if is_per_element(v) else v for key, v in full.items()}
     return {"state": state, "param_groups": groups_entry["param_groups"]}
 
 
@@ -569,6 +569,12 @@ def _adopt(param: torch.Tensor, slot: torch.Tensor) -> None:
 
 def hyper_parameters(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def is_per_element(value: Any) -> bool:
+    """Whether an optimizer state entry holds one value per element of its parameter (Adam's
+    moments: a shard keeps its slice of it), rather than one for the whole parameter (``step``)."""
+    return torch.is_tensor(value) and value.dim() > 0
 
 
 def _is_elementwise(value: Any, param: torch.Tensor) -> bool:

@@ -28,7 +28,7 @@ from torch.autograd.graph import increment_version
 
 from ..comm.objects import all_gather_object
 from ..comm.process_group import ProcessGroup
-from .zero import check_elementwise, consolidate_shards, hyper_parameters, optimizer_like
+from .zero import check_elementwise, consolidate_shards, hyper_parameters, is_per_element, optimizer_like
 
 __all__ = ["WholeGradientZero"]
 
@@ -169,7 +169,7 @@ class WholeGradientZero:
             if not state:
                 continue
             sliced = {
-                k: v.reshape(-1)[piece.lo : piece.hi].clone() if torch.is_tensor(v) and v.dim() > 0 else _copy(v)
+                k: v.reshape(-1)[piece.lo : piece.hi].clone() if is_per_element(v) else _copy(v)
                 for k, v in state.items()
             }
             self._shard_optimizer.state[piece.view] = sliced

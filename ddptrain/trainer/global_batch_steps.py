@@ -222,7 +222,8 @@ def _check_every_rank_has_samples(trainer: LoopView, dataset_len: int) -> None:
     runs_the_last_step = trainer.steps_per_epoch * global_batch >= dataset_len  # trainer.limit_train_batches
     if runs_the_last_step and 0 < last < accum * world_size:
         raise ConfigError(
-            f"trainer.elastic=true in normal mode gives each of up to dist.world_size={world_size} rank(s) a "
+            f"{'trainer.elastic=true' if config.trainer.elastic else 'trainer.balance.shares'} in normal mode "
+            f"gives each of up to dist.world_size={world_size} rank(s) a "
             f"share of every micro-batch, but the epoch's last step holds {last} sample(s) ({dataset_len} % "
             f"data.global_batch_size={global_batch}), fewer than trainer.grad_accum_steps x dist.world_size = "
             f"{accum * world_size}. Pick a data.global_batch_size that leaves a last step of 0 or at least "

@@ -190,8 +190,7 @@ class InvariantSteps(GlobalBatchSteps):
         if self.zero is None:
             super().update_parameters()
         else:
-            with self.trainer.phases.span("param_all_gather"):  # mostly communication: the doctor's phase
-                self.zero.step()
+            self.zero.step()
 
     def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
         if self.zero is None:

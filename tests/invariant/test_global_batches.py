@@ -8,7 +8,7 @@ from ddptrain.data import DistributedSampler
 from ddptrain.data.global_batches import (
     epoch_order,
     shard_bounds,
-    step_shards,
+    shards_of_step,
     valid_world_sizes,
     virtual_ranks_of,
 )
@@ -49,7 +49,12 @@ def _epoch(world_size, dataset_len=100, batch=24, accum=2, v=4, start=0):
     """{step start: {shard index: (start, end)}} over all ranks of ``world_size``."""
     steps: dict = {}
     for rank in range(world_size):
-        for s in step_shards(start, dataset_len, batch, accum, v, virtual_ranks_of(rank, world_size, v)):
+        position, walked = start, []
+        while position < dataset_len:  # the epoch, step by step, as GlobalBatchSteps.batches walks it
+            n = min(batch, dataset_len - position)
+            walked.append(shards_of_step(position, n, accum, v, virtual_ranks_of(rank, world_size, v)))
+            position += n
+        for s in walked:
             shards = steps.setdefault((s.start, s.num_samples, s.num_shards), {})
             for shard in s.shards:
                 assert shard.index not in shards  # each shard on one rank only

@@ -65,6 +65,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from ...comm.objects import all_gather_object, broadcast_object
 from ...comm.process_group import ProcessGroup
+from ...ddp.zero import is_per_element
 from ...errors import CheckpointError, CheckpointWarning
 from .background import host_snapshot
 
@@ -109,8 +110,8 @@ def sharded_optimizer_entry(group: ProcessGroup, groups_entry: dict[str, Any], s
     mine = {
         k: {
             "shape": list(piece["shape"]),
-            "elementwise": {key: v.dtype for key, v in piece["state"].items() if _elementwise(v)},
-            "whole": {key: v for key, v in piece["state"].items() if not _elementwise(v)},
+            "elementwise": {key: v.dtype for key, v in piece["state"].items() if is_per_element(v)},
+            "whole": {key: v for key, v in piece["state"].items() if not is_per_element(v)},
         }
         for k, piece in shard["params"].items()
     }
@@ -129,12 +130,6 @@ def sharded_optimizer_entry(group: ProcessGroup, groups_entry: dict[str, Any], s
                 entry[key] = _chunked(piece["state"][key], description["shape"], piece["lo"], piece["hi"])
         state[k] = entry
     return {"state": state, **{key: v for key, v in groups_entry.items() if key not in ("state", "shards")}}
-
-
-def _elementwise(value: Any) -> bool:
-    """A per-element entry (a slice of the parameter's elements), as
-    :func:`~ddptrain.ddp.zero.consolidate_shards` reads them."""
-    return torch.is_tensor(value) and value.dim() > 0
 
 
 def flat_range_chunks(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -167,7 +162,7 @@ def _chunked(values: torch.Tensor, shape: list[int], lo: int, hi: int) -> torch.
     shape_t = tuple(shape)
     chunks = flat_range_chunks(shape_t, lo, hi)
     if len(shape_t) <= 1:
-        local, first_row = values.detach().reshape(shape_t if not shape_t else (hi - lo,)).clone(), lo
+        local, first_row = values.detach().reshape((hi - lo,) if shape_t else ()).clone(), lo
     else:
         row = math.prod(shape_t[1:])
         first_row, end_row = lo // row, -(-hi // row)
