@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import TensorDataset
 
 from ddptrain import Config, ConfigError, Trainer
-from ddptrain.data.global_batches import split_by_weight, virtual_ranks_by_weight
+from ddptrain.data.global_batches import shards_of_step, split_by_weight, virtual_ranks_by_weight
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.balance import capped_proportions
@@ -75,10 +75,31 @@ def test_units_are_dealt_by_weight_each_rank_at_least_one_and_a_cap_holds():
     assert split_by_weight(8, [100, 1]) == [7, 1]  # never fewer than one: a slow rank is not removed
     assert split_by_weight(7, [1, 1, 1]) == [3, 2, 2] and sum(split_by_weight(1000, [0.3, 0.7, 1.9])) == 1000
     assert [list(virtual_ranks_by_weight(r, 8, [3, 1])) for r in range(2)] == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    assert split_by_weight(2, [1, 1]) == [1, 1]
+    with pytest.raises(ValueError, match=r"1 units cannot give each of 2 ranks at least 1"):
+        split_by_weight(1, [1, 1])
     assert capped_proportions([3, 1], None) == [0.75, 0.25]
     assert capped_proportions([8, 1, 1], 0.6) == pytest.approx([0.6, 0.2, 0.2])  # the rest in proportion
     assert capped_proportions([8, 1, 3], 0.6) == pytest.approx([0.6, 0.1, 0.3])
     assert capped_proportions([5, 5, 1, 1], 0.3) == pytest.approx([0.3, 0.3, 0.2, 0.2])  # two capped
+
+
+def test_weights_cut_each_micro_batch_of_a_step_into_slices_that_take_every_sample_once():
+    step = shards_of_step(100, 20, 2, 2, range(2), [3, 1])  # 2 micro-batches of 10, each cut 8:2
+    assert [(s.index, s.start, s.end) for s in step.shards] == [
+        (0, 100, 108),
+        (1, 108, 110),
+        (2, 110, 118),
+        (3, 118, 120),
+    ]
+    assert [(s.start, s.end) for s in shards_of_step(100, 20, 2, 2, range(1, 2), [3, 1]).shards] == [
+        (108, 110),
+        (118, 120),
+    ]
+    short = shards_of_step(0, 3, 2, 2, range(2), [1, 1])  # a last micro-batch of 1 sample for 2 ranks
+    assert [(s.start, s.end) for s in short.shards] == [(0, 1), (1, 2), (2, 3), (3, 3)]
+    lopsided = shards_of_step(0, 2, 1, 2, range(2), [100, 1])  # as many samples as ranks: one each
+    assert [(s.start, s.end) for s in lopsided.shards] == [(0, 1), (1, 2)]
 
 
 def test_fixed_weights_cut_each_micro_batch_by_share_and_keep_the_per_sample_mean(tmp_path):
