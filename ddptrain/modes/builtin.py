@@ -248,12 +248,6 @@ BALANCE = register(
         check=_check_balance,
         refuses=[
             Refusal(
-                lambda c: bool(c.dist.zero_stage) and not c.trainer.world_size_invariant,
-                lambda c: f"dist.zero_stage={c.dist.zero_stage}",
-                "ZeRO's steps cut each micro-batch equally, as plain DDP does (in world-size-invariant mode "
-                "ZeRO-1 and shares compose)",
-            ),
-            Refusal(
                 lambda c: c.dist.sync != "every_step",
                 lambda c: f"dist.sync={c.dist.sync}",
                 "local steps give every rank whole batches of its own between outer steps",
@@ -278,6 +272,9 @@ SHARED_BATCHES = register(
         strategy="ddptrain.trainer.global_batch_steps:SharedBatchSteps",
         priority=30,
         whole_global_batches=True,
+        # with dist.zero_stage its steps take ZeRO's update: the shares cut samples, ZeRO's shards
+        # cut parameters (an elastic job refuses ZeRO on its own account)
+        composes_with=frozenset({"zero"}),
     )
 )
 

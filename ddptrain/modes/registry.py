@@ -19,7 +19,8 @@ Each rule is written once, by its owner:
   collectives to measure) and an active owner that lacks it (invariant mode sends none) are
   refused together, with both reasons, and neither names the other;
 - two modes that apply to one config, and that no ``refuses`` rule tells apart, are refused:
-  a run has one step strategy.
+  a run has one step strategy, unless the higher one declares that its strategy does the other's
+  job too (``composes_with``).
 
 Every refusal is a :class:`~ddptrain.config.ConfigError` that names both settings, why, and both
 ways out. This module and the built-in declarations (:mod:`.builtin`) import no torch: the command
@@ -30,6 +31,7 @@ names its strategy class directly; the built-in ones by import path, imported wh
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -100,6 +102,9 @@ class Mode(Feature):
             size (the epoch's step count is then its number of global batches).
         same_bits_at_any_world_size: training takes the same bits at every world size, so a
             checkpoint resumes exactly at another one (no ``trainer.allow_world_size_change``).
+        composes_with: names of lower-priority modes whose job this mode's strategy does too
+            (shared batches take ZeRO's update): the two apply together, and the other's rules
+            still hold.
     """
 
     strategy: str | type = ""
@@ -107,6 +112,7 @@ class Mode(Feature):
     fallback: bool = False
     whole_global_batches: bool = False
     same_bits_at_any_world_size: bool = False
+    composes_with: frozenset[str] = frozenset()
 
     def strategy_class(self) -> type:
         """The strategy class (imported now when given by path)."""
@@ -173,8 +179,9 @@ def check_config(config: Config, world_size: int) -> None:
                     why = f"{need}, and {lacking.lacks[capability]}"
                     refuse(lacking.setting(config), needing.setting(config), why, lacking.way_back)
     modes = sorted((f for f in active if isinstance(f, Mode) and not f.fallback), key=lambda m: -m.priority)
-    if len(modes) > 1:
-        first, second = modes[0], modes[1]
+    for first, second in itertools.combinations(modes, 2):
+        if second.name in first.composes_with:
+            continue
         raise ConfigError(
             f"{first.setting(config)} and {second.setting(config)} each pick how a step trains "
             f"({_strategy_name(first)} and {_strategy_name(second)}), and a run has one: "

@@ -6,8 +6,9 @@ by position in the epoch's order. Two step strategies walk the data that way, an
 
 - :class:`.invariant.InvariantSteps` (``trainer.world_size_invariant=true``): ``virtual_ranks``
   shards per micro-batch, spread over the ranks and summed exactly;
-- :class:`SharedBatchSteps` (``trainer.elastic=true`` in normal mode): one shard per rank and
-  micro-batch, each rank's gradient weighted by its share, reduced by our DDP.
+- :class:`SharedBatchSteps` (``trainer.elastic=true`` or ``trainer.balance.shares`` in normal
+  mode): one shard per rank and micro-batch, each rank's gradient weighted by its share, reduced
+  by our DDP (with ``dist.zero_stage``, reduce-scattered into ZeRO's update).
 
 What they share: the position in the epoch (the samples of the epoch's order the applied steps
 took). It is exact at any world size and survives a change of it, where the sampler's per-rank
@@ -35,6 +36,7 @@ from .balance import Balancer
 from .data import move_to
 from .steps import StepStrategy, ride_in_gradients
 from .view import LoopView
+from .zero_steps import ZeroUpdate
 
 __all__ = ["GlobalBatchSteps", "GlobalStep", "SharedBatchSteps"]
 
@@ -157,8 +159,9 @@ class GlobalBatchSteps(StepStrategy):
 
 class SharedBatchSteps(GlobalBatchSteps):
     """Plain data parallelism over a global batch that any number of ranks can share: the step
-    strategy of an elastic job in normal mode (``trainer.elastic=true`` without
-    ``trainer.world_size_invariant``).
+    strategy of an elastic job, and of ``trainer.balance.shares``, in normal mode (without
+    ``trainer.world_size_invariant``). With ``dist.zero_stage`` its update is ZeRO's
+    (:class:`.zero_steps.ZeroUpdate`): the weighted gradients are reduce-scattered instead.
 
     Each micro-batch of the step is cut into ``W`` contiguous shards by position (``W`` the world
     size; sizes differ by at most one sample where ``W`` does not divide it), and rank ``r``
@@ -182,6 +185,8 @@ class SharedBatchSteps(GlobalBatchSteps):
         super().__init__(trainer, votes, world_size, range(trainer.rank, trainer.rank + 1))
         _check_every_rank_has_samples(trainer, len(trainer.train_set))
         ride_in_gradients(trainer.model, votes)
+        if trainer.config.dist.zero_stage:  # ZeRO's shards cut parameters, the shares samples: they compose
+            self.update = ZeroUpdate(trainer)
         self.balance_by(self.global_batch // self.micro_batches)
 
     @property

@@ -24,7 +24,7 @@ same bits whatever the world size. What else could depend on the rank is pinned:
 Parameters no shard used get no gradient (``None``), as in plain training.
 
 With ``dist.zero_stage=1`` the optimizer state is sharded over the ranks
-(:class:`~ddptrain.ddp.zero_whole.WholeGradientZero`): each rank steps a contiguous range of the
+(:class:`.zero_steps.WholeGradientUpdate`): each rank steps a contiguous range of the
 parameters with the whole exact gradient and the ranges are all-gathered, so the bits are the
 unsharded step's, at any world size. Checkpoints take ZeRO's formats (consolidated, or each
 rank's shard with ``trainer.checkpoint.sharded`` or ``format=dcp``).
@@ -36,19 +36,16 @@ import hashlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import ConfigError
 from ..data.global_batches import virtual_ranks_by_weight, virtual_ranks_of
 from ..ddp.exact import ExactAllReducer
-from ..ddp.zero_whole import WholeGradientZero
 from ..modes.builtin import check_virtual_ranks
 from .global_batch_steps import GlobalBatchSteps, GlobalStep
 from .view import LoopView
-from .zero_steps import sharded_optimizer_entries, sharded_optimizer_shard, single_optimizer
+from .zero_steps import WholeGradientUpdate
 
 __all__ = ["InvariantSteps", "shard_seed"]
 
@@ -100,7 +97,8 @@ class InvariantSteps(GlobalBatchSteps):
         self._offsets = [sum(self.sizes[:i]) for i in range(len(self.params))]  # of each parameter in a row
         self._buffer: tuple[torch.Tensor, list[list[torch.Tensor | None]]] | None = None  # _rows
         self._hooks = [p.register_post_accumulate_grad_hook(self._mark_used(i)) for i, p in enumerate(self.params)]
-        self.zero = self._sharded_optimizer(trainer) if cfg.dist.zero_stage else None
+        if cfg.dist.zero_stage:  # stage 1 (the mode refuses 2): shards of the whole exact gradient
+            self.update = WholeGradientUpdate(trainer)
         self.balance_by(self.virtual_ranks)
         threads = cfg.dist.threads_per_worker or 1
         torch.set_num_threads(threads)
@@ -168,42 +166,6 @@ class InvariantSteps(GlobalBatchSteps):
         """Deal each micro-batch's virtual ranks by the balancer's shares: the same shards, other hands."""
         t = self.trainer
         self.mine = virtual_ranks_by_weight(t.rank, self.virtual_ranks, self.balancer.weights)
-
-    @staticmethod
-    def _sharded_optimizer(trainer: LoopView) -> WholeGradientZero:
-        optimizer = single_optimizer(trainer)
-        if trainer.precision.scaler is not None:
-            raise ConfigError(
-                "dist.zero_stage=1 in world-size-invariant mode steps shards of the parameters, and "
-                "trainer.precision=16-mixed's gradient scaler steps whole optimizers: use trainer.precision=bf16-mixed"
-            )
-        try:
-            zero = WholeGradientZero(optimizer, trainer.process_group)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        start, stop = zero.ranges[trainer.rank]
-        log.info("ZeRO stage 1: this rank steps parameter elements %d-%d of %d", start, stop, zero.ranges[-1][1])
-        return zero
-
-    # == the update and its checkpoint, with dist.zero_stage=1 =====================================
-    def update_parameters(self) -> None:
-        if self.zero is None:
-            super().update_parameters()
-        else:
-            self.zero.step()
-
-    def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
-        if self.zero is None:
-            return super().optimizer_state_dict(optimizers)
-        return sharded_optimizer_entries(self.zero, self.trainer, optimizers)
-
-    def optimizer_shard(self) -> dict[str, Any] | None:
-        return None if self.zero is None else sharded_optimizer_shard(self.zero, self.trainer)
-
-    def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
-        optimizers.load_state_dict(checkpoint)  # the full state into the trainer's optimizer, schedules
-        if self.zero is not None:
-            self.zero.shard_loaded_state()  # ... then cut into this rank's range
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -9,7 +9,7 @@ mode), and its loop never asks which one it has. A strategy sees the loop as a
 2. :meth:`StepStrategy.forward_backward`: forward and backward of the step's micro-batches, with
    the gradients reduced across ranks into ``.grad``; returns the step's loss;
 3. :meth:`StepStrategy.optimizer_step`: unscale, clip, step every optimizer and its per-step
-   schedule, zero the gradients;
+   schedule, zero the gradients (the strategy's :class:`OptimizerUpdate`);
 4. :meth:`StepStrategy.samples`: how many of this rank's sampler positions the step covered (the
    loop reports them to the sampler, the one owner of the position in the epoch);
 5. :meth:`StepStrategy.take_votes`: the stop votes summed over ranks in that step's reduction
@@ -18,7 +18,8 @@ mode), and its loop never asks which one it has. A strategy sees the loop as a
 State a strategy keeps across steps goes into checkpoints through
 :meth:`StepStrategy.state_dict` / :meth:`StepStrategy.load_state_dict`; the optimizers' and
 schedules' entries through :meth:`StepStrategy.optimizer_state_dict` /
-:meth:`StepStrategy.load_optimizer_state_dict` (a sharded optimizer consolidates them there).
+:meth:`StepStrategy.load_optimizer_state_dict`, which its :class:`OptimizerUpdate` answers (a
+sharded optimizer consolidates them there).
 
 Five strategies come with ddptrain (their modes and rules: :mod:`ddptrain.modes.builtin`):
 
@@ -27,13 +28,13 @@ Five strategies come with ddptrain (their modes and rules: :mod:`ddptrain.modes.
   all-reduce (:meth:`ddptrain.ddp.DistributedDataParallel.register_sideband`).
 - :class:`.invariant.InvariantSteps` (``trainer.world_size_invariant=true``): fixed shards and an
   exact integer sum, the same bits at any world size.
-- :class:`.global_batch_steps.SharedBatchSteps` (``trainer.elastic=true`` in normal mode): plain
-  DDP over one share per rank of each global batch, cut by position, so any number of members
-  can share it; each rank's loss is weighted by its share.
+- :class:`.global_batch_steps.SharedBatchSteps` (``trainer.elastic=true`` or
+  ``trainer.balance.shares`` in normal mode): plain DDP over one share per rank of each global
+  batch, cut by position, so any number of members can share it; each rank's loss is weighted by
+  its share.
 - :class:`.zero_steps.ZeroSteps` (``dist.zero_stage=1|2``): plain DDP's backward with the buckets
-  reduce-scattered; ``optimizer_step`` steps this rank's shard and all-gathers the parameters, and
-  ``optimizer_state_dict`` consolidates the shards.
-
+  reduce-scattered, and ZeRO's update (:class:`.zero_steps.ZeroUpdate`): each rank steps its shard
+  and all-gathers the parameters; a checkpoint consolidates the shards.
 - :class:`.local_steps.LocalSteps` (``dist.sync=local_sgd|diloco``): no reduction in backward;
   every rank steps its own copy and the copies meet in an outer step every ``dist.sync_every``
   steps. Its ranks disagree between outer steps, so it also overrides
@@ -59,12 +60,64 @@ from .data import batch_size_of, group_micro_batches, move_to, num_batches
 from .view import LoopView
 
 __all__ = [
+    "OptimizerUpdate",
     "StepStrategy",
     "MicroBatchSteps",
     "DataParallelSteps",
     "ride_in_gradients",
     "unused_parameters_named_as_config",
 ]
+
+
+class OptimizerUpdate:
+    """How a step's reduced gradients update the parameters, and what of the optimizers' state a
+    checkpoint holds: every rank holds every optimizer whole and steps it (plain DDP's update).
+
+    A strategy owns one as ``update`` (:attr:`StepStrategy.update`) and delegates its
+    ``optimizer_step`` and optimizer checkpoint entries to it. ZeRO's updates, which hold 1/W of the
+    state on each rank, are in :mod:`.zero_steps`: a strategy whose mode composes with
+    ``dist.zero_stage`` takes one of those instead.
+    """
+
+    def __init__(self, trainer: LoopView):
+        self.trainer = trainer
+
+    def step(self) -> None:
+        """Unscale (16-mixed), clip (``trainer.grad_clip_norm``), :meth:`update_parameters`, the
+        per-step schedules, zero every optimizer's gradients."""
+        t = self.trainer
+        clip = t.config.trainer.grad_clip_norm
+        t.precision.unscale(t.optimizer_set.optimizers)  # 16-mixed: true gradients before clipping
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), clip)
+        elif t.config.trainer.log_grad_norm:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in t.model.parameters() if p.grad is not None])
+        if t.config.trainer.log_grad_norm:
+            log_grad_norm(t, norm)
+        self.update_parameters()
+        t.precision.update()
+        step = t.state.step + 1  # the step being completed
+        t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
+        t.optimizer_set.zero_grad()
+
+    def update_parameters(self) -> None:
+        """Step every optimizer with the gradients in ``.grad`` (through the gradient scaler under
+        16-mixed): :meth:`step`'s update, between clipping and the schedules."""
+        self.trainer.optimizer_set.step(self.trainer.precision.scaler)
+
+    def state_dict(self, optimizers: Any) -> dict[str, Any]:
+        """The checkpoint's ``optimizer`` and ``scheduler`` entries: ``optimizers.state_dict()``."""
+        return optimizers.state_dict()
+
+    def shard(self) -> dict[str, Any] | None:
+        """This rank's shard of the optimizer state, for a file of its own beside the checkpoint
+        (``trainer.checkpoint.sharded``; then :meth:`state_dict` leaves it out), or None: the
+        checkpoint's ``optimizer`` entry holds the whole state. Not collective."""
+        return None
+
+    def load_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s entries of ``checkpoint`` into ``optimizers``."""
+        optimizers.load_state_dict(checkpoint)
 
 
 class StepStrategy(ABC):
@@ -80,6 +133,9 @@ class StepStrategy(ABC):
     def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         self.trainer = trainer
         self.votes = votes
+        self.update = OptimizerUpdate(trainer)
+        """How the reduced gradients are applied and the optimizer state checkpointed: every
+        optimizer whole on every rank, unless the strategy takes a sharded one (ZeRO's)."""
 
     @abstractmethod
     def batches(self) -> Iterator[Any]:
@@ -117,27 +173,8 @@ class StepStrategy(ABC):
         """The stop votes summed over ranks in the latest step, once (None if no step carried them)."""
 
     def optimizer_step(self) -> None:
-        """Apply the reduced gradients: unscale (16-mixed), clip (``trainer.grad_clip_norm``), step
-        every optimizer, the per-step schedules, zero every optimizer's gradients."""
-        t = self.trainer
-        clip = t.config.trainer.grad_clip_norm
-        t.precision.unscale(t.optimizer_set.optimizers)  # 16-mixed: true gradients before clipping
-        if clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(t.model.parameters(), clip)
-        elif t.config.trainer.log_grad_norm:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in t.model.parameters() if p.grad is not None])
-        if t.config.trainer.log_grad_norm:
-            log_grad_norm(t, norm)
-        self.update_parameters()
-        t.precision.update()
-        step = t.state.step + 1  # the step being completed
-        t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
-        t.optimizer_set.zero_grad()
-
-    def update_parameters(self) -> None:
-        """Step every optimizer with the gradients in ``.grad`` (through the gradient scaler under
-        16-mixed): :meth:`optimizer_step`'s update, between clipping and the schedules."""
-        self.trainer.optimizer_set.step(self.trainer.precision.scaler)
+        """Apply the reduced gradients: :meth:`OptimizerUpdate.step` of the strategy's ``update``."""
+        self.update.step()
 
     def final_metrics(self) -> dict[str, Any]:
         """Entries of the strategy's own for ``metrics.json`` (the same on every rank; none by default)."""
@@ -162,18 +199,16 @@ class StepStrategy(ABC):
 
     def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
         """The checkpoint's ``optimizer`` and ``scheduler`` entries, from ``optimizers`` (the fit's
-        :class:`.optimizers.OptimizerSet`): its own ``state_dict`` by default. Collective."""
-        return optimizers.state_dict()
+        :class:`.optimizers.OptimizerSet`): :meth:`OptimizerUpdate.state_dict`. Collective."""
+        return self.update.state_dict(optimizers)
 
     def optimizer_shard(self) -> dict[str, Any] | None:
-        """This rank's shard of the optimizer state, for a file of its own beside the checkpoint
-        (``trainer.checkpoint.sharded``; then :meth:`optimizer_state_dict` leaves it out), or None:
-        the checkpoint's ``optimizer`` entry holds the whole state. Not collective."""
-        return None
+        """This rank's shard of the optimizer state for a file of its own, or None: :meth:`OptimizerUpdate.shard`."""
+        return self.update.shard()
 
     def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
         """Restore :meth:`optimizer_state_dict`'s entries of ``checkpoint`` into ``optimizers``."""
-        optimizers.load_state_dict(checkpoint)
+        self.update.load_state_dict(optimizers, checkpoint)
 
     def state_dict(self) -> dict[str, Any]:
         """What this strategy keeps across steps, for a checkpoint (nothing by default)."""

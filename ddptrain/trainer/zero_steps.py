@@ -1,15 +1,24 @@
-"""ZeRO as a step strategy (``dist.zero_stage=1|2``): plain DDP's micro-batches, a sharded optimizer.
+"""ZeRO (``dist.zero_stage=1|2``): its step strategy, and its updates that other strategies take.
 
-Forward and backward are :class:`.steps.DataParallelSteps`' (``no_sync`` for all micro-batches
-but the last; the stop votes ride in the reduction, in an all-reduce of their own). What changes:
+:class:`ZeroSteps` is ZeRO's own mode: plain DDP's micro-batches (``no_sync`` for all but the
+last; the stop votes ride in the reduction, in an all-reduce of their own) with a sharded update.
+The update is a component (:class:`~.steps.OptimizerUpdate`), so a mode whose backward differs
+takes it too:
 
-- **the update**: :class:`ddptrain.ddp.zero.ZeroOptimizer` steps this rank's shard of every
-  bucket and all-gathers the parameters; ``trainer.grad_clip_norm`` clips by the global norm
-  over every rank's shard (one small all-reduce);
-- **checkpoints**: the ``optimizer`` entry is consolidated, in torch's per-parameter format, so a
-  checkpoint loads in plain DDP and at any world size (the shards are cut again on resume). With
-  ``trainer.checkpoint.sharded=true`` each rank writes its shard to a file of its own instead
-  (:meth:`optimizer_shard`), which reading the checkpoint puts together again.
+- :class:`ZeroUpdate`, for a backward that reduces in DDP's buckets (plain DDP's micro-batches,
+  ``trainer.balance.shares``' shared batches): the reducer reduce-scatters the buckets, and
+  :class:`ddptrain.ddp.zero.ZeroOptimizer` steps this rank's shard of every bucket and all-gathers
+  the parameters; ``trainer.grad_clip_norm`` clips by the global norm over every rank's shard (one
+  small all-reduce);
+- :class:`WholeGradientUpdate`, for world-size-invariant mode, whose exact sum leaves the whole
+  gradient on every rank (stage 1 only):
+  :class:`ddptrain.ddp.zero_whole.WholeGradientZero` steps a contiguous range of the parameters and
+  all-gathers them, so the bits are the unsharded step's.
+
+**Checkpoints**: the ``optimizer`` entry is consolidated, in torch's per-parameter format, so a
+checkpoint loads in plain DDP and at any world size (the shards are cut again on resume). With
+``trainer.checkpoint.sharded=true`` or ``format=dcp`` each rank writes its own shard instead
+(:meth:`ShardedUpdate.shard`), which reading the checkpoint puts together again.
 
 The trainer's ``optimizer`` keeps its ``param_groups`` (what schedulers and ``train/lr`` use) but
 never holds state: the shards' optimizer does. Refused here: more than one optimizer. What the
@@ -27,21 +36,56 @@ from typing import Any
 from ..config import ConfigError
 from ..ddp.comm_hooks import COMPRESSIONS
 from ..ddp.zero import ZeroOptimizer
-from .steps import DataParallelSteps, log_grad_norm
+from ..ddp.zero_whole import WholeGradientZero
+from .steps import DataParallelSteps, OptimizerUpdate, log_grad_norm
 from .view import LoopView
 
-__all__ = ["ZeroSteps", "single_optimizer", "sharded_optimizer_entries", "sharded_optimizer_shard"]
+__all__ = ["ZeroSteps", "ShardedUpdate", "ZeroUpdate", "WholeGradientUpdate"]
 
 log = logging.getLogger("ddptrain.trainer")
 
 
 class ZeroSteps(DataParallelSteps):
-    """Plain DDP's forward and backward, a ZeRO update (see the module docstring)."""
+    """Plain DDP's forward and backward, ZeRO's update (see the module docstring)."""
 
     def __init__(self, trainer: LoopView, votes: Callable[[], list[float]]):
         super().__init__(trainer, votes)
+        self.update = ZeroUpdate(trainer)
+
+
+class ShardedUpdate(OptimizerUpdate):
+    """An update whose optimizer state is sharded over the ranks by ``zero`` (a
+    :class:`~ddptrain.ddp.zero.ZeroOptimizer` or :class:`~ddptrain.ddp.zero_whole.WholeGradientZero`):
+    the checkpoint entries they share."""
+
+    zero: Any
+
+    def state_dict(self, optimizers: Any) -> dict[str, Any]:
+        """The consolidated state (collective), or, when each rank saves its own shard
+        (``trainer.checkpoint.sharded`` or ``format=dcp``), the groups and the number of shards."""
+        entries = optimizers.state_dict()  # the wrapped optimizer holds no state: only its groups
+        if self.trainer.config.trainer.checkpoint.shards_optimizer_state:
+            groups = entries["optimizer"]["param_groups"]
+            return {**entries, "optimizer": {"param_groups": groups, "shards": self.trainer.world_size}}
+        return {**entries, "optimizer": self.zero.state_dict()}
+
+    def shard(self) -> dict[str, Any] | None:
+        """This rank's shard for a checkpoint that keeps shards apart, else None (:meth:`state_dict`)."""
+        return self.zero.shard_state_dict() if self.trainer.config.trainer.checkpoint.shards_optimizer_state else None
+
+    def load_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
+        optimizers.load_state_dict(checkpoint)  # the full state into the trainer's optimizer, schedules
+        self.zero.shard_loaded_state()  # ... then cut into this rank's shards
+
+
+class ZeroUpdate(ShardedUpdate):
+    """ZeRO-1/2 over DDP's buckets (see the module docstring). Built after the strategy registered
+    its sideband: the reducer reduce-scatters from then on."""
+
+    def __init__(self, trainer: LoopView):
+        super().__init__(trainer)
         dist = trainer.config.dist
-        optimizer = single_optimizer(trainer)
+        optimizer = _single_optimizer(trainer)
         try:
             reduce_dtype = COMPRESSIONS[dist.grad_compression][0] if dist.grad_compression != "none" else None
             self.zero = ZeroOptimizer(trainer.model, optimizer, dist.zero_stage, dist.algorithm, reduce_dtype)
@@ -58,7 +102,7 @@ class ZeroSteps(DataParallelSteps):
             total,
         )
 
-    def optimizer_step(self) -> None:
+    def step(self) -> None:
         t = self.trainer
         clip = t.config.trainer.grad_clip_norm
         if clip is not None or t.config.trainer.log_grad_norm:  # the norm over every rank's shards
@@ -72,18 +116,31 @@ class ZeroSteps(DataParallelSteps):
         t.optimizer_set.step_schedules("step", step, t.callback_metrics, step)
         self.zero.zero_grad()
 
-    def optimizer_state_dict(self, optimizers: Any) -> dict[str, Any]:
-        return sharded_optimizer_entries(self.zero, self.trainer, optimizers)
 
-    def optimizer_shard(self) -> dict[str, Any] | None:
-        return sharded_optimizer_shard(self.zero, self.trainer)
+class WholeGradientUpdate(ShardedUpdate):
+    """ZeRO-1 over whole gradients: world-size-invariant mode's (see the module docstring). Clipping
+    and the schedules are plain DDP's (every rank holds the whole gradient); only the step is sharded."""
 
-    def load_optimizer_state_dict(self, optimizers: Any, checkpoint: dict[str, Any]) -> None:
-        optimizers.load_state_dict(checkpoint)  # the full state into the trainer's optimizer, schedules
-        self.zero.shard_loaded_state()  # ... then cut into this rank's shards
+    def __init__(self, trainer: LoopView):
+        super().__init__(trainer)
+        optimizer = _single_optimizer(trainer)
+        if trainer.precision.scaler is not None:
+            raise ConfigError(
+                "dist.zero_stage=1 in world-size-invariant mode steps shards of the parameters, and "
+                "trainer.precision=16-mixed's gradient scaler steps whole optimizers: use trainer.precision=bf16-mixed"
+            )
+        try:
+            self.zero = WholeGradientZero(optimizer, trainer.process_group)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        start, stop = self.zero.ranges[trainer.rank]
+        log.info("ZeRO stage 1: this rank steps parameter elements %d-%d of %d", start, stop, self.zero.ranges[-1][1])
+
+    def update_parameters(self) -> None:
+        self.zero.step()
 
 
-def single_optimizer(trainer: LoopView) -> Any:
+def _single_optimizer(trainer: LoopView) -> Any:
     """The fit's one optimizer, which ZeRO shards.
 
     Raises:
@@ -98,20 +155,3 @@ def single_optimizer(trainer: LoopView) -> Any:
             "dist.zero_stage=0"
         )
     return optimizers[0]
-
-
-def sharded_optimizer_entries(zero: Any, trainer: LoopView, optimizers: Any) -> dict[str, Any]:
-    """A checkpoint's ``optimizer`` and ``scheduler`` entries when ``zero`` (a
-    :class:`~ddptrain.ddp.zero.ZeroOptimizer` or :class:`~ddptrain.ddp.zero_whole.WholeGradientZero`)
-    holds the state: the consolidated state (collective), or, when each rank saves its own shard
-    (``trainer.checkpoint.sharded`` or ``format=dcp``), the groups and the number of shards."""
-    entries = optimizers.state_dict()  # the wrapped optimizer holds no state: only its groups
-    if trainer.config.trainer.checkpoint.shards_optimizer_state:
-        groups = entries["optimizer"]["param_groups"]
-        return {**entries, "optimizer": {"param_groups": groups, "shards": trainer.world_size}}
-    return {**entries, "optimizer": zero.state_dict()}
-
-
-def sharded_optimizer_shard(zero: Any, trainer: LoopView) -> dict[str, Any] | None:
-    """This rank's shard for a checkpoint that keeps shards apart, else None (:func:`sharded_optimizer_entries`)."""
-    return zero.shard_state_dict() if trainer.config.trainer.checkpoint.shards_optimizer_state else None

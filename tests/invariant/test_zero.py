@@ -59,7 +59,7 @@ class _StateHeld(Callback):
         self.held = held
 
     def on_fit_end(self, trainer, metrics):
-        zero = trainer.strategy.zero
+        zero = trainer.strategy.update.zero
         assert zero is None or not trainer.optimizer_set.optimizer.state
         self.held[trainer.rank] = zero.state_bytes() if zero is not None else None
 

@@ -2,6 +2,8 @@
 ``register`` call, with no edit to the Trainer or to another mode's rules; its rules meet the
 others' through capabilities, and two modes that would both pick the strategy are refused."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -112,6 +114,23 @@ def test_a_registered_modes_rules_meet_the_others_without_naming_them(tmp_path):
         )
     validate(_config(tmp_path, {"trainer": {"doctor": True}}, sign_sgd=True), 2)  # gone with the block
     assert "sign_sgd" not in [f.name for f in features()]
+
+
+def test_a_mode_that_composes_with_another_trains_with_it_and_the_others_rules_still_hold(tmp_path):
+    """Declared with ``composes_with={"zero"}``, the toy mode meets ZeRO: no conflict, the higher
+    priority's strategy trains, and ZeRO's own refusals still apply."""
+    composing = dataclasses.replace(SIGN_SGD, composes_with=frozenset({"zero"}))
+    with registered(composing):
+        config = _config(tmp_path, {"dist": {"zero_stage": 1}}, sign_sgd=True)
+        validate(config, 2)
+        assert mode_of(config) is composing
+        with pytest.raises(ConfigError, match=r"^dist.zero_stage=1 cannot be combined with dist.find_unused"):
+            validate(_config(tmp_path, {"dist": {"zero_stage": 1, "find_unused_parameters": True}}, sign_sgd=True), 2)
+    shared = Config.from_dict({"dist": {"zero_stage": 2}, "trainer": {"balance": {"shares": "auto"}}})
+    validate(shared, 2)  # the built-in case: shared batches take ZeRO's update
+    assert mode_of(shared).name == "shared_batches"
+    with pytest.raises(ConfigError, match=r"^dist.zero_stage=2 cannot be combined with dist.gradient_as_bucket_view"):
+        validate(dataclasses.replace(shared, dist=dataclasses.replace(shared.dist, gradient_as_bucket_view=True)), 2)
 
 
 def test_a_feature_that_needs_what_a_built_in_mode_lacks_is_refused_with_both_reasons(tmp_path):

@@ -6,6 +6,7 @@ step boundary on every rank, and leaves an even job alone; bad input is refused 
 The speed gained is measured in scripts/bench_balance.py, not here.
 """
 
+import re
 import time
 
 import pytest
@@ -44,10 +45,11 @@ class Task(Trainer):
         return super().training_step(model, batch)
 
 
-def _config(out, shares, invariant=False, **balance):
+def _config(out, shares, invariant=False, zero_stage=0, **balance):
     return Config.from_dict(
         {
             "data": {"global_batch_size": 32},
+            "dist": {"zero_stage": zero_stage},
             "optimizer": {"name": "adamw", "lr": 0.01},
             "trainer": {
                 "epochs": 1,
@@ -110,6 +112,25 @@ def test_fixed_weights_cut_each_micro_batch_by_share_and_keep_the_per_sample_mea
     for a, b in zip(even[0][1], shared[0][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)  # the same gradients, summed in another order
     assert shared[0][0]["balance"] == {"shares": [0.75, 0.25], "changes": []}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_shares_compose_with_zero_in_normal_mode(tmp_path, stage, caplog):
+    """ZeRO's shards cut parameters and the shares cut samples: with weights 3:1 the ranks train
+    on 24 and 8 samples per step, each steps its own part of the parameters, and the run ends
+    where the even unsharded run does."""
+    caplog.set_level("INFO", logger="ddptrain.trainer")
+    seen = {}
+    even = run_threaded(_fit, 2, _config(tmp_path / "even", "off"), timeout_s=60)
+    config = _config(tmp_path / "zero", [3, 1], zero_stage=stage)
+    validate(config, 2)  # the two modes compose: no refusal
+    shared = run_threaded(_fit, 2, config, None, seen, timeout_s=60)
+    assert seen[0][:3] == [24, 24, 24] and seen[1][:3] == [8, 8, 8]
+    for a, b in zip(even[0][1], shared[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    steps = [re.search(r"this rank steps (\d+) of (\d+)", r.getMessage()) for r in caplog.records]
+    held = [(int(m[1]), int(m[2])) for m in steps if m]
+    assert len(held) == 2 and sum(h for h, _ in held) == held[0][1] and all(h < total for h, total in held)
 
 
 def test_in_invariant_mode_any_shares_give_the_same_bits(tmp_path):

@@ -135,7 +135,7 @@ class _ShardsAtStart(Callback):
         self.seen = seen
 
     def on_fit_start(self, trainer):
-        zero = trainer.strategy.zero
+        zero = trainer.strategy.update.zero
         self.seen[trainer.rank] = zero.shard_state_dict()["params"]
 
 
