@@ -9,7 +9,10 @@ Shape (tools read it; keys beyond these may be added, none removed)::
                                   "bytes_per_sample"}])}],
      "scaling": [{"world_size", "predicted_step_s", "efficiency", "global_batch_size"}],
      "scaling_mode": {"kind": "weak", "samples_per_rank", "meaning"},
-     "job": {"ranks_per_host", "threads", "cores", ..., "compute_probe": {"now_s", ...} or null}}
+     "job": {"ranks_per_host", "threads", "cores", ..., "compute_probe": {"now_s", ...} or null},
+     "balance"? (trainer.balance.shares set; written at the end of fit):
+         {"shares", "changes": [{"step", "shares", "predicted_gain", "measured_gain"}],
+          "measured_step_s"}}
 
 The scaling prediction is weak scaling: every rank keeps this run's samples per step, so the global
 batch grows with the world size (``global_batch_size`` of each row).
@@ -94,3 +97,39 @@ def format_report(report: dict, written: list[tuple[Path, str]] = ()) -> str:
     for i, (path, what) in enumerate(written):
         lines.append(f"{'written:' if i == 0 else '':<8} {path}{'/' if path.is_dir() else ''} ({what})")
     return "\n".join(lines)
+
+
+def balance_outcome(balance: dict) -> dict:
+    """The doctor's ``balance`` entry from ``metrics.json``'s (``trainer.balance``): the shares at
+    the end, each change with its predicted and measured gain (a step's time in the window before
+    it over the window after; ``None`` when no window ended after it), and the median step time of
+    the last window measured."""
+    changes = balance["changes"]
+    return {
+        "shares": balance["shares"],
+        "changes": [
+            {
+                "step": c["step"],
+                "shares": c["shares"],
+                "predicted_gain": c["previous_step_s"] / c["predicted_step_s"],
+                "measured_gain": c["measured_gain"],
+            }
+            for c in changes
+        ],
+        "measured_step_s": balance.get("measured_step_s"),
+    }
+
+
+def format_balance(outcome: dict) -> str:
+    """One line: the shares ``trainer.balance`` chose and what they gained."""
+    shares = ", ".join(f"{w:.3f}" for w in outcome["shares"])
+    if outcome["measured_step_s"] is None:
+        return f"balance: the fixed shares {shares} (trainer.balance.shares=auto would measure and choose)"
+    if not outcome["changes"]:
+        return f"balance kept the shares {shares}: no change was predicted to gain enough (trainer.balance.min_gain)"
+    gains = "; ".join(
+        f"step {c['step']}: predicted {c['predicted_gain']:.2f}x, measured "
+        + ("(no window after it)" if c["measured_gain"] is None else f"{c['measured_gain']:.2f}x")
+        for c in outcome["changes"]
+    )
+    return f"balance chose the shares {shares} in {len(outcome['changes'])} change(s) ({gains})"

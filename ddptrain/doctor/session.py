@@ -12,6 +12,9 @@ few forward/backward passes under ``no_sync`` (the probe: compute without commun
 with fewer threads when threads outnumber cores; they consume random numbers, so a doctored run
 is not bitwise the same as an undoctored one).
 
+With ``trainer.balance.shares`` set, the report gets a ``balance`` entry at the end of fit: what
+the shares became and what each change gained, measured (:func:`.report.balance_outcome`).
+
 In an elastic job (``trainer.elastic``) the window measures one group of ranks. A membership
 change before the report is written starts the window again on the new group, from the step
 the members agreed on; a change after it leaves the report as it is. Rank 0 (always a member
@@ -38,7 +41,7 @@ from .autotune import BucketAutotune
 from .diagnose import JobFacts, diagnose, step_model, summarize
 from .link import LinkModel, link_summary, sweep
 from .measure import StepRecorder, collective_bytes
-from .report import doctor_json, format_report
+from .report import balance_outcome, doctor_json, format_balance, format_report
 from .timeline import chrome_trace
 
 log = logging.getLogger("ddptrain.doctor")
@@ -98,6 +101,10 @@ class DoctorCallback(Callback):
     def on_fit_end(self, trainer, metrics) -> None:
         if self.recorder is not None:  # the run ended inside the window: diagnose what was measured
             self._complete(trainer)
+        if self.report is not None and "balance" in metrics:  # rank 0, its report written
+            self.report["balance"] = balance_outcome(metrics["balance"])
+            trainer.run_dir.doctor_report.write_text(json.dumps(self.report, indent=2) + "\n")
+            log.info("doctor: %s", format_balance(self.report["balance"]))
 
     def on_exception(self, trainer, exc: BaseException) -> None:
         if self.recorder is not None:

@@ -17,7 +17,10 @@ measurements and each computes the same new shares, in proportion to speed, capp
 ``max_share``, at least one sample (one shard) per rank and micro-batch. The shares change only
 when the predicted step time falls by more than ``min_gain`` (so noise does not make them flap),
 at a step boundary, on every rank at once. Every change is logged, kept in ``metrics.json``
-(``balance``) and the current shares are logged as ``balance/share_r<r>``.
+(``balance``) and the current shares are logged as ``balance/share_r<r>``. Each window also
+measures the median wall time of a step, so a change's gain is measured (the window after it
+against the window before), not only predicted; with ``trainer.doctor`` the doctor's report ends
+with it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from ..comm.objects import all_gather_object
@@ -69,6 +72,16 @@ class BalanceChange:
     """The compute time of a step with the new shares (the slowest rank's)."""
     previous_step_s: float
     """The same with the shares before the change."""
+    measured_step_s_before: float
+    """The median wall time of a step over the window before the change (what the ranks waited
+    for included), measured."""
+    measured_step_s_after: float | None = None
+    """The same over the window after it; None until that window ends."""
+
+    @property
+    def measured_gain(self) -> float | None:
+        """How many times faster a step ran in the window after the change than in the one before."""
+        return None if self.measured_step_s_after is None else self.measured_step_s_before / self.measured_step_s_after
 
 
 class Balancer:
@@ -99,10 +112,14 @@ class Balancer:
         self.changes: list[BalanceChange] = []
         self.measured: list[float] | None = None
         """Each rank's compute seconds per sample over the latest window (``auto``)."""
+        self.measured_step_s: float | None = None
+        """The median wall time of a step over the latest window (``auto``)."""
         self._compute_s = 0.0
         self._samples = 0
         self._steps = 0
         self._started: float | None = None
+        self._step_walls: list[float] = []  # the window's wall time of each step, boundary to boundary
+        self._boundary: float | None = None
 
     # == measuring (auto) =========================================================================
     def start(self) -> None:
@@ -123,19 +140,30 @@ class Balancer:
         measurements (collective) and perhaps change :attr:`weights`. True when they changed."""
         if not self.auto:
             return False
+        now_s = time.perf_counter()
+        if self._boundary is not None:
+            self._step_walls.append(now_s - self._boundary)
+        self._boundary = now_s
         self._steps += 1
         if self._steps <= self.config.window:
             return False
-        measured = all_gather_object(self.group, (self._compute_s, self._samples))
-        self._compute_s, self._samples, self._steps = 0.0, 0, 1
-        per_sample = [s / n for s, n in measured]
+        # The median wall time: a step that also evaluated or checkpointed does not count.
+        walls = sorted(self._step_walls)
+        mine = (self._compute_s, self._samples, walls[len(walls) // 2] if walls else 0.0)
+        measured = all_gather_object(self.group, mine)
+        self._compute_s, self._samples, self._steps, self._step_walls = 0.0, 0, 1, []
+        per_sample = [s / n for s, n, _ in measured]
         self.measured = per_sample  # every rank had a sample in every step of the window: n > 0
+        self.measured_step_s = max(wall for _, _, wall in measured)  # the same on every rank
+        if self.changes and self.changes[-1].measured_step_s_after is None:  # the window after a change
+            self.changes[-1] = replace(self.changes[-1], measured_step_s_after=self.measured_step_s)
         proposed = capped_proportions([1.0 / t for t in per_sample], self.config.max_share)
         now, then = self.predicted_step_s(self.weights, per_sample), self.predicted_step_s(proposed, per_sample)
+        self._boundary = time.perf_counter()  # the gather is not the next step's
         if then >= now * (1.0 - self.config.min_gain):
             return False
         self.weights = proposed
-        change = BalanceChange(step, [round(w, 6) for w in proposed], per_sample, then, now)
+        change = BalanceChange(step, [round(w, 6) for w in proposed], per_sample, then, now, self.measured_step_s)
         self.changes.append(change)
         if self.group.rank() == 0:
             log.info(
@@ -155,12 +183,14 @@ class Balancer:
         return max(c * self.samples_per_unit * t for c, t in zip(counts, seconds_per_sample))
 
     def report(self) -> dict[str, Any]:
-        """``metrics.json``'s ``balance`` entry: the shares now, every change, and (``auto``) each
-        rank's compute seconds per sample over the latest window."""
+        """``metrics.json``'s ``balance`` entry: the shares now, every change (with its measured
+        gain, once the window after it ended), and (``auto``) each rank's compute seconds per
+        sample and the median step time over the latest window."""
         report: dict[str, Any] = {
             "shares": [round(w, 6) for w in self.weights],
-            "changes": [asdict(c) for c in self.changes],
+            "changes": [{**asdict(c), "measured_gain": c.measured_gain} for c in self.changes],
         }
         if self.measured is not None:
             report["seconds_per_sample"] = self.measured
+            report["measured_step_s"] = self.measured_step_s
         return report

@@ -6,6 +6,7 @@ step boundary on every rank, and leaves an even job alone; bad input is refused 
 The speed gained is measured in scripts/bench_balance.py, not here.
 """
 
+import json
 import re
 import time
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from ddptrain import Config, ConfigError, Trainer
+from ddptrain import Config, ConfigError, Trainer, plugin_callbacks
 from ddptrain.data.global_batches import shards_of_step, split_by_weight, virtual_ranks_by_weight
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
@@ -66,7 +67,7 @@ def _config(out, shares, invariant=False, zero_stage=0, **balance):
 
 
 def _fit(rank, world_size, config, slow_rank=None, seen=None):
-    task = Task(config)
+    task = Task(config, callbacks=plugin_callbacks(config))  # the doctor, when trainer.doctor is on
     task.slow_rank, task.seen = slow_rank, seen
     final = task.fit()
     return final, [p.detach().clone() for p in task.model.module.parameters()]
@@ -161,6 +162,9 @@ def test_auto_moves_work_off_a_slow_rank_at_a_step_boundary(tmp_path, invariant,
         f"{first['predicted_step_s'] * 1e3:.1f} ms, was {first['previous_step_s'] * 1e3:.1f} ms)"
     )
     assert logged[0] == expected and len(logged) == len(changes), logged  # rank 0 alone, once per change
+    # measured too: a step of the window after the change against one of the window before
+    assert changes[0]["measured_step_s_before"] >= changes[0]["previous_step_s"]  # the slow rank's compute, at least
+    assert changes[0]["measured_gain"] > 1.2, changes[0]  # 2x predicted; the machine is busy
     if invariant:
         assert len(seen[1]) < len(seen[0]), {r: len(v) for r, v in seen.items()}  # rank 1 was dealt fewer shards
         uniform = run_threaded(_fit, 1, _config(tmp_path / "one", "off", invariant=True), timeout_s=60)[0][0]
@@ -168,6 +172,29 @@ def test_auto_moves_work_off_a_slow_rank_at_a_step_boundary(tmp_path, invariant,
     else:
         first, later = seen[1][0], seen[1][-2]
         assert first == 16 and later < 16, seen[1]  # rank 1's slices shrank from the fourth step on
+
+
+def test_the_doctors_report_says_what_auto_chose_and_gained(tmp_path, caplog):
+    """At the end of fit the doctor's report gains a ``balance`` entry: the shares auto chose, each
+    change's predicted and measured gain. (Rank 1 sleeps, which the doctor does not count as the
+    busy work of a straggler: its window reports no cause for that.)"""
+    caplog.set_level("INFO", logger="ddptrain.doctor")
+    config = _config(tmp_path, "auto", window=3)
+    config.trainer.doctor, config.doctor.warmup_steps, config.doctor.steps = True, 1, 3
+    final = run_threaded(_fit, 2, config, 1, timeout_s=90)[0][0]
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    balance = report["balance"]
+    assert balance["shares"] == final["balance"]["shares"] and balance["shares"][0] > 0.6
+    first = final["balance"]["changes"][0]
+    assert balance["changes"][0] == {
+        "step": first["step"],
+        "shares": first["shares"],
+        "predicted_gain": pytest.approx(first["previous_step_s"] / first["predicted_step_s"]),
+        "measured_gain": first["measured_gain"],
+    }
+    assert balance["changes"][0]["measured_gain"] > 1.2
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("doctor: balance chose")]
+    assert len(lines) == 1 and f"step {first['step']}: predicted" in lines[0], lines
 
 
 def test_auto_keeps_equal_shares_unless_the_gain_passes_min_gain(tmp_path):
