@@ -68,6 +68,16 @@ def _fit(rank, world_size, out, zero_stage=0, callbacks=(), **trainer):
     return [p.detach().clone() for p in task.model.module.parameters()]
 
 
+def _accuracy(params) -> float:
+    """The accuracy of the task's model with ``params`` on 2000 held-out samples."""
+    model = seeded_mlp(8, 17, 3)
+    with torch.no_grad():
+        for p, value in zip(model.parameters(), params):
+            p.copy_(value)
+        x, y = argmax_task(2000, 8, seed=5).tensors
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
 def _assert_same(a, b, where=""):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
@@ -159,6 +169,10 @@ def test_zero_2_at_four_ranks_writes_each_shard_by_its_owner_and_resplits_exactl
     pt = str(tmp_path / "pt" / "checkpoints" / f"{STEP7}.pt")
     from_pt = run_threaded(_fit, 2, tmp_path / "z1pt", 1, resume=pt, **again)
     assert all(torch.equal(a, b) for a, b in zip(from_dcp[0], from_pt[0]))
+    # in line with the uninterrupted ZeRO-2 run at W=4: the same samples per step, summed in another order
+    whole = run_threaded(_fit, 4, tmp_path / "whole", 2, max_steps=12, timeout_s=120)
+    resumed_accuracy, whole_accuracy = _accuracy(from_dcp[0]), _accuracy(whole[0])
+    assert whole_accuracy > 0.6 and abs(resumed_accuracy - whole_accuracy) <= 0.01, (resumed_accuracy, whole_accuracy)
     held = 0
     for params in seen.values():
         for k, piece in params.items():
