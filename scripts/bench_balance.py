@@ -24,7 +24,9 @@ Then two checks of a healthy job and of a slowdown that comes and goes:
   every change are printed, to show they follow it within the window and return;
 - ``--neutral``: what the model learns. One epoch of 2 ranks, the last one slowed by 3, for seeds
   0, 1, 2: the test accuracy and the last logged loss of ``off`` and ``auto`` (normal mode: the
-  same samples per step, cut otherwise, so equal within the seeds' noise); and one epoch of
+  same samples per step, cut otherwise, so equal within the seeds' noise), and their logged loss
+  curves (every 10 steps): the mean gap between ``off`` and ``auto`` of one seed, against the
+  gap between two seeds of ``off`` (the noise); and one epoch of
   ``recipe=mnist`` in world-size-invariant mode, uniform and unslowed against ``auto`` slowed:
   the two ``params_sha256`` (equal).
 
@@ -39,6 +41,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import os
 import statistics
@@ -183,26 +186,53 @@ def transient(args, tmp: Path) -> None:
         print(f"  step {change['step']:>4}: {change['shares']}")
 
 
+def loss_curve(out: Path) -> list[float]:
+    """The run's ``train/loss`` as logged every ``trainer.log_every_steps`` steps (metrics.csv)."""
+    with open(out / "metrics.csv", newline="") as f:
+        return [float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")]
+
+
+def curve_gap(a: list[float], b: list[float]) -> float:
+    """The mean absolute difference of two loss curves logged at the same steps."""
+    return statistics.mean(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
 def neutral(args, tmp: Path) -> None:
     per_sample, _ = calibrate(tmp, 2)
     slow = f"1 {2 * per_sample} 0 {10**9}"
-    epoch = ("trainer.max_steps=234", "trainer.limit_val_batches=null", "trainer.log_every_steps=10")
-    print(f"{'seed':>4} {'off acc':>8} {'auto acc':>9} {'off loss':>9} {'auto loss':>10}  auto shares")
+    epoch = (
+        "trainer.max_steps=234",
+        "trainer.limit_val_batches=null",
+        "trainer.log_every_steps=10",
+        "trainer.loggers.csv=true",
+    )
+    header = ("seed", 4), ("off acc", 8), ("auto acc", 9), ("off loss", 9), ("auto loss", 10), ("curve gap", 10)
+    print(" ".join(f"{name:>{width}}" for name, width in header) + "  auto shares")
     accuracies: dict[str, list[float]] = {"off": [], "auto": []}
+    curves: dict[str, list[list[float]]] = {"off": [], "auto": []}
     for seed in (0, 1, 2):
         row = {}
         for shares in ("off", "auto"):
-            r = run(tmp / f"neutral{seed}{shares}", 2, 234, shares, slow, *epoch, f"trainer.seed={seed}")
+            out = tmp / f"neutral{seed}{shares}"
+            r = run(out, 2, 234, shares, slow, *epoch, f"trainer.seed={seed}")
             row[shares] = r["metrics"]
             accuracies[shares].append(r["metrics"]["eval/accuracy"])
+            curves[shares].append(loss_curve(out))
         print(
             f"{seed:>4} {row['off']['eval/accuracy']:>8.4f} {row['auto']['eval/accuracy']:>9.4f} "
-            f"{row['off']['train/loss_last']:>9.4f} {row['auto']['train/loss_last']:>10.4f}  "
-            f"{row['auto']['balance']['shares']}",
+            f"{row['off']['train/loss_last']:>9.4f} {row['auto']['train/loss_last']:>10.4f} "
+            f"{curve_gap(curves['off'][-1], curves['auto'][-1]):>10.4f}  {row['auto']['balance']['shares']}",
             flush=True,
         )
     for shares, values in accuracies.items():
         print(f"{shares}: accuracy mean {statistics.mean(values):.4f}, spread {max(values) - min(values):.4f}")
+    # the loss curves: off against auto of the same seed, and (the noise) off of one seed against another's
+    same_seed = [curve_gap(a, b) for a, b in zip(curves["off"], curves["auto"])]
+    seeds = [curve_gap(curves["off"][i], curves["off"][j]) for i, j in ((0, 1), (0, 2), (1, 2))]
+    print(
+        f"loss curves ({len(curves['off'][0])} points, every 10 steps), mean |difference|: off vs auto of the "
+        f"same seed {statistics.mean(same_seed):.4f}; off of one seed vs another {statistics.mean(seeds):.4f}"
+    )
     invariant = "trainer.world_size_invariant=true"
     uniform = run(tmp / "inv-off", 2, 300, "off", "", invariant, recipe="mnist")
     balanced = run(tmp / "inv-auto", 2, 300, "auto", f"1 {2 * per_sample} 0 {10**9}", invariant, recipe="mnist")
