@@ -182,6 +182,19 @@ class Balancer:
         counts = split_by_weight(self.units, weights)
         return max(c * self.samples_per_unit * t for c, t in zip(counts, seconds_per_sample))
 
+    def state_dict(self) -> dict[str, Any]:
+        """The shares and every change so far: what a checkpoint, or an elastic job's state
+        hand-over, keeps of the balance (the measurements of a window in progress are not kept)."""
+        return {"shares": list(self.weights), "changes": [asdict(c) for c in self.changes]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the history of changes always, and under ``auto`` the
+        shares when they name one per rank of this group (a resume at the same world size goes on
+        with the shares it learnt; after a change of world size they start equal again)."""
+        self.changes = [BalanceChange(**c) for c in state["changes"]]
+        if self.auto and len(state["shares"]) == len(self.weights):
+            self.weights = [float(w) for w in state["shares"]]
+
     def report(self) -> dict[str, Any]:
         """``metrics.json``'s ``balance`` entry: the shares now, every change (with its measured
         gain, once the window after it ended), and (``auto``) each rank's compute seconds per

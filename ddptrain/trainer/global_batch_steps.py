@@ -149,12 +149,21 @@ class GlobalBatchSteps(StepStrategy):
         return min(sampler.consumed * self.trainer.world_size, sampler.dataset_len)
 
     def state_dict(self) -> dict[str, Any]:
-        """The exact position in the epoch (``{}`` before the first step)."""
-        return {} if self.position is None else {"epoch": self.position[0], "position": self.position[1]}
+        """The exact position in the epoch (none before the first step) and, with
+        ``trainer.balance``, the shares and their history (:meth:`.balance.Balancer.state_dict`)."""
+        state = {} if self.position is None else {"epoch": self.position[0], "position": self.position[1]}
+        if self.balancer is not None:
+            state["balance"] = self.balancer.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s position; ``{}`` (a checkpoint without one) keeps the sampler's."""
-        self.position = (int(state["epoch"]), int(state["position"])) if state else None
+        """Restore :meth:`state_dict`; without a position (a checkpoint written before the first
+        step, or before positions were recorded) the sampler's count stands. A balance state is
+        taken when this run balances too (and ignored when it does not)."""
+        self.position = (int(state["epoch"]), int(state["position"])) if "position" in state else None
+        if self.balancer is not None and "balance" in state:
+            self.balancer.load_state_dict(state["balance"])
+            self.follow_shares()
 
 
 class SharedBatchSteps(GlobalBatchSteps):

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from ddptrain import Config
 from ddptrain.doctor.diagnose import JobFacts, summarize
-from ddptrain.doctor.report import doctor_json, format_report
+from ddptrain.doctor.report import balance_outcome, doctor_json, format_balance, format_report
 from ddptrain.doctor.session import doctor_window
 from tests.doctor.test_diagnose import _records
 
@@ -53,3 +53,31 @@ def test_a_fit_that_is_only_the_window_is_described_as_the_window():
     # a run that goes on after the window, or has no doctor: its epochs are what it runs
     assert doctor_window(_trainer()) is None and doctor_window(_trainer(max_steps=14)) is None
     assert doctor_window(_trainer(max_steps=13, doctor=False)) is None
+
+
+def _change(step, shares, measured_gain):
+    return {
+        "step": step,
+        "shares": shares,
+        "previous_step_s": 0.3,
+        "predicted_step_s": 0.25,
+        "measured_gain": measured_gain,
+    }
+
+
+def test_the_balance_line_says_what_the_shares_became_and_gained_or_why_they_did_not_change():
+    fixed = balance_outcome({"shares": [0.75, 0.25], "changes": []})
+    assert format_balance(fixed) == (
+        "balance: the fixed shares 0.750, 0.250 (trainer.balance.shares=auto would measure and choose)"
+    )
+    kept = balance_outcome({"shares": [0.5, 0.5], "changes": [], "measured_step_s": 0.1})
+    assert format_balance(kept) == (
+        "balance kept the shares 0.500, 0.500: no change was predicted to gain enough (trainer.balance.min_gain)"
+    )
+    two = [_change(20, [0.6, 0.4], 1.4), _change(40, [0.7, 0.3], None)]  # no window ended after the second
+    changed = balance_outcome({"shares": [0.7, 0.3], "changes": two, "measured_step_s": 0.1})
+    assert changed["changes"][1] == {"step": 40, "shares": [0.7, 0.3], "predicted_gain": 1.2, "measured_gain": None}
+    assert format_balance(changed) == (
+        "balance chose the shares 0.700, 0.300 in 2 change(s) (step 20: predicted 1.20x, measured 1.40x; "
+        "step 40: predicted 1.20x, measured (no window after it))"
+    )

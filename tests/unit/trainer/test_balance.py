@@ -151,6 +151,7 @@ def test_auto_moves_work_off_a_slow_rank_at_a_step_boundary(tmp_path, invariant,
     changes = final["balance"]["changes"]
     assert changes and changes[0]["step"] == 3, changes  # decided after the window of 3 steps
     assert changes[0]["shares"][0] > 0.6 and changes[0]["predicted_step_s"] < changes[0]["previous_step_s"]
+    assert changes[0]["seconds_per_sample"][1] >= 0.003  # it sleeps 3 ms per sample: at least that
     # before the change, 16 samples of a 32-sample step on each rank: the slower rank's time
     assert changes[0]["previous_step_s"] == pytest.approx(16 * max(changes[0]["seconds_per_sample"]))
     assert final["balance"]["shares"][0] > 0.6
@@ -195,6 +196,23 @@ def test_the_doctors_report_says_what_auto_chose_and_gained(tmp_path, caplog):
     assert balance["changes"][0]["measured_gain"] > 1.2
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("doctor: balance chose")]
     assert len(lines) == 1 and f"step {first['step']}: predicted" in lines[0], lines
+
+
+def test_a_resume_goes_on_with_the_shares_auto_learnt_and_keeps_their_history(tmp_path):
+    """The checkpoint of step 6 holds the change auto made at step 3: resumed from it, rank 1
+    trains on its smaller slice from the first step, and metrics.json still lists that change."""
+    config = _config(tmp_path / "first", "auto", window=3)
+    config.trainer.checkpoint.every_steps = 6
+    first = run_threaded(_fit, 2, config, 1, timeout_s=90)[0][0]
+    learnt = first["balance"]["changes"][0]
+    assert learnt["step"] == 3
+    seen = {}
+    again = _config(tmp_path / "again", "auto", window=3)
+    again.trainer.resume = str(tmp_path / "first" / "checkpoints" / "step_000000006.pt")
+    resumed = run_threaded(_fit, 2, again, 1, seen, timeout_s=90)[0][0]
+    assert seen[1][0] == round(16 * 2 * learnt["shares"][1]) < 16, (seen[1], learnt)  # not an even 16 first
+    decided = ("step", "shares", "seconds_per_sample", "predicted_step_s", "previous_step_s", "measured_step_s_before")
+    assert {k: resumed["balance"]["changes"][0][k] for k in decided} == {k: learnt[k] for k in decided}
 
 
 def test_auto_keeps_equal_shares_unless_the_gain_passes_min_gain(tmp_path):
