@@ -3,6 +3,8 @@ ddptrain/ddp/zero_whole.py): each rank holds a share of the optimizer state, and
 those of the unsharded run at any world size, across resumes that change the world size and
 switch ZeRO on or off, in both checkpoint formats. Threaded ranks."""
 
+import re
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -73,7 +75,8 @@ def _fit(rank, world_size, out, zero_stage, held=None, optimizer=None, **trainer
     return final["params_sha256"], task.loss_history, final["step"]
 
 
-def test_zero_1_ends_with_the_unsharded_bits_at_1_2_3_and_4_ranks_holding_a_share_of_the_state(tmp_path):
+def test_zero_1_ends_with_the_unsharded_bits_at_1_2_3_and_4_ranks_holding_a_share_of_the_state(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ddptrain.trainer")
     plain = run_threaded(_fit, 1, tmp_path / "plain", 0, timeout_s=120)[0]
     assert plain[2] == 18  # 2 epochs of 9 steps (the last of each short)
     for world_size in (2, 3, 4):
@@ -83,6 +86,14 @@ def test_zero_1_ends_with_the_unsharded_bits_at_1_2_3_and_4_ranks_holding_a_shar
         assert ranks[0][1] == plain[1]  # and logs the same losses
         whole = 2 * 4 * sum(p.numel() for p in seeded_mlp(8, 24, 3).parameters())  # AdamW's two moments, fp32
         assert all(abs(n - whole / world_size) <= 64 for n in held.values()), held  # and each piece's step
+    # each rank says which elements it steps: at 4 ranks, 4 ranges that tile every parameter element
+    said = [
+        re.search(r"this rank steps parameter elements (\d+)-(\d+) of (\d+)", r.getMessage()) for r in caplog.records
+    ]
+    ranges = sorted((int(m[1]), int(m[2]), int(m[3])) for m in [m for m in said if m][-4:])  # the 4-rank run's
+    total = sum(p.numel() for p in seeded_mlp(8, 24, 3).parameters())
+    assert [r[2] for r in ranges] == [total] * 4 and ranges[0][0] == 0 and ranges[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), ranges
 
 
 @pytest.mark.parametrize(
