@@ -14,9 +14,12 @@ the save cost it) and the process's peak resident memory. Five runs, in the same
 
 Printed: the median step time without a checkpoint, the stall (the checkpointing step's time
 minus that median, median over the checkpoints), the steady step time (median of the other
-steps) as a ratio to ``none``'s, and rank 0's peak RSS. Usage::
+steps) as a ratio to ``none``'s, and rank 0's peak RSS. ``--world-size 1`` trains one rank, which
+leaves this 2-core machine a core for the background writer: the steady step then shows what the
+write costs the training when it need not take a core from a rank. Usage::
 
     .venv/bin/python scripts/bench_checkpoint.py [--steps 40] [--every 10]
+    .venv/bin/python scripts/bench_checkpoint.py --world-size 1 --modes async dcp-async
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import ddptrain  # noqa: E402
 from ddptrain.trainer.callbacks import Callback  # noqa: E402
 
 TIMES_FILE = "step_times.json"
+MODES = ("none", "sync", "async", "dcp", "dcp-async")
 
 
 class StepClock(Callback):
@@ -88,9 +92,10 @@ class BenchTrainer(ddptrain.Trainer):
         return [*super().configure_callbacks(), StepClock()]
 
 
-def run(mode: str, steps: int, every: int, out: Path) -> dict:
+def run(mode: str, steps: int, every: int, out: Path, world_size: int = 2) -> dict:
     overrides = [
         "recipe=synthetic",
+        f"dist.world_size={world_size}",
         "recipe.trainer_class=bench_checkpoint.BenchTrainer",
         "optimizer=adamw",
         "data.global_batch_size=64",
@@ -130,16 +135,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=10)
+    parser.add_argument(
+        "--world-size", type=int, default=2, help="ranks (1 leaves a core free for the background writer)"
+    )
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="none is always run")
     args = parser.parse_args()
     params = sum(p.numel() for p in BenchTrainer.configure_model(None).parameters())
     print(
-        f"bench_checkpoint: {params / 1e6:.1f}M parameters, AdamW, 2 ranks, {args.steps} steps, "
+        f"bench_checkpoint: {params / 1e6:.1f}M parameters, AdamW, {args.world_size} rank(s), {args.steps} steps, "
         f"a checkpoint every {args.every}"
     )
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as tmp:
-        for mode in ("none", "sync", "async", "dcp", "dcp-async"):
-            results[mode] = run(mode, args.steps, args.every, Path(tmp) / mode)
+        for mode in [m for m in MODES if m == "none" or m in args.modes]:
+            results[mode] = run(mode, args.steps, args.every, Path(tmp) / mode, args.world_size)
     anchor = statistics.median(results["none"]["steady"])
     print(
         f"{'mode':<9} {'steady step s':>14} {'vs none':>8} {'stall s (median)':>17} "
