@@ -198,21 +198,32 @@ def test_the_doctors_report_says_what_auto_chose_and_gained(tmp_path, caplog):
     assert len(lines) == 1 and f"step {first['step']}: predicted" in lines[0], lines
 
 
-def test_a_resume_goes_on_with_the_shares_auto_learnt_and_keeps_their_history(tmp_path):
+@pytest.mark.parametrize("invariant", [False, True], ids=["normal", "invariant"])
+def test_a_resume_goes_on_with_the_shares_auto_learnt_and_keeps_their_history(tmp_path, invariant):
     """The checkpoint of step 6 holds the change auto made at step 3: resumed from it, rank 1
-    trains on its smaller slice from the first step, and metrics.json still lists that change."""
-    config = _config(tmp_path / "first", "auto", window=3)
+    trains on less from the first step, and metrics.json still lists that change. In invariant
+    mode the resumed run ends with the uniform run's bits, and so does a resume with the shares off."""
+    config = _config(tmp_path / "first", "auto", invariant, window=3)
     config.trainer.checkpoint.every_steps = 6
     first = run_threaded(_fit, 2, config, 1, timeout_s=90)[0][0]
     learnt = first["balance"]["changes"][0]
     assert learnt["step"] == 3
+    checkpoint = str(tmp_path / "first" / "checkpoints" / "step_000000006.pt")
     seen = {}
-    again = _config(tmp_path / "again", "auto", window=3)
-    again.trainer.resume = str(tmp_path / "first" / "checkpoints" / "step_000000006.pt")
+    again = _config(tmp_path / "again", "auto", invariant, window=3)
+    again.trainer.resume = checkpoint
     resumed = run_threaded(_fit, 2, again, 1, seen, timeout_s=90)[0][0]
-    assert seen[1][0] == round(16 * 2 * learnt["shares"][1]) < 16, (seen[1], learnt)  # not an even 16 first
     decided = ("step", "shares", "seconds_per_sample", "predicted_step_s", "previous_step_s", "measured_step_s_before")
     assert {k: resumed["balance"]["changes"][0][k] for k in decided} == {k: learnt[k] for k in decided}
+    if not invariant:
+        assert seen[1][0] == round(16 * 2 * learnt["shares"][1]) < 16, (seen[1], learnt)  # not an even 16 first
+        return
+    assert len(seen[1]) < len(seen[0]), {r: len(v) for r, v in seen.items()}  # fewer shards dealt to rank 1
+    uniform = run_threaded(_fit, 1, _config(tmp_path / "one", "off", invariant=True), timeout_s=60)[0][0]
+    assert resumed["params_sha256"] == uniform["params_sha256"]
+    off = _config(tmp_path / "off", "off", invariant=True)
+    off.trainer.resume = checkpoint  # a balanced checkpoint, resumed without balance
+    assert run_threaded(_fit, 2, off, timeout_s=60)[0][0]["params_sha256"] == uniform["params_sha256"]
 
 
 def test_auto_keeps_equal_shares_unless_the_gain_passes_min_gain(tmp_path):
