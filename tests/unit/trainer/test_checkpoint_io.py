@@ -21,6 +21,7 @@ from ddptrain.trainer.checkpoint import (
     resolve_checkpoint,
     save_checkpoint,
 )
+from ddptrain.trainer.checkpoint.files import monitor_entry, remove_checkpoint
 from ddptrain.trainer.rng import capture_rng_state, restore_rng_state
 
 
@@ -185,6 +186,38 @@ def test_checkpoint_carrying_pickled_code_is_refused(tmp_path):
     torch.save({"format_version": 1, "model": {}, "evil": _Payload()}, path)
     with pytest.raises(CheckpointError, match=r"carries pickled Python objects .*never runs code"):
         load_checkpoint(path)
+
+
+class _Marker:
+    """Unpickled, it would create the file ``path``."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_reading_a_best_checkpoints_monitor_entry_runs_no_code_from_it(tmp_path):
+    """Picking the best checkpoint reads each one's ``monitor`` entry: a file that carries code is
+    no candidate (None), and the code never runs."""
+    marker = tmp_path / "ran"
+    path = tmp_path / "step_000000001.pt"
+    torch.save({"monitor": {"name": "val/loss", "mode": "min", "value": 0.1}, "evil": _Marker(marker)}, path)
+    assert monitor_entry(path) is None and not marker.exists()
+    good = save_checkpoint(
+        tmp_path / "step_000000002.pt", _state(2, monitor={"name": "val/loss", "mode": "min", "value": 0.2})
+    )
+    assert monitor_entry(good) == {"name": "val/loss", "mode": "min", "value": 0.2}
+
+
+def test_removing_a_checkpoint_that_is_partly_or_wholly_gone_is_not_an_error(tmp_path):
+    path = save_checkpoint(tmp_path / "step_000000001.pt", _state(1))
+    os.unlink(f"{path}.sha256")
+    remove_checkpoint(path)
+    assert list(tmp_path.iterdir()) == []
+    remove_checkpoint(tmp_path / "step_000000002.dcp")  # a DCP directory deleted by someone else
+    remove_checkpoint(path)
 
 
 def test_a_checkpoint_and_its_digest_are_readable_by_others_like_any_file(tmp_path):
