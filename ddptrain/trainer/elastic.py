@@ -49,7 +49,7 @@ from .view import LoopView
 if TYPE_CHECKING:
     from .checkpoint import Checkpointer
 
-__all__ = ["ElasticTraining", "MembershipChange", "MembershipChangeDue", "TrainingStateLost"]
+__all__ = ["ElasticTraining", "MEMBERSHIP_CAUSES", "MembershipChange", "MembershipChangeDue", "TrainingStateLost"]
 
 log = logging.getLogger("ddptrain.trainer")
 
@@ -59,6 +59,12 @@ _ASK_EVERY_S = 0.1
 
 class MembershipChangeDue(Exception):
     """Raised at a step boundary when the members agreed to admit newcomers (the Trainer regroups)."""
+
+
+MEMBERSHIP_CAUSES = (CommError, MembershipChangeDue)
+"""What ends a generation: a collective that failed (a member died, hung or was aborted), or the
+members' agreement to admit newcomers. An elastic job answers them with a membership change; a
+job that is not elastic lets them through."""
 
 
 class TrainingStateLost(RuntimeError):

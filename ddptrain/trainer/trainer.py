@@ -47,7 +47,6 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from ..comm import CommError
 from ..config import Config, default_output_dir, max_time_seconds
 from ..data import DistributedSampler
 from ..ddp import DistributedDataParallel
@@ -66,7 +65,7 @@ from .callbacks import Callback
 from .checkpoint import Checkpointer, TrainState
 from .data import make_batches, plan_epochs
 from .dev_run import dev_run_batches, dev_run_config, remove_dev_run_dir
-from .elastic import ElasticTraining, MembershipChange, MembershipChangeDue
+from .elastic import MEMBERSHIP_CAUSES, ElasticTraining, MembershipChange, MembershipChangeDue
 from .ema import EmaWeights
 from .evaluation import sanity_check, validation_pass
 from .hooks import TrainingHooks
@@ -180,7 +179,7 @@ class Trainer(TrainingHooks):
                     with unused_parameters_named_as_config():  # DDP's error, in config keys
                         if not self.train_epoch():
                             break  # stopped mid-epoch (max_steps / stop_after_steps / max_time)
-                except (CommError, MembershipChangeDue) as exc:
+                except MEMBERSHIP_CAUSES as exc:  # a failed collective, or newcomers admitted
                     if self.elastic is None:
                         raise
                     change = self.elastic.change_membership(self, exc, self._step_started)
