@@ -239,9 +239,30 @@ def test_auto_keeps_equal_shares_unless_the_gain_passes_min_gain(tmp_path):
         ({"shares": [2, 1, 1]}, r"names 3 weight\(s\), and the job has 2 rank\(s\).*one weight per rank"),
         ({"shares": [0, 1]}, r"must be off, auto, or a list of positive weights"),
         ({"shares": [-1, 2]}, r"must be off, auto, or a list of positive weights"),
-        ({"shares": "auto", "max_share": 0.4}, r"max_share=0.4 is below the fair share of 2 rank\(s\), 1/2 = 0.5"),
+        (
+            {"shares": "auto", "max_share": 0.4},
+            r"max_share=0.4 is below the fair share of 2 rank\(s\), 1/2 = 0.5: .* Set it to at least 0.5, or null",
+        ),
     ],
 )
 def test_bad_input_is_refused_before_training_naming_the_rule(balance, message):
     with pytest.raises(ConfigError, match=message):
         validate(Config.from_dict({"trainer": {"balance": balance}}), 2)
+
+
+@pytest.mark.parametrize(("max_share", "world_size"), [(0.5, 2), (0.6, 2), (1 / 3, 3), (1.0, 4)])
+def test_a_cap_at_or_above_the_fair_share_is_accepted(max_share, world_size):
+    """The fair share itself passes (1/3 too, whose float times 3 is not exactly 1)."""
+    validate(Config.from_dict({"trainer": {"balance": {"shares": "auto", "max_share": max_share}}}), world_size)
+
+
+def test_shares_need_no_global_batch_the_world_size_divides(tmp_path):
+    """The shares are uneven by design: 32 samples per step over 3 ranks by 2:1:1 is 16, 8 and 8
+    (plain DDP refuses 32 over 3)."""
+    config = _config(tmp_path, [2, 1, 1])
+    validate(config, 3)
+    with pytest.raises(ConfigError, match=r"global_batch_size=32 is not divisible by dist.world_size=3"):
+        validate(_config(tmp_path, "off"), 3)
+    seen = {}
+    run_threaded(_fit, 3, config, None, seen, timeout_s=60)
+    assert [seen[r][0] for r in range(3)] == [16, 8, 8]
