@@ -13,6 +13,7 @@ from ddptrain.errors import CheckpointError
 from ddptrain.preflight import validate
 from ddptrain.testing import run_threaded
 from ddptrain.trainer.checkpoint import list_checkpoints, load_checkpoint
+from tests.background_saves import ScribbleWhileWriting
 from tests.models import argmax_task, seeded_mlp
 
 pytestmark = pytest.mark.timeout(120)
@@ -46,7 +47,7 @@ def _config(out, async_save, **checkpoint):
 
 
 def _fit(rank, world_size, out, async_save):
-    task = Task(_config(out, async_save))
+    task = Task(_config(out, async_save), callbacks=[ScribbleWhileWriting()])
     task.fit()
     return [p.detach().clone() for p in task.model.module.parameters()]
 
@@ -72,8 +73,9 @@ def _assert_same(a, b, where=""):
 
 
 def test_background_saves_write_the_checkpoints_a_foreground_save_writes(tmp_path):
-    """The snapshot is the state of its step, though training changed the live tensors meanwhile;
-    the newest keep_last stay, each verified, and the fit ends with the last one on disk."""
+    """The snapshot is the state of its step, though the live tensors changed while it was written
+    (ScribbleWhileWriting); the newest keep_last stay, each verified, and the fit ends with the
+    last one on disk."""
     plain = run_threaded(_fit, 2, tmp_path / "plain", False, timeout_s=60)
     background = run_threaded(_fit, 2, tmp_path / "background", True, timeout_s=60)
     assert all(torch.equal(a, b) for a, b in zip(plain[0], background[0]))

@@ -26,6 +26,7 @@ from ddptrain.testing import run_threaded
 from ddptrain.trainer.callbacks import Callback
 from ddptrain.trainer.checkpoint import CheckpointError, CheckpointWarning, latest_valid_checkpoint, load_checkpoint
 from ddptrain.trainer.checkpoint.dcp import DcpWrite, flat_range_chunks, save_dcp
+from tests.background_saves import ScribbleWhileWriting
 from tests.models import argmax_task, seeded_mlp
 
 pytestmark = pytest.mark.timeout(300)
@@ -212,12 +213,20 @@ def test_torch_alone_loads_the_bare_model_from_a_zero_2_checkpoint_equal_to_the_
     _assert_same(dict(alone), exported)
 
 
-def test_background_dcp_saves_write_what_foreground_ones_write(tmp_path):
-    checkpoint = {"every_steps": 2, "keep_last": 2}
-    run_threaded(_fit, 2, tmp_path / "fg", max_steps=7, checkpoint=checkpoint, timeout_s=120)
-    run_threaded(_fit, 2, tmp_path / "bg", max_steps=7, checkpoint={**checkpoint, "async_save": True}, timeout_s=120)
+def test_background_dcp_saves_write_what_foreground_ones_write(tmp_path, caplog):
+    """Each background checkpoint holds its own step's state, though the live tensors changed while
+    it was written; both kinds keep the newest keep_last, and each says it is saved."""
+    caplog.set_level("INFO", logger="ddptrain.trainer")
+    checkpoint, scribble = {"every_steps": 2, "keep_last": 2}, lambda: [ScribbleWhileWriting()]
+    run_threaded(_fit, 2, tmp_path / "fg", max_steps=7, checkpoint=checkpoint, callbacks=scribble(), timeout_s=120)
+    background = {**checkpoint, "async_save": True}
+    run_threaded(_fit, 2, tmp_path / "bg", max_steps=7, checkpoint=background, callbacks=scribble(), timeout_s=120)
     names = sorted(p.name for p in (tmp_path / "bg" / "checkpoints").iterdir())
     assert names == ["step_000000006.dcp", f"{STEP7}.dcp"]  # every 2 steps, the end; no temporary left
+    assert sorted(p.name for p in (tmp_path / "fg" / "checkpoints").iterdir()) == names
+    saved = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint saved:")]
+    assert any("step_000000004.dcp (step 4, in the background)" in m for m in saved), saved
+    assert any("step_000000004.dcp (step 4)" in m for m in saved), saved
     for name in names:
         _assert_same(_entries(tmp_path / "fg" / "checkpoints" / name), _entries(tmp_path / "bg" / "checkpoints" / name))
 
