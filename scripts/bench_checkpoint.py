@@ -14,12 +14,13 @@ the save cost it) and the process's peak resident memory. Five runs, in the same
 
 Printed: the median step time without a checkpoint, the stall (the checkpointing step's time
 minus that median, median over the checkpoints), the steady step time (median of the other
-steps) as a ratio to ``none``'s, and rank 0's peak RSS. ``--world-size 1`` trains one rank, which
-leaves this 2-core machine a core for the background writer: the steady step then shows what the
-write costs the training when it need not take a core from a rank. Usage::
+steps) as a ratio to ``none``'s, and rank 0's peak RSS. ``--world-size 1 --threads-per-worker 1``
+trains one rank on one thread, which leaves this 2-core machine a core for the background writer:
+the steady step then shows what the write costs the training when it need not take a core from a
+rank. Usage::
 
     .venv/bin/python scripts/bench_checkpoint.py [--steps 40] [--every 10]
-    .venv/bin/python scripts/bench_checkpoint.py --world-size 1 --modes async dcp-async
+    .venv/bin/python scripts/bench_checkpoint.py --world-size 1 --threads-per-worker 1 --modes async dcp-async
 """
 
 from __future__ import annotations
@@ -92,10 +93,11 @@ class BenchTrainer(ddptrain.Trainer):
         return [*super().configure_callbacks(), StepClock()]
 
 
-def run(mode: str, steps: int, every: int, out: Path, world_size: int = 2) -> dict:
+def run(mode: str, steps: int, every: int, out: Path, world_size: int = 2, threads: int = 0) -> dict:
     overrides = [
         "recipe=synthetic",
         f"dist.world_size={world_size}",
+        f"dist.threads_per_worker={threads}",
         "recipe.trainer_class=bench_checkpoint.BenchTrainer",
         "optimizer=adamw",
         "data.global_batch_size=64",
@@ -138,6 +140,9 @@ def main() -> None:
     parser.add_argument(
         "--world-size", type=int, default=2, help="ranks (1 leaves a core free for the background writer)"
     )
+    parser.add_argument(
+        "--threads-per-worker", type=int, default=0, help="dist.threads_per_worker (0: ddptrain's choice)"
+    )
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES, help="none is always run")
     args = parser.parse_args()
     params = sum(p.numel() for p in BenchTrainer.configure_model(None).parameters())
@@ -148,7 +153,9 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="bench-checkpoint-") as tmp:
         for mode in [m for m in MODES if m == "none" or m in args.modes]:
-            results[mode] = run(mode, args.steps, args.every, Path(tmp) / mode, args.world_size)
+            results[mode] = run(
+                mode, args.steps, args.every, Path(tmp) / mode, args.world_size, args.threads_per_worker
+            )
     anchor = statistics.median(results["none"]["steady"])
     print(
         f"{'mode':<9} {'steady step s':>14} {'vs none':>8} {'stall s (median)':>17} "
