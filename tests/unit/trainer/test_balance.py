@@ -266,3 +266,18 @@ def test_shares_need_no_global_batch_the_world_size_divides(tmp_path):
     seen = {}
     run_threaded(_fit, 3, config, None, seen, timeout_s=60)
     assert [seen[r][0] for r in range(3)] == [16, 8, 8]
+
+
+def test_a_resume_where_the_world_size_does_not_divide_the_position_takes_up_at_the_exact_sample(tmp_path):
+    """32 samples per step over 3 ranks by 2:1:1, stopped after step 5 (160 samples: 53.3 per rank):
+    the checkpoint's exact position, not the sampler's per-rank count times 3 (162), lets the resumed
+    run take the same samples, so it ends with the uninterrupted run's parameters, bit for bit."""
+    whole = run_threaded(_fit, 3, _config(tmp_path / "whole", [2, 1, 1]), timeout_s=60)
+    first = _config(tmp_path / "run", [2, 1, 1])
+    first.trainer.stop_after_steps, first.trainer.checkpoint.every_steps = 5, 5
+    run_threaded(_fit, 3, first, timeout_s=60)
+    again = _config(tmp_path / "run", [2, 1, 1])
+    again.trainer.resume = str(tmp_path / "run" / "checkpoints" / "step_000000005.pt")
+    resumed = run_threaded(_fit, 3, again, timeout_s=60)
+    assert resumed[0][0]["step"] == 15
+    assert all(torch.equal(a, b) for a, b in zip(whole[0][1], resumed[0][1]))
