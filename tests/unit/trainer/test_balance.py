@@ -281,3 +281,14 @@ def test_a_resume_where_the_world_size_does_not_divide_the_position_takes_up_at_
     resumed = run_threaded(_fit, 3, again, timeout_s=60)
     assert resumed[0][0]["step"] == 15
     assert all(torch.equal(a, b) for a, b in zip(whole[0][1], resumed[0][1]))
+
+
+def test_fixed_weights_given_at_a_resume_replace_the_checkpoints(tmp_path):
+    first = _config(tmp_path / "run", [3, 1])
+    first.trainer.stop_after_steps, first.trainer.checkpoint.every_steps = 3, 3
+    run_threaded(_fit, 2, first, timeout_s=60)
+    seen = {}
+    again = _config(tmp_path / "run", [1, 3])
+    again.trainer.resume = str(tmp_path / "run" / "checkpoints" / "step_000000003.pt")
+    final = run_threaded(_fit, 2, again, None, seen, timeout_s=60)[0][0]
+    assert (seen[0][0], seen[1][0]) == (8, 24) and final["balance"]["shares"] == [0.25, 0.75]
