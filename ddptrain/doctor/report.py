@@ -11,7 +11,7 @@ Shape (tools read it; keys beyond these may be added, none removed)::
      "scaling_mode": {"kind": "weak", "samples_per_rank", "meaning"},
      "job": {"ranks_per_host", "threads", "cores", ..., "compute_probe": {"now_s", ...} or null},
      "balance"? (trainer.balance.shares set; written at the end of fit):
-         {"shares", "changes": [{"step", "shares", "predicted_gain", "measured_gain"}],
+         {"shares", "changes": [{"step", "kind", "shares", "predicted_gain", "measured_gain"}],
           "measured_step_s"}}
 
 The scaling prediction is weak scaling: every rank keeps this run's samples per step, so the global
@@ -110,6 +110,7 @@ def balance_outcome(balance: dict) -> dict:
         "changes": [
             {
                 "step": c["step"],
+                "kind": c["kind"],
                 "shares": c["shares"],
                 "predicted_gain": c["previous_step_s"] / c["predicted_step_s"],
                 "measured_gain": c["measured_gain"],
@@ -127,9 +128,13 @@ def format_balance(outcome: dict) -> str:
         return f"balance: the fixed shares {shares} (trainer.balance.shares=auto would measure and choose)"
     if not outcome["changes"]:
         return f"balance kept the shares {shares}: no change was predicted to gain enough (trainer.balance.min_gain)"
-    gains = "; ".join(
-        f"step {c['step']}: predicted {c['predicted_gain']:.2f}x, measured "
-        + ("(no window after it)" if c["measured_gain"] is None else f"{c['measured_gain']:.2f}x")
-        for c in outcome["changes"]
-    )
+    gains = "; ".join(_describe(c) for c in outcome["changes"])
     return f"balance chose the shares {shares} in {len(outcome['changes'])} change(s) ({gains})"
+
+
+def _describe(change: dict) -> str:
+    """One change of :func:`format_balance`'s line."""
+    if change["kind"] == "taken back":
+        return f"step {change['step']}: taken back"
+    measured = "(no window after it)" if change["measured_gain"] is None else f"{change['measured_gain']:.2f}x"
+    return f"step {change['step']}: predicted {change['predicted_gain']:.2f}x, measured {measured}"

@@ -20,7 +20,9 @@ at a step boundary, on every rank at once. Every change is logged, kept in ``met
 (``balance``) and the current shares are logged as ``balance/share_r<r>``. Each window also
 measures the median wall time of a step, so a change's gain is measured (the window after it
 against the window before), not only predicted; with ``trainer.doctor`` the doctor's report ends
-with it.
+with it. A change after which a step measured slower is taken back at the next window's end
+(the ranks' speeds moved with the shares: noise on shared cores, or a slowdown that went
+elsewhere), and each change taken back doubles the gain the next one must be predicted to make.
 """
 
 from __future__ import annotations
@@ -77,11 +79,25 @@ class BalanceChange:
     for included), measured."""
     measured_step_s_after: float | None = None
     """The same over the window after it; None until that window ends."""
+    kind: str = "faster"
+    """``faster``: shares predicted to make the step faster; ``taken back``: the shares before the
+    previous change, after which a step measured slower."""
+
+    @property
+    def predicted_gain(self) -> float:
+        """How many times faster the step is predicted to run with the new shares."""
+        return self.previous_step_s / self.predicted_step_s
 
     @property
     def measured_gain(self) -> float | None:
         """How many times faster a step ran in the window after the change than in the one before."""
         return None if self.measured_step_s_after is None else self.measured_step_s_before / self.measured_step_s_after
+
+    @property
+    def made_it_slower(self) -> bool:
+        """A change to faster shares after which a step measured slower than before it."""
+        gain = self.measured_gain
+        return self.kind == "faster" and gain is not None and gain < 1.0
 
 
 class Balancer:
@@ -120,6 +136,9 @@ class Balancer:
         self._started: float | None = None
         self._step_walls: list[float] = []  # the window's wall time of each step, boundary to boundary
         self._boundary: float | None = None
+        self._before_change: list[float] = self.weights  # the shares a change that fell short goes back to
+        self.taken_back = 0
+        """Changes taken back so far: each doubles the predicted gain the next change needs."""
 
     # == measuring (auto) =========================================================================
     def start(self) -> None:
@@ -155,14 +174,16 @@ class Balancer:
         per_sample = [s / n for s, n, _ in measured]
         self.measured = per_sample  # every rank had a sample in every step of the window: n > 0
         self.measured_step_s = max(wall for _, _, wall in measured)  # the same on every rank
+        self._boundary = time.perf_counter()  # the gather is not the next step's
         if self.changes and self.changes[-1].measured_step_s_after is None:  # the window after a change
-            self.changes[-1] = replace(self.changes[-1], measured_step_s_after=self.measured_step_s)
+            last = self.changes[-1] = replace(self.changes[-1], measured_step_s_after=self.measured_step_s)
+            if last.made_it_slower:  # noise, or a slowdown that moved: go back, and ask more of the next one
+                return self._take_back(step, last, per_sample)
         proposed = capped_proportions([1.0 / t for t in per_sample], self.config.max_share)
         now, then = self.predicted_step_s(self.weights, per_sample), self.predicted_step_s(proposed, per_sample)
-        self._boundary = time.perf_counter()  # the gather is not the next step's
-        if then >= now * (1.0 - self.config.min_gain):
+        if then >= now * (1.0 - self.required_gain):
             return False
-        self.weights = proposed
+        self._before_change, self.weights = self.weights, proposed
         change = BalanceChange(step, [round(w, 6) for w in proposed], per_sample, then, now, self.measured_step_s)
         self.changes.append(change)
         if self.group.rank() == 0:
@@ -173,6 +194,35 @@ class Balancer:
                 ", ".join(f"{t * 1e3:.3f}" for t in per_sample),
                 then * 1e3,
                 now * 1e3,
+            )
+        return True
+
+    @property
+    def required_gain(self) -> float:
+        """The fraction by which a change must be predicted to shorten the step: ``min_gain``,
+        doubled for each change taken back (up to 0.9, or ``min_gain`` when that is higher)."""
+        return max(self.config.min_gain, min(0.9, self.config.min_gain * 2**self.taken_back))
+
+    def _take_back(self, step: int, last: BalanceChange, per_sample: list[float]) -> bool:
+        """Go back to the shares before ``last``, after which a step measured slower."""
+        self.taken_back += 1
+        back = self._before_change
+        now, then = self.predicted_step_s(self.weights, per_sample), self.predicted_step_s(back, per_sample)
+        self.weights = back
+        change = BalanceChange(
+            step, [round(w, 6) for w in back], per_sample, then, now, self.measured_step_s, kind="taken back"
+        )
+        self.changes.append(change)
+        if self.group.rank() == 0:
+            log.info(
+                "balance: shares back to %s from step %d: the change at step %d measured %.2fx, predicted %.2fx "
+                "(the next change needs a predicted gain of %.0f%%)",
+                ", ".join(f"{w:.3f}" for w in back),
+                step,
+                last.step,
+                last.measured_gain,
+                last.predicted_gain,
+                100 * self.required_gain,
             )
         return True
 
@@ -192,8 +242,11 @@ class Balancer:
         shares when they name one per rank of this group (a resume at the same world size goes on
         with the shares it learnt; after a change of world size they start equal again)."""
         self.changes = [BalanceChange(**c) for c in state["changes"]]
+        self.taken_back = sum(c.kind == "taken back" for c in self.changes)
         if self.auto and len(state["shares"]) == len(self.weights):
             self.weights = [float(w) for w in state["shares"]]
+            if len(self.changes) > 1 and len(self.changes[-2].shares) == len(self.weights):
+                self._before_change = list(self.changes[-2].shares)  # where the last change came from
 
     def report(self) -> dict[str, Any]:
         """``metrics.json``'s ``balance`` entry: the shares now, every change (with its measured

@@ -55,9 +55,10 @@ def test_a_fit_that_is_only_the_window_is_described_as_the_window():
     assert doctor_window(_trainer(max_steps=13, doctor=False)) is None
 
 
-def _change(step, shares, measured_gain):
+def _change(step, shares, measured_gain, kind="faster"):
     return {
         "step": step,
+        "kind": kind,
         "shares": shares,
         "previous_step_s": 0.3,
         "predicted_step_s": 0.25,
@@ -76,8 +77,20 @@ def test_the_balance_line_says_what_the_shares_became_and_gained_or_why_they_did
     )
     two = [_change(20, [0.6, 0.4], 1.4), _change(40, [0.7, 0.3], None)]  # no window ended after the second
     changed = balance_outcome({"shares": [0.7, 0.3], "changes": two, "measured_step_s": 0.1})
-    assert changed["changes"][1] == {"step": 40, "shares": [0.7, 0.3], "predicted_gain": 1.2, "measured_gain": None}
+    assert changed["changes"][1] == {
+        "step": 40,
+        "kind": "faster",
+        "shares": [0.7, 0.3],
+        "predicted_gain": 1.2,
+        "measured_gain": None,
+    }
     assert format_balance(changed) == (
         "balance chose the shares 0.700, 0.300 in 2 change(s) (step 20: predicted 1.20x, measured 1.40x; "
         "step 40: predicted 1.20x, measured (no window after it))"
+    )
+    back = [_change(20, [0.6, 0.4], 1.05), _change(40, [0.5, 0.5], None, kind="taken back")]
+    taken = balance_outcome({"shares": [0.5, 0.5], "changes": back, "measured_step_s": 0.1})
+    assert format_balance(taken) == (
+        "balance chose the shares 0.500, 0.500 in 2 change(s) (step 20: predicted 1.20x, measured 1.05x; "
+        "step 40: taken back)"
     )

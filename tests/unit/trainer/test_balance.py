@@ -189,6 +189,7 @@ def test_the_doctors_report_says_what_auto_chose_and_gained(tmp_path, caplog):
     first = final["balance"]["changes"][0]
     assert balance["changes"][0] == {
         "step": first["step"],
+        "kind": "faster",
         "shares": first["shares"],
         "predicted_gain": pytest.approx(first["previous_step_s"] / first["predicted_step_s"]),
         "measured_gain": first["measured_gain"],
@@ -292,3 +293,30 @@ def test_fixed_weights_given_at_a_resume_replace_the_checkpoints(tmp_path):
     again.trainer.resume = str(tmp_path / "run" / "checkpoints" / "step_000000003.pt")
     final = run_threaded(_fit, 2, again, None, seen, timeout_s=60)[0][0]
     assert (seen[0][0], seen[1][0]) == (8, 24) and final["balance"]["shares"] == [0.25, 0.75]
+
+
+class MovingSlowdown(Task):
+    """Rank 1 sleeps 3 ms per sample in the first 3 steps, rank 0 from the fourth on: the change
+    auto makes after the first window sends more work to the rank that has just become slow."""
+
+    def training_step(self, model, batch):
+        slow = 1 if self.state.step < 3 else 0
+        if self.rank == slow:
+            time.sleep(0.003 * len(batch[0]))
+        return Trainer.training_step(self, model, batch)
+
+
+def _fit_moving(rank, world_size, config):
+    return MovingSlowdown(config).fit()
+
+
+def test_a_change_that_measures_less_than_half_its_predicted_gain_is_taken_back(tmp_path, caplog):
+    caplog.set_level("INFO", logger="ddptrain.trainer")
+    final = run_threaded(_fit_moving, 2, _config(tmp_path, "auto", window=3), timeout_s=90)[0]
+    first, back = final["balance"]["changes"][:2]
+    assert (first["step"], first["kind"]) == (3, "faster") and first["shares"][0] > 0.6
+    assert first["measured_gain"] < 1 < first["previous_step_s"] / first["predicted_step_s"], first
+    assert (back["step"], back["kind"], back["shares"]) == (6, "taken back", [0.5, 0.5])
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("balance: shares back")]
+    assert logged[0].startswith("balance: shares back to 0.500, 0.500 from step 6: the change at step 3 measured ")
+    assert logged[0].endswith("(the next change needs a predicted gain of 20%)"), logged
