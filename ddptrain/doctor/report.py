@@ -112,7 +112,7 @@ def balance_outcome(balance: dict) -> dict:
                 "step": c["step"],
                 "kind": c["kind"],
                 "shares": c["shares"],
-                "predicted_gain": c["previous_step_s"] / c["predicted_step_s"],
+                "predicted_gain": c["predicted_gain"],
                 "measured_gain": c["measured_gain"],
             }
             for c in changes

@@ -254,7 +254,10 @@ class Balancer:
         sample and the median step time over the latest window."""
         report: dict[str, Any] = {
             "shares": [round(w, 6) for w in self.weights],
-            "changes": [{**asdict(c), "measured_gain": c.measured_gain} for c in self.changes],
+            "changes": [
+                {**asdict(c), "predicted_gain": c.predicted_gain, "measured_gain": c.measured_gain}
+                for c in self.changes
+            ],
         }
         if self.measured is not None:
             report["seconds_per_sample"] = self.measured

@@ -60,8 +60,7 @@ def _change(step, shares, measured_gain, kind="faster"):
         "step": step,
         "kind": kind,
         "shares": shares,
-        "previous_step_s": 0.3,
-        "predicted_step_s": 0.25,
+        "predicted_gain": 1.2,
         "measured_gain": measured_gain,
     }
 

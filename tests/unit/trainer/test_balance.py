@@ -318,5 +318,9 @@ def test_a_change_that_measures_less_than_half_its_predicted_gain_is_taken_back(
     assert first["measured_gain"] < 1 < first["previous_step_s"] / first["predicted_step_s"], first
     assert (back["step"], back["kind"], back["shares"]) == (6, "taken back", [0.5, 0.5])
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("balance: shares back")]
-    assert logged[0].startswith("balance: shares back to 0.500, 0.500 from step 6: the change at step 3 measured ")
-    assert logged[0].endswith("(the next change needs a predicted gain of 20%)"), logged
+    assert logged[0] == (
+        f"balance: shares back to 0.500, 0.500 from step 6: the change at step 3 measured "
+        f"{first['measured_gain']:.2f}x, predicted {first['predicted_gain']:.2f}x (the next change needs a "
+        "predicted gain of 20%)"
+    )
+    assert first["predicted_gain"] == pytest.approx(first["previous_step_s"] / first["predicted_step_s"])
