@@ -13,8 +13,7 @@ from __future__ import annotations
 import os
 
 from .config import Config, ConfigError, check_device_name, check_fields
-from .modes import check_config, mode_of
-from .modes.builtin import SHARED_BATCHES
+from .modes import check_config, shares_unevenly
 
 __all__ = [
     "validate",
@@ -62,9 +61,7 @@ def per_rank_batch_size(config: Config, world_size: int) -> int:
     global_bs = config.data.global_batch_size
     accum = config.trainer.grad_accum_steps
     parts = world_size * accum
-    if config.trainer.elastic or mode_of(config) is SHARED_BATCHES:
-        # Each global batch is cut by position, whoever computes it: an elastic job's members
-        # share it unevenly, and so do trainer.balance's weights. This is the largest even share.
+    if shares_unevenly(config):  # an elastic job's members, trainer.balance's weights: the largest even share
         return -(-global_bs // parts)
     if global_bs % parts:
         divisors = [d for d in range(1, min(global_bs, 64) + 1) if global_bs % (d * accum) == 0]

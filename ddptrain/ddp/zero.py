@@ -578,4 +578,4 @@ def is_per_element(value: Any) -> bool:
 
 
 def _is_elementwise(value: Any, param: torch.Tensor) -> bool:
-    return torch.is_tensor(value) and value.dim() > 0 and value.shape == param.shape
+    return is_per_element(value) and value.shape == param.shape

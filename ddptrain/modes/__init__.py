@@ -7,6 +7,28 @@ Adding a mode). Torch-free.
 """
 
 from . import builtin as _builtin  # noqa: F401  (registers ddptrain's own modes and features)
-from .registry import Feature, Mode, Refusal, check_config, features, mode_of, refuse, register, registered
+from .registry import (
+    Feature,
+    Mode,
+    Refusal,
+    check_config,
+    features,
+    mode_of,
+    refuse,
+    register,
+    registered,
+    shares_unevenly,
+)
 
-__all__ = ["Feature", "Mode", "Refusal", "check_config", "features", "mode_of", "refuse", "register", "registered"]
+__all__ = [
+    "Feature",
+    "Mode",
+    "Refusal",
+    "check_config",
+    "features",
+    "mode_of",
+    "refuse",
+    "register",
+    "registered",
+    "shares_unevenly",
+]

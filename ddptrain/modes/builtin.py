@@ -214,6 +214,7 @@ ELASTIC = register(
             ),
         ],
         lacks={"fixed_group": "an elastic job's group of ranks changes with its membership"},
+        uneven_shares=True,  # the members present share each global batch by position
     )
 )
 
@@ -275,6 +276,7 @@ SHARED_BATCHES = register(
         # with dist.zero_stage its steps take ZeRO's update: the shares cut samples, ZeRO's shards
         # cut parameters (an elastic job refuses ZeRO on its own account)
         composes_with=frozenset({"zero"}),
+        uneven_shares=True,  # one share per rank, sized by trainer.balance's weights
     )
 )
 

@@ -38,7 +38,18 @@ from dataclasses import dataclass, field
 from ..config import Config, ConfigError
 from ..objects import locate
 
-__all__ = ["Refusal", "Feature", "Mode", "register", "registered", "mode_of", "check_config", "features", "refuse"]
+__all__ = [
+    "Refusal",
+    "Feature",
+    "Mode",
+    "register",
+    "registered",
+    "mode_of",
+    "check_config",
+    "features",
+    "refuse",
+    "shares_unevenly",
+]
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,8 @@ class Feature:
         refuses: settings it cannot be combined with, when active.
         needs: capability -> why this feature needs it (``"the doctor measures..."``).
         lacks: capability -> why this feature, when active, does not offer it.
+        uneven_shares: when active, the ranks take shares of each global batch of different sizes
+            (cut by position), so the world size need not divide the global batch.
     """
 
     name: str
@@ -85,6 +98,7 @@ class Feature:
     refuses: Sequence[Refusal] = ()
     needs: Mapping[str, str] = field(default_factory=dict)
     lacks: Mapping[str, str] = field(default_factory=dict)
+    uneven_shares: bool = False
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,11 @@ def registered(feature: Feature) -> Iterator[Feature]:
 def features() -> list[Feature]:
     """Every registered mode and feature, in the order their rules are checked."""
     return list(_FEATURES)
+
+
+def shares_unevenly(config: Config) -> bool:
+    """Whether an active mode or feature cuts each global batch into shares of different sizes."""
+    return any(f.uneven_shares and f.active(config) for f in _FEATURES)
 
 
 def mode_of(config: Config) -> Mode:

@@ -136,7 +136,7 @@ class Balancer:
         self._started: float | None = None
         self._step_walls: list[float] = []  # the window's wall time of each step, boundary to boundary
         self._boundary: float | None = None
-        self._before_change: list[float] = self.weights  # the shares a change that fell short goes back to
+        self._before_change: list[float] = self.weights  # the shares a change that made the step slower goes back to
         self.taken_back = 0
         """Changes taken back so far: each doubles the predicted gain the next change needs."""
 
@@ -183,9 +183,8 @@ class Balancer:
         now, then = self.predicted_step_s(self.weights, per_sample), self.predicted_step_s(proposed, per_sample)
         if then >= now * (1.0 - self.required_gain):
             return False
-        self._before_change, self.weights = self.weights, proposed
-        change = BalanceChange(step, [round(w, 6) for w in proposed], per_sample, then, now, self.measured_step_s)
-        self.changes.append(change)
+        self._before_change = self.weights
+        self._move_to(step, proposed, per_sample, "faster")
         if self.group.rank() == 0:
             log.info(
                 "balance: shares %s from step %d (compute per sample %s ms; predicted step %.1f ms, was %.1f ms)",
@@ -207,12 +206,7 @@ class Balancer:
         """Go back to the shares before ``last``, after which a step measured slower."""
         self.taken_back += 1
         back = self._before_change
-        now, then = self.predicted_step_s(self.weights, per_sample), self.predicted_step_s(back, per_sample)
-        self.weights = back
-        change = BalanceChange(
-            step, [round(w, 6) for w in back], per_sample, then, now, self.measured_step_s, kind="taken back"
-        )
-        self.changes.append(change)
+        self._move_to(step, back, per_sample, "taken back")
         if self.group.rank() == 0:
             log.info(
                 "balance: shares back to %s from step %d: the change at step %d measured %.2fx, predicted %.2fx "
@@ -225,6 +219,13 @@ class Balancer:
                 100 * self.required_gain,
             )
         return True
+
+    def _move_to(self, step: int, shares: list[float], per_sample: list[float], kind: str) -> None:
+        """Take ``shares`` from the next step on, recorded as a change with its predictions."""
+        then, now = self.predicted_step_s(shares, per_sample), self.predicted_step_s(self.weights, per_sample)
+        rounded = [round(w, 6) for w in shares]
+        self.changes.append(BalanceChange(step, rounded, per_sample, then, now, self.measured_step_s, kind=kind))
+        self.weights = shares
 
     def predicted_step_s(self, weights: Sequence[float], seconds_per_sample: Sequence[float]) -> float:
         """A step's compute time with ``weights``, rounded to the units a step is cut in: the
